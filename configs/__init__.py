@@ -1,0 +1,1 @@
+"""Built-in YAML configs, shipped inside the package as memcli.configs."""

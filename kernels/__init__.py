@@ -1,0 +1,1 @@
+"""Triton kernels of the memory path, each beside its pure-torch reference."""

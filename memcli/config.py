@@ -1,0 +1,327 @@
+"""The config tree: YAML in, frozen dataclasses out.
+
+Every YAML key is exactly a dataclass field name. Unknown keys, wrong types and impossible
+sizes raise `ConfigError` naming the dotted key, the value and the valid choices.
+`memory.page_size` is the only page size in the whole stack; every component receives it
+from here (see `memcli.stack`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Optional, Union, get_args, get_origin
+
+import yaml
+
+from memcli.errors import ConfigError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the attention KV cache (no weights are ever loaded)."""
+
+    num_layers: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"] = "bfloat16"
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers."""
+        return self.num_layers * self.num_kv_heads * self.head_dim * 2 * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Pool sizes. `max_total_tokens` and `kv_budget_gib` are alternatives (one must be set)."""
+
+    page_size: int = 1
+    max_total_tokens: Optional[int] = 16384
+    kv_budget_gib: Optional[float] = None
+    max_running_requests: int = 64
+    max_context_len: int = 4096
+    kv_pool: Literal["materialized", "indices"] = "materialized"
+    need_sort: bool = False
+    debug: bool = False
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Prefix cache in front of the allocator."""
+
+    kind: Literal["radix", "chunk", "none"] = "radix"
+    eviction_policy: Literal["lru", "lfu", "fifo"] = "lru"
+    kv_events: bool = False
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Admission and batching."""
+
+    chunked_prefill_size: Optional[int] = 1024
+    max_prefill_tokens: int = 4096
+    policy: Literal["fcfs", "lpm"] = "fcfs"
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio_factor: float = 0.14
+    new_token_ratio_decay_steps: int = 600
+    retract_decode_steps: int = 20
+    max_new_tokens_clip: int = 4096
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Cost model of the simulated forward step (milliseconds on the simulated clock).
+
+    step_ms = step_base_ms + prefill_token_us * new_tokens / 1000
+              + decode_req_us * decode_reqs / 1000 + kv_read_ns * kv_tokens_read / 1e6
+    """
+
+    step_base_ms: float = 5.0
+    prefill_token_us: float = 40.0
+    decode_req_us: float = 50.0
+    kv_read_ns: float = 20.0
+    write_kv: bool = False
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where and how the stack runs."""
+
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    kernel_backend: Literal["auto", "triton", "torch"] = "auto"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    @property
+    def page_size(self) -> int:
+        return self.memory.page_size
+
+    @property
+    def requested_total_tokens(self) -> int:
+        """Pool size asked for, in tokens, before rounding to pages."""
+        if self.memory.max_total_tokens is not None:
+            return self.memory.max_total_tokens
+        return int(self.memory.kv_budget_gib * GIB // self.model.bytes_per_token)
+
+    @property
+    def pool_size(self) -> int:
+        """Usable KV slots: the requested size rounded down to a page multiple."""
+        return self.requested_total_tokens // self.page_size * self.page_size
+
+    @property
+    def req_to_token_cols(self) -> int:
+        """Columns of req_to_token: the context plus a few spare positions."""
+        return self.memory.max_context_len + 4
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in fields(Config)}
+
+
+def _section_classes() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def _describe(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if tp is type(None):
+        return "null"
+    return tp.__name__
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the annotation `tp`; ints are accepted where floats are."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arg in get_args(tp):
+            try:
+                return _coerce(path, value, arg)
+            except ConfigError:
+                continue
+        raise _type_error(path, value, tp)
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        raise _type_error(path, value, tp)
+    if tp is type(None):
+        if value is None:
+            return None
+        raise _type_error(path, value, tp)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _type_error(path, value, tp)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _type_error(path, value, tp)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _type_error(path, value, tp)
+    raise _type_error(path, value, tp)
+
+
+def _type_error(path: str, value: Any, tp: Any) -> ConfigError:
+    return ConfigError(f"{path}: invalid value {value!r}", hint=f"{path} must be {_describe(tp)}")
+
+
+def _build_section(name: str, cls: type, raw: Any) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}: expected a mapping, got {raw!r}", hint=f"write {name}: as a section of keys")
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in fields(cls)]
+    values = {}
+    for key, value in raw.items():
+        path = f"{name}.{key}"
+        if key not in hints:
+            raise ConfigError(f"unknown config key {path!r}", hint=f"valid keys of {name}: {', '.join(valid)}")
+        values[key] = _coerce(path, value, hints[key])
+    return cls(**values)
+
+
+def config_from_dict(raw: Any, source: str = "config") -> Config:
+    """Build and validate a `Config` from a parsed YAML mapping."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections", hint=f"sections: {', '.join(SECTIONS)}")
+    classes = _section_classes()
+    for key in raw:
+        if key not in classes:
+            raise ConfigError(f"unknown config section {key!r} in {source}", hint=f"valid sections: {', '.join(SECTIONS)}")
+    sections = {name: _build_section(name, cls, raw.get(name)) for name, cls in classes.items()}
+    config = Config(**sections)
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Reject impossible sizes; every message names the key and the fix."""
+    mem, model = config.memory, config.model
+    ps = mem.page_size
+    if ps < 1 or ps & (ps - 1):
+        raise ConfigError(f"memory.page_size: invalid value {ps}", hint="page_size must be a power of two (1, 2, 4, ..., 64, 128)")
+    for key in ("num_layers", "num_kv_heads", "head_dim"):
+        if getattr(model, key) < 1:
+            raise ConfigError(f"model.{key}: invalid value {getattr(model, key)}", hint=f"model.{key} must be at least 1")
+    if (mem.max_total_tokens is None) == (mem.kv_budget_gib is None):
+        raise ConfigError(
+            "memory: set exactly one of max_total_tokens and kv_budget_gib",
+            hint="for example max_total_tokens: 16384 and kv_budget_gib: null",
+        )
+    if mem.kv_budget_gib is not None and mem.kv_budget_gib <= 0:
+        raise ConfigError(f"memory.kv_budget_gib: invalid value {mem.kv_budget_gib}", hint="kv_budget_gib must be positive")
+    key = "max_total_tokens" if mem.max_total_tokens is not None else "kv_budget_gib"
+    if config.pool_size < ps:
+        raise ConfigError(
+            f"memory.{key}: the pool holds {config.requested_total_tokens} tokens, less than one page of {ps}",
+            hint=f"raise memory.{key} to at least {ps} tokens or lower memory.page_size",
+        )
+    if mem.max_running_requests < 1:
+        raise ConfigError(f"memory.max_running_requests: invalid value {mem.max_running_requests}", hint="must be at least 1")
+    if mem.max_context_len < 2:
+        raise ConfigError(f"memory.max_context_len: invalid value {mem.max_context_len}", hint="must be at least 2")
+    if mem.max_context_len > config.pool_size:
+        raise ConfigError(
+            f"memory.max_context_len: {mem.max_context_len} is longer than the pool ({config.pool_size} tokens)",
+            hint=f"lower memory.max_context_len to at most {config.pool_size} or enlarge the pool ({key})",
+        )
+    sched = config.scheduler
+    if sched.chunked_prefill_size is not None:
+        if sched.chunked_prefill_size < ps or sched.chunked_prefill_size % ps:
+            raise ConfigError(
+                f"scheduler.chunked_prefill_size: {sched.chunked_prefill_size} is not a positive multiple of page_size {ps}",
+                hint=f"use a multiple of {ps}, for example {max(ps, sched.chunked_prefill_size // ps * ps)}",
+            )
+    if sched.max_prefill_tokens < 1:
+        raise ConfigError(f"scheduler.max_prefill_tokens: invalid value {sched.max_prefill_tokens}", hint="must be at least 1")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`memory.page_size=16` -> (["memory", "page_size"], 16); the value is read as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key.path=value", hint="for example --set memory.page_size=16")
+    path, _, raw_value = text.partition("=")
+    keys = path.strip().split(".")
+    if len(keys) != 2 or not all(keys):
+        raise ConfigError(f"--set {text!r}: key must be section.key", hint=f"sections: {', '.join(SECTIONS)}")
+    try:
+        value = yaml.safe_load(raw_value) if raw_value.strip() else None
+    except yaml.YAMLError:
+        value = raw_value
+    return keys, value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Return a copy of the raw mapping with each `key.path=value` applied."""
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in (raw or {}).items()}
+    for text in overrides:
+        (section, key), value = parse_override(text)
+        target = merged.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"--set {text!r}: {section} is not a section", hint=f"sections: {', '.join(SECTIONS)}")
+        target[key] = value
+    return merged
+
+
+def read_yaml(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}", hint="pass an existing YAML file to --config") from None
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: not valid YAML", hint="check the indentation and the key: value syntax") from None
+
+
+def builtin_config_text(name: str = "default") -> str:
+    return resources.files("memcli.configs").joinpath(f"{name}.yaml").read_text()
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML config (the built-in default when `path` is None) and apply overrides."""
+    if path is None:
+        raw, source = yaml.safe_load(builtin_config_text()) or {}, "built-in default config"
+    else:
+        raw, source = read_yaml(Path(path)), str(path)
+    return config_from_dict(apply_overrides(raw, list(overrides)), source=source)
+
+
+def replace(config: Config, **sections: dict[str, Any]) -> Config:
+    """A copy of `config` with some fields changed, validated again.
+
+    `replace(cfg, memory={"page_size": 16})`.
+    """
+    raw = config.to_dict()
+    for name, changes in sections.items():
+        raw[name].update(changes)
+    return config_from_dict(raw)

@@ -1,0 +1,56 @@
+"""Errors that reach the user as `error:` / `hint:` lines with exit code 2.
+
+Anything raised as a `MemcliError` is bad input or an impossible request: the CLI prints
+it without a traceback. Other exceptions are bugs and keep their traceback.
+"""
+
+from __future__ import annotations
+
+
+class MemcliError(Exception):
+    """Bad input. `hint` says how to fix it."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+class ConfigError(MemcliError):
+    """A config key is unknown, has the wrong type, or describes an impossible stack."""
+
+
+class TraceError(MemcliError):
+    """A trace file cannot be read; the message names the file and line."""
+
+
+class CapacityError(MemcliError):
+    """A requested run cannot fit in the configured pools (checked before it starts)."""
+
+
+class OutOfMemoryError(RuntimeError):
+    """An allocation failed at run time even after evicting what could be evicted.
+
+    Not a `MemcliError`: raised inside the stack, handled (retraction, skipping a batch)
+    or reported by the commands. The message carries every number.
+    """
+
+    def __init__(self, what: str, need_tokens: int, available: int, evictable: int, protected: int):
+        self.need_tokens = need_tokens
+        self.available = available
+        self.evictable = evictable
+        self.protected = protected
+        super().__init__(
+            f"{what} out of memory: need {need_tokens} tokens, available {available}"
+            f" + evictable {evictable}, protected {protected}"
+        )
+
+
+class RequestSlotsExhausted(RuntimeError):
+    """No free row in req_to_token; raise max_running_requests."""
+
+
+class IntegrityError(RuntimeError):
+    """An invariant of the memory stack is broken; the message carries the numbers."""
