@@ -1,1 +1,47 @@
-"""Triton kernels of the memory path, each beside its pure-torch reference."""
+"""Triton kernels of the memory path, each beside its pure-torch reference.
+
+Every op comes as ``op_triton``, ``op_torch`` (same signature, same validation) and a
+dispatcher ``op(..., backend="triton" | "torch")``.
+"""
+
+from .alloc import (
+    alloc_decode,
+    alloc_decode_torch,
+    alloc_decode_triton,
+    alloc_decode_write,
+    alloc_decode_write_torch,
+    alloc_decode_write_triton,
+    alloc_extend,
+    alloc_extend_torch,
+    alloc_extend_triton,
+)
+from .cache_indices import (
+    get_last_loc,
+    get_last_loc_torch,
+    get_last_loc_triton,
+    write_cache_indices,
+    write_cache_indices_torch,
+    write_cache_indices_triton,
+)
+from .kv_store import store_kv, store_kv_torch, store_kv_triton
+
+__all__ = [
+    "alloc_decode",
+    "alloc_decode_torch",
+    "alloc_decode_triton",
+    "alloc_decode_write",
+    "alloc_decode_write_torch",
+    "alloc_decode_write_triton",
+    "alloc_extend",
+    "alloc_extend_torch",
+    "alloc_extend_triton",
+    "get_last_loc",
+    "get_last_loc_torch",
+    "get_last_loc_triton",
+    "store_kv",
+    "store_kv_torch",
+    "store_kv_triton",
+    "write_cache_indices",
+    "write_cache_indices_torch",
+    "write_cache_indices_triton",
+]

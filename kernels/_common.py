@@ -1,0 +1,88 @@
+"""Input validation and small helpers shared by the kernel launchers.
+
+Every public op validates its inputs the same way for both backends, so a bad call fails
+with the same ``ValueError`` whether it runs through Triton or through the torch reference.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+BACKENDS = ("triton", "torch")
+
+
+def cdiv(a, b):
+    """Ceiling division for ints and integer tensors (non-negative numerators)."""
+    return -(-a // b)
+
+
+def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """``out[i] = sum(x[:i])``, computed on x's device without a host sync."""
+    return torch.cumsum(x, dim=0) - x
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def check_page_size(page_size) -> None:
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+
+
+def check_count(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    dtype: Optional[torch.dtype] = torch.int64,
+    ndim: int = 1,
+    device: Optional[torch.device] = None,
+    length: Optional[int] = None,
+    contiguous: bool = False,
+) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``t`` matches every given requirement."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (all inputs on one device)")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name} must have length {length} (batch size), got {t.shape[0]}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def check_triton_device(device: torch.device, kernel) -> None:
+    """Compiled Triton kernels need CUDA tensors; the interpreter runs on any device."""
+    if device.type != "cuda" and not is_interpreted(kernel):
+        raise ValueError(
+            f"the triton backend needs CUDA tensors, got {device} "
+            "(use backend='torch', or set TRITON_INTERPRET=1 before importing the kernels)"
+        )
+
+
+def is_interpreted(kernel) -> bool:
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def num_compiled_variants(kernel, device: torch.device) -> Optional[int]:
+    """How many binaries the JIT cache holds for ``kernel`` on ``device`` (None if unknown)."""
+    if device.type != "cuda":
+        return None
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        caches = kernel.device_caches.get(index)
+        return 0 if caches is None else len(caches[0])
+    except (AttributeError, IndexError, TypeError):
+        return None

@@ -1,0 +1,433 @@
+"""Paged KV-slot allocation: ``alloc_extend``, ``alloc_decode``, fused ``alloc_decode_write``.
+
+Slots live in pages of ``page_size`` consecutive slots; page ``p`` holds slots
+``[p * page_size, (p + 1) * page_size)``. ``free_pages`` is the allocator's free list from its
+head (page ids; with ``page_size == 1`` they are slots). These ops only *read* the free list:
+the caller knows on the host how many pages a batch takes and advances the list itself.
+
+Layout of one request in ``alloc_extend`` (positions ``pre .. seq-1``)::
+
+    | prefix's last page   | whole new pages ...          | trailing partial page |
+    [pre, cdiv(pre,ps)*ps)  [cdiv(pre,ps)*ps, seq//ps*ps)  [seq//ps*ps, seq)
+     last_loc+1, +2, ...     free_pages[page_start + j]     last new page
+
+so position ``t`` always sits at offset ``t % ps`` of its page. Entries that would be read past
+the end of ``free_pages`` (the caller broke its capacity promise) come out as page ``-1``, i.e.
+negative slots, on both backends; no memory outside the free list is ever read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    cdiv,
+    check_backend,
+    check_count,
+    check_page_size,
+    check_tensor,
+    check_triton_device,
+    exclusive_cumsum,
+)
+
+# Tokens per loop step in alloc_extend, and requests per loop step in the decode kernels.
+_EXTEND_BLOCK = 256
+_DECODE_BLOCK = 1024
+
+_INDEX_PTRS = ["free_pages_ptr", "out_ptr"]
+
+
+# ----------------------------------------------------------------------------- alloc_extend
+
+
+@triton.jit(
+    do_not_specialize=["bs", "num_free_pages", "out_numel"],
+    do_not_specialize_on_alignment=_INDEX_PTRS + ["running_sums_ptr"],
+)
+def _alloc_extend_kernel(
+    prefix_lens_ptr,
+    seq_lens_ptr,
+    last_loc_ptr,
+    running_sums_ptr,
+    free_pages_ptr,
+    out_ptr,
+    bs: tl.int64,
+    num_free_pages: tl.int64,
+    out_numel: tl.int64,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pre = tl.load(prefix_lens_ptr + pid)
+    seq = tl.load(seq_lens_ptr + pid)
+    last_loc = tl.load(last_loc_ptr + pid)
+    first_new_page = (pre + PAGE_SIZE - 1) // PAGE_SIZE  # == number of prefix pages
+    end_page = (seq + PAGE_SIZE - 1) // PAGE_SIZE
+    # Inclusive running sums of seq, pre, cdiv(seq, ps), cdiv(pre, ps) -> exclusive offsets.
+    seq_before = tl.load(running_sums_ptr + pid) - seq
+    pre_before = tl.load(running_sums_ptr + bs + pid) - pre
+    end_pages_before = tl.load(running_sums_ptr + 2 * bs + pid) - end_page
+    pre_pages_before = tl.load(running_sums_ptr + 3 * bs + pid) - first_new_page
+    out_start = seq_before - pre_before
+    page_start = end_pages_before - pre_pages_before
+
+    # Positions before first_new_pos finish the prefix's partially filled last page.
+    first_new_pos = first_new_page * PAGE_SIZE
+    extend_len = seq - pre
+    for start in range(0, extend_len, BLOCK):
+        k = start + tl.arange(0, BLOCK)
+        mask = (k < extend_len) & (out_start + k < out_numel)
+        pos = pre + k
+        on_new_page = pos >= first_new_pos
+        page_idx = page_start + pos // PAGE_SIZE - first_new_page
+        page = tl.load(
+            free_pages_ptr + page_idx,
+            mask=mask & on_new_page & (page_idx < num_free_pages),
+            other=-1,
+        )
+        slot = tl.where(on_new_page, page * PAGE_SIZE + pos % PAGE_SIZE, last_loc + 1 + k)
+        tl.store(out_ptr + out_start + k, slot, mask=mask)
+
+
+def _check_alloc_extend(prefix_lens, seq_lens, last_loc, free_pages, page_size, extend_num_tokens):
+    check_tensor("prefix_lens", prefix_lens, contiguous=True)
+    device, bs = prefix_lens.device, prefix_lens.shape[0]
+    check_tensor("seq_lens", seq_lens, device=device, length=bs, contiguous=True)
+    check_tensor("last_loc", last_loc, device=device, length=bs, contiguous=True)
+    check_tensor("free_pages", free_pages, device=device, contiguous=True)
+    check_page_size(page_size)
+    check_count("extend_num_tokens", extend_num_tokens)
+
+
+def _running_sums(prefix_lens, seq_lens, page_size):
+    """Inclusive prefix sums of seq, pre, cdiv(seq, ps), cdiv(pre, ps) as one [4, bs] tensor.
+
+    One cumsum (five small launches, no sync) gives every offset the kernel needs: the
+    output offset and free-list offset of request i are differences of these sums.
+    """
+    lens = torch.stack((seq_lens, prefix_lens))
+    return torch.cumsum(torch.cat((lens, (lens + (page_size - 1)) // page_size)), dim=1)
+
+
+def _extend_offsets(prefix_lens, seq_lens, page_size):
+    """Per-request output offset and free-list offset, as exclusive prefix sums (no sync)."""
+    out_start = exclusive_cumsum(seq_lens - prefix_lens)
+    page_start = exclusive_cumsum(cdiv(seq_lens, page_size) - cdiv(prefix_lens, page_size))
+    return out_start, page_start
+
+
+def alloc_extend_triton(
+    prefix_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    last_loc: torch.Tensor,
+    free_pages: torch.Tensor,
+    page_size: int,
+    extend_num_tokens: int,
+) -> torch.Tensor:
+    """Triton ``alloc_extend``; see :func:`alloc_extend`."""
+    _check_alloc_extend(prefix_lens, seq_lens, last_loc, free_pages, page_size, extend_num_tokens)
+    check_triton_device(prefix_lens.device, _alloc_extend_kernel)
+    out = torch.empty(extend_num_tokens, dtype=torch.int64, device=prefix_lens.device)
+    bs = prefix_lens.shape[0]
+    if bs == 0 or extend_num_tokens == 0:
+        return out
+    _alloc_extend_kernel[(bs,)](
+        prefix_lens, seq_lens, last_loc, _running_sums(prefix_lens, seq_lens, page_size),
+        free_pages, out, bs, free_pages.shape[0], extend_num_tokens,
+        PAGE_SIZE=page_size, BLOCK=_EXTEND_BLOCK,
+    )
+    return out
+
+
+def alloc_extend_torch(
+    prefix_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    last_loc: torch.Tensor,
+    free_pages: torch.Tensor,
+    page_size: int,
+    extend_num_tokens: int,
+) -> torch.Tensor:
+    """Torch reference of ``alloc_extend``; see :func:`alloc_extend`."""
+    _check_alloc_extend(prefix_lens, seq_lens, last_loc, free_pages, page_size, extend_num_tokens)
+    device, bs = prefix_lens.device, prefix_lens.shape[0]
+    if bs == 0 or extend_num_tokens == 0:
+        return torch.empty(extend_num_tokens, dtype=torch.int64, device=device)
+    out_start, page_start = _extend_offsets(prefix_lens, seq_lens, page_size)
+    req = torch.repeat_interleave(
+        torch.arange(bs, device=device), seq_lens - prefix_lens, output_size=extend_num_tokens
+    )
+    k = torch.arange(extend_num_tokens, device=device) - out_start[req]
+    pos = prefix_lens[req] + k
+    first_new_page = cdiv(prefix_lens, page_size)[req]
+    on_new_page = pos >= first_new_page * page_size
+    page_idx = page_start[req] + pos // page_size - first_new_page
+    page = _gather_or_minus_one(free_pages, page_idx)
+    return torch.where(on_new_page, page * page_size + pos % page_size, last_loc[req] + 1 + k)
+
+
+def _gather_or_minus_one(values: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``values[idx]`` where ``0 <= idx < len(values)``, else -1 (matches the kernels' masks)."""
+    n = values.shape[0]
+    if n == 0:
+        return torch.full_like(idx, -1)
+    in_range = (idx >= 0) & (idx < n)
+    return torch.where(in_range, values[idx.clamp(0, n - 1)], -1)
+
+
+def alloc_extend(
+    prefix_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    last_loc: torch.Tensor,
+    free_pages: torch.Tensor,
+    page_size: int,
+    extend_num_tokens: int,
+    backend: str = "triton",
+) -> torch.Tensor:
+    """Slots for the new tokens of an extend batch; returns ``out`` (int64, ``extend_num_tokens``).
+
+    Request ``i`` (prefix length ``prefix_lens[i]``, new length ``seq_lens[i]``, ``last_loc[i]``
+    the slot of its last prefix token or -1) gets ``out[off_i : off_i + seq_i - pre_i]`` with
+    ``off_i = sum(seq_j - pre_j for j < i)``, and consumes
+    ``free_pages[page_start_i : page_start_i + new_pages_i]`` where
+    ``new_pages_j = cdiv(seq_j, ps) - cdiv(pre_j, ps)`` and ``page_start_i`` is their
+    exclusive prefix sum. ``extend_num_tokens`` must equal ``sum(seq - pre)`` and
+    ``free_pages`` must hold at least ``sum(new_pages)`` entries (not checked: that would
+    need a host sync). Does not modify any input. Raises ``ValueError`` on bad input.
+
+    Example (ps 4, free_pages [1, 2, 3, 4, ...]; (pre, seq, last_loc) = (0, 6, -1),
+    (5, 11, 40), (8, 9, 47)): ``[4, 5, 6, 7, 8, 9, 41, 42, 43, 12, 13, 14, 16]``.
+    """
+    check_backend(backend)
+    fn = alloc_extend_triton if backend == "triton" else alloc_extend_torch
+    return fn(prefix_lens, seq_lens, last_loc, free_pages, page_size, extend_num_tokens)
+
+
+# ----------------------------------------------------------------------------- alloc_decode
+
+
+@triton.jit
+def _decode_slots(
+    mask,
+    needs_page,
+    last_loc,
+    pages_before,
+    free_pages_ptr,
+    num_free_pages,
+    PAGE_SIZE: tl.constexpr,
+):
+    """Slots of one block of decode requests; returns (slots, pages this block takes)."""
+    needs = needs_page & mask
+    needs_i64 = needs.to(tl.int64)
+    page_idx = pages_before + tl.cumsum(needs_i64, axis=0) - needs_i64
+    page = tl.load(free_pages_ptr + page_idx, mask=needs & (page_idx < num_free_pages), other=-1)
+    slot = tl.where(needs, page * PAGE_SIZE, last_loc + 1)
+    return slot, tl.sum(needs_i64, axis=0)
+
+
+@triton.jit(
+    do_not_specialize=["bs", "num_free_pages"],
+    do_not_specialize_on_alignment=_INDEX_PTRS,
+)
+def _alloc_decode_kernel(
+    seq_lens_ptr,
+    last_loc_ptr,
+    free_pages_ptr,
+    out_ptr,
+    bs: tl.int64,
+    num_free_pages: tl.int64,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program walks the batch so the page offsets form one running prefix sum.
+    pages_before = tl.full([], 0, tl.int64)
+    for start in range(0, bs, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        mask = i < bs
+        seq = tl.load(seq_lens_ptr + i, mask=mask, other=1)
+        needs_page = (seq - 1) % PAGE_SIZE == 0
+        last_loc = tl.load(last_loc_ptr + i, mask=mask & ~needs_page, other=0)
+        slot, taken = _decode_slots(
+            mask, needs_page, last_loc, pages_before, free_pages_ptr, num_free_pages, PAGE_SIZE
+        )
+        tl.store(out_ptr + i, slot, mask=mask)
+        pages_before += taken
+
+
+def _check_alloc_decode(seq_lens, last_loc, free_pages, page_size):
+    check_tensor("seq_lens", seq_lens, contiguous=True)
+    device, bs = seq_lens.device, seq_lens.shape[0]
+    check_tensor("last_loc", last_loc, device=device, length=bs, contiguous=True)
+    check_tensor("free_pages", free_pages, device=device, contiguous=True)
+    check_page_size(page_size)
+
+
+def alloc_decode_triton(
+    seq_lens: torch.Tensor, last_loc: torch.Tensor, free_pages: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """Triton ``alloc_decode``; see :func:`alloc_decode`."""
+    _check_alloc_decode(seq_lens, last_loc, free_pages, page_size)
+    check_triton_device(seq_lens.device, _alloc_decode_kernel)
+    bs = seq_lens.shape[0]
+    out = torch.empty(bs, dtype=torch.int64, device=seq_lens.device)
+    if bs == 0:
+        return out
+    _alloc_decode_kernel[(1,)](
+        seq_lens, last_loc, free_pages, out, bs, free_pages.shape[0],
+        PAGE_SIZE=page_size, BLOCK=_DECODE_BLOCK,
+    )
+    return out
+
+
+def _decode_slots_torch(needs_page, last_loc, free_pages, page_size):
+    needs = needs_page.to(torch.int64)
+    page = _gather_or_minus_one(free_pages, exclusive_cumsum(needs))
+    return torch.where(needs_page, page * page_size, last_loc + 1)
+
+
+def alloc_decode_torch(
+    seq_lens: torch.Tensor, last_loc: torch.Tensor, free_pages: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """Torch reference of ``alloc_decode``; see :func:`alloc_decode`."""
+    _check_alloc_decode(seq_lens, last_loc, free_pages, page_size)
+    return _decode_slots_torch((seq_lens - 1) % page_size == 0, last_loc, free_pages, page_size)
+
+
+def alloc_decode(
+    seq_lens: torch.Tensor,
+    last_loc: torch.Tensor,
+    free_pages: torch.Tensor,
+    page_size: int,
+    backend: str = "triton",
+) -> torch.Tensor:
+    """One new slot per request for a decode step; returns ``out`` (int64, ``bs``).
+
+    ``seq_lens`` are lengths *after* adding the new token, ``last_loc`` the slot of token
+    ``seq - 2``. Request ``i`` opens a new page iff ``(seq_i - 1) % ps == 0``; then
+    ``out[i] = free_pages[k] * ps`` with ``k`` the number of earlier requests that also open
+    one, else ``out[i] = last_loc[i] + 1``. Reads but does not modify ``free_pages``, which
+    must hold at least that many pages. Raises ``ValueError`` on bad input.
+
+    Example (ps 4): seq_lens [7, 9, 12] -> [last_loc[0] + 1, free_pages[0] * 4, last_loc[2] + 1].
+    """
+    check_backend(backend)
+    fn = alloc_decode_triton if backend == "triton" else alloc_decode_torch
+    return fn(seq_lens, last_loc, free_pages, page_size)
+
+
+# ----------------------------------------------------------------------------- alloc_decode_write
+
+
+@triton.jit(
+    do_not_specialize=["bs", "num_free_pages", "row_stride"],
+    do_not_specialize_on_alignment=_INDEX_PTRS + ["req_to_token_ptr"],
+)
+def _alloc_decode_write_kernel(
+    seq_lens_before_ptr,
+    req_pool_indices_ptr,
+    req_to_token_ptr,
+    free_pages_ptr,
+    out_ptr,
+    bs: tl.int64,
+    num_free_pages: tl.int64,
+    row_stride: tl.int64,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pages_before = tl.full([], 0, tl.int64)
+    for start in range(0, bs, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        mask = i < bs
+        seq = tl.load(seq_lens_before_ptr + i, mask=mask, other=0)
+        row = req_to_token_ptr + tl.load(req_pool_indices_ptr + i, mask=mask, other=0) * row_stride
+        needs_page = seq % PAGE_SIZE == 0
+        # Column seq - 1 is only read when the new token shares its page (so seq >= 1).
+        last_loc = tl.load(row + seq - 1, mask=mask & ~needs_page, other=0).to(tl.int64)
+        slot, taken = _decode_slots(
+            mask, needs_page, last_loc, pages_before, free_pages_ptr, num_free_pages, PAGE_SIZE
+        )
+        tl.store(out_ptr + i, slot, mask=mask)
+        tl.store(row + seq, slot.to(tl.int32), mask=mask)
+        pages_before += taken
+
+
+def _check_alloc_decode_write(
+    seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size
+):
+    check_tensor("req_to_token", req_to_token, dtype=torch.int32, ndim=2)
+    device = req_to_token.device
+    if req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token rows must be contiguous (stride(1) == 1)")
+    check_tensor("seq_lens_before", seq_lens_before, device=device, contiguous=True)
+    bs = seq_lens_before.shape[0]
+    check_tensor("req_pool_indices", req_pool_indices, device=device, length=bs, contiguous=True)
+    check_tensor("free_pages", free_pages, device=device, contiguous=True)
+    check_page_size(page_size)
+
+
+def alloc_decode_write_triton(
+    seq_lens_before: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    free_pages: torch.Tensor,
+    page_size: int,
+) -> torch.Tensor:
+    """Triton ``alloc_decode_write`` (one launch); see :func:`alloc_decode_write`."""
+    _check_alloc_decode_write(
+        seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size
+    )
+    check_triton_device(req_to_token.device, _alloc_decode_write_kernel)
+    bs = seq_lens_before.shape[0]
+    out = torch.empty(bs, dtype=torch.int64, device=req_to_token.device)
+    if bs == 0:
+        return out
+    _alloc_decode_write_kernel[(1,)](
+        seq_lens_before, req_pool_indices, req_to_token, free_pages, out,
+        bs, free_pages.shape[0], req_to_token.stride(0),
+        PAGE_SIZE=page_size, BLOCK=_DECODE_BLOCK,
+    )
+    return out
+
+
+def alloc_decode_write_torch(
+    seq_lens_before: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    free_pages: torch.Tensor,
+    page_size: int,
+) -> torch.Tensor:
+    """Torch reference of ``alloc_decode_write``; see :func:`alloc_decode_write`."""
+    _check_alloc_decode_write(
+        seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size
+    )
+    needs_page = seq_lens_before % page_size == 0
+    prev_col = (seq_lens_before - 1).clamp(min=0)
+    last_loc = req_to_token[req_pool_indices, prev_col].to(torch.int64)
+    out = _decode_slots_torch(needs_page, last_loc, free_pages, page_size)
+    req_to_token[req_pool_indices, seq_lens_before] = out.to(torch.int32)
+    return out
+
+
+def alloc_decode_write(
+    seq_lens_before: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    free_pages: torch.Tensor,
+    page_size: int,
+    backend: str = "triton",
+) -> torch.Tensor:
+    """Fused decode memory step: pick each request's new slot and record it in ``req_to_token``.
+
+    ``seq_lens_before`` are lengths *before* the new token, which goes to column
+    ``seq_lens_before[i]`` of row ``req_pool_indices[i]``. The slot follows
+    :func:`alloc_decode` with ``last_loc = req_to_token[row, seq - 1]`` (new page iff
+    ``seq_before % ps == 0``). Mutates ``req_to_token`` (that one column per request, int32)
+    and returns the slots (int64, ``bs``); with ``ps == 1`` they are ``free_pages[:bs]``.
+    ``free_pages`` is read, not advanced. The caller guarantees ``seq_before`` is a valid
+    column and ``free_pages`` holds enough pages. No host sync; the triton backend is one
+    launch. Raises ``ValueError`` on bad input.
+    """
+    check_backend(backend)
+    fn = alloc_decode_write_triton if backend == "triton" else alloc_decode_write_torch
+    return fn(seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size)

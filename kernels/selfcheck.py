@@ -1,0 +1,192 @@
+"""GPU self-check: every Triton op against its torch reference over a sweep of sizes.
+
+Run ``python -m memcli.kernels.selfcheck`` on a CUDA host. Prints one line per op: PASS or
+FAIL, the number of cases, the wall time of the first Triton call per compile key (page size
+or dtype; it includes compilation unless Triton's on-disk cache already held the binary; the
+torch reference runs first on the same inputs, so CUDA start-up is not counted), and how many
+binaries the JIT cache holds afterwards (one per page size for the index kernels). Exits 0
+when every op matches, 1 on any mismatch, 2 without CUDA.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from . import alloc, cache_indices, kv_store
+from ._common import num_compiled_variants
+from .cases import random_decode_case, random_extend_case
+
+PAGE_SIZES = (1, 16, 64)
+BATCH_SIZES = (1, 2, 3, 8, 31, 64, 129, 256)
+MAX_LENS = (16, 300, 2048)
+# The decode kernels walk the batch in blocks of 1024 requests; cross that boundary too.
+DECODE_BATCH_SIZES = BATCH_SIZES + (1024, 1025, 3000)
+KV_SHAPES = ((1, 64, 1, 64, 1), (2, 1000, 2, 80, 300), (4, 4096, 8, 128, 2048))
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+
+
+class OpCheck:
+    """Cases, mismatches and first-call times of one op."""
+
+    def __init__(self, name: str, kernel, device: torch.device):
+        self.name, self.kernel, self.device = name, kernel, device
+        self.num_cases = 0
+        self.failures: List[str] = []
+        self.first_call_ms: Dict[str, float] = {}
+
+    def call(self, key: str, fn: Callable):
+        """Run the Triton side; time it (synchronized) if it is the first call for ``key``."""
+        if key in self.first_call_ms:
+            return fn()
+        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize(self.device)
+        self.first_call_ms[key] = (time.perf_counter() - start) * 1e3
+        return result
+
+    def compare(self, label: str, got: torch.Tensor, expected: torch.Tensor) -> None:
+        self.num_cases += 1
+        if not torch.equal(got, expected):
+            self.failures.append(label)
+
+    def line(self) -> str:
+        status = "PASS"
+        if self.failures:
+            status = f"FAIL ({len(self.failures)}: {self.failures[0]}, ...)"
+        times = " ".join(f"{k}={v:.0f}ms" for k, v in self.first_call_ms.items())
+        variants = num_compiled_variants(self.kernel, self.device)
+        return (f"{self.name:<20} {status:<6} cases={self.num_cases:<4} first_call[{times}] "
+                f"compiled_variants={variants}")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def check_alloc_extend(gen, device) -> OpCheck:
+    check = OpCheck("alloc_extend", alloc._alloc_extend_kernel, device)
+    for ps in PAGE_SIZES:
+        for bs in BATCH_SIZES:
+            for max_len in MAX_LENS:
+                c = random_extend_case(gen, bs, ps, max_len, max_len, device=device)
+                args = (c.prefix_lens, c.seq_lens, c.last_loc, c.free_pages, ps,
+                        c.extend_num_tokens)
+                expected = alloc.alloc_extend_torch(*args)
+                got = check.call(f"ps{ps}", lambda: alloc.alloc_extend_triton(*args))
+                check.compare(f"ps={ps} bs={bs} len<={max_len}", got, expected)
+    return check
+
+
+def check_alloc_decode(gen, device) -> OpCheck:
+    check = OpCheck("alloc_decode", alloc._alloc_decode_kernel, device)
+    for ps in PAGE_SIZES:
+        for bs in DECODE_BATCH_SIZES:
+            c = random_decode_case(gen, bs, ps, max_len=2048, device=device)
+            args = (c.seq_lens, c.last_loc, c.free_pages, ps)
+            expected = alloc.alloc_decode_torch(*args)
+            got = check.call(f"ps{ps}", lambda: alloc.alloc_decode_triton(*args))
+            check.compare(f"ps={ps} bs={bs}", got, expected)
+    return check
+
+
+def check_alloc_decode_write(gen, device) -> OpCheck:
+    check = OpCheck("alloc_decode_write", alloc._alloc_decode_write_kernel, device)
+    for ps in PAGE_SIZES:
+        for bs in DECODE_BATCH_SIZES:
+            c = random_decode_case(gen, bs, ps, max_len=2048, device=device)
+            table, ref_table = c.req_to_token.clone(), c.req_to_token.clone()
+            head = (c.seq_lens_before, c.req_pool_indices)
+            expected = alloc.alloc_decode_write_torch(*head, ref_table, c.free_pages, ps)
+            got = check.call(
+                f"ps{ps}", lambda: alloc.alloc_decode_write_triton(*head, table, c.free_pages, ps)
+            )
+            check.compare(f"ps={ps} bs={bs} out", got, expected)
+            check.compare(f"ps={ps} bs={bs} req_to_token", table, ref_table)
+    return check
+
+
+def check_write_cache_indices(gen, device) -> OpCheck:
+    check = OpCheck("write_cache_indices", cache_indices._write_cache_indices_kernel, device)
+    for ps in PAGE_SIZES:
+        for bs in BATCH_SIZES:
+            for max_len in MAX_LENS:
+                c = random_extend_case(gen, bs, ps, max_len, max_len, device=device)
+                out_cache_loc = alloc.alloc_extend_torch(
+                    c.prefix_lens, c.seq_lens, c.last_loc, c.free_pages, ps, c.extend_num_tokens
+                )
+                rows = torch.randperm(bs + 7, generator=gen)[:bs].to(device)
+                cols = 2 * max_len + 3  # longer than any request: max prefix + max extend
+                table = torch.full((bs + 7, cols), -7, dtype=torch.int32, device=device)
+                ref_table = table.clone()
+                args = (rows, c.prefix_lens, c.seq_lens, out_cache_loc, c.prefix_flat)
+                cache_indices.write_cache_indices_torch(ref_table, *args)
+                check.call("all", lambda: cache_indices.write_cache_indices_triton(table, *args))
+                check.compare(f"ps={ps} bs={bs} len<={max_len}", table, ref_table)
+    return check
+
+
+def check_get_last_loc(gen, device) -> OpCheck:
+    check = OpCheck("get_last_loc", cache_indices._get_last_loc_kernel, device)
+    for bs in DECODE_BATCH_SIZES:
+        c = random_decode_case(gen, bs, 16, max_len=2048, device=device)
+        args = (c.req_to_token, c.req_pool_indices, c.seq_lens_before)
+        expected = cache_indices.get_last_loc_torch(*args)
+        got = check.call("all", lambda: cache_indices.get_last_loc_triton(*args))
+        check.compare(f"bs={bs}", got, expected)
+        check.compare(f"bs={bs} vs case", got, c.last_loc)
+    return check
+
+
+def check_store_kv(gen, device) -> OpCheck:
+    check = OpCheck("store_kv", kv_store._store_kv_kernel, device)
+    for dtype in KV_DTYPES:
+        for layers, rows, heads, head_dim, n in KV_SHAPES:
+            def rand(*shape):
+                return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+
+            k_buf, v_buf = rand(layers, rows, heads, head_dim), rand(layers, rows, heads, head_dim)
+            k_ref, v_ref = k_buf.clone(), v_buf.clone()
+            loc = torch.randperm(rows, generator=gen)[:n].to(device)
+            k_new, v_new = rand(layers, n, heads, head_dim), rand(layers, n, heads, head_dim)
+            key = str(dtype).removeprefix("torch.")
+            kv_store.store_kv_torch(k_ref, v_ref, loc, k_new, v_new)
+            check.call(key, lambda: kv_store.store_kv_triton(k_buf, v_buf, loc, k_new, v_new))
+            label = f"{key} shape={(layers, rows, heads, head_dim)} n={n}"
+            check.compare(label + " k", _bits(k_buf), _bits(k_ref))
+            check.compare(label + " v", _bits(v_buf), _bits(v_ref))
+    return check
+
+
+CHECKS = (
+    check_alloc_extend,
+    check_alloc_decode,
+    check_alloc_decode_write,
+    check_write_cache_indices,
+    check_get_last_loc,
+    check_store_kv,
+)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    if not torch.cuda.is_available():
+        print("error: the self-check needs a CUDA device", file=sys.stderr)
+        print("hint: the CPU tests (pytest tests/kernels) cover the interpreter", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    ok = True
+    for run_check in CHECKS:
+        check = run_check(gen, device)
+        print(check.line(), flush=True)
+        ok = ok and not check.failures
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+"""KV slot allocators: one interface, token-granular (page size 1) or paged.
+
+Free-list semantics follow the reference stack exactly (so allocations are reproducible slot
+for slot), but the storage is a preallocated buffer instead of a tensor re-built by `cat` on
+every call:
+
+* `TokenToKVPoolAllocator` is FIFO: slots are taken from the head, freed slots are appended
+  at the tail (a ring buffer; `free` costs O(freed), not O(free list)).
+* `PagedTokenToKVPoolAllocator` takes pages from the head and puts freed pages, sorted and
+  de-duplicated, back in front of the head (a stack growing downwards in the buffer).
+
+Lengths of the free lists are host integers, so capacity is checked on the host before any
+kernel runs and nothing on the decode path synchronises with the device. `None` means "not
+enough free slots"; nothing is changed in that case.
+
+Slot 0 (page 0 when paged) is padding and never handed out.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from memcli import kernels
+from memcli.mem_cache.integrity import Check, IntegrityReport
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+class AllocatorState(NamedTuple):
+    """Snapshot taken by `backup_state` (a copy of the free list: O(free pages))."""
+
+    free_pages: torch.Tensor
+    release_pages: torch.Tensor
+    in_use_pages: int
+
+
+class BaseAllocator:
+    """Shared bookkeeping; subclasses define the free-list order."""
+
+    page_size: int
+
+    def __init__(self, size: int, page_size: int, device: torch.device, backend: str = "torch",
+                 need_sort: bool = False, debug: bool = False):
+        if size % page_size:
+            raise ValueError(f"allocator size {size} is not a multiple of page_size {page_size}")
+        self.size = size
+        self.page_size = page_size
+        self.num_pages = size // page_size
+        self.device = device
+        self.backend = backend
+        self.need_sort = need_sort
+        self.debug = debug
+        self._buf = torch.empty(self.num_pages, dtype=torch.int64, device=device)
+        self.clear()
+
+    # -- free-list storage, specialised by subclasses ------------------------------------
+    def _free_list(self) -> torch.Tensor:
+        """The free list in allocation order (a fresh tensor or a view)."""
+        raise NotImplementedError
+
+    def _set_free_list(self, pages: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _take(self, n: int) -> torch.Tensor:
+        """Remove and return the first `n` free entries (caller checked the length)."""
+        raise NotImplementedError
+
+    def _put(self, pages: torch.Tensor) -> None:
+        """Return entries to the free list in this allocator's order."""
+        raise NotImplementedError
+
+    def _head_view(self, n: int) -> torch.Tensor:
+        """The first `n` free entries, without removing them (for kernels)."""
+        raise NotImplementedError
+
+    # -- common API -----------------------------------------------------------------------
+    def clear(self) -> None:
+        """Everything free again: pages 1..num_pages in order, no release list, no group."""
+        self._set_free_list(torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device))
+        self._release: list[torch.Tensor] = []
+        self._num_release = 0
+        self._in_use_pages = 0
+        self._group: list[torch.Tensor] | None = None
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._num_free
+
+    def available_size(self) -> int:
+        """Free slots in tokens (free list plus pending release list)."""
+        return (self._num_free + self._num_release) * self.page_size
+
+    def _ensure(self, num_pages: int) -> bool:
+        """True when `num_pages` can be taken now, merging the release list if needed."""
+        if num_pages > self._num_free and self._num_release:
+            self.merge_and_sort_free()
+        return num_pages <= self._num_free
+
+    def merge_and_sort_free(self) -> None:
+        if not self._num_release:
+            return
+        merged = torch.cat([self._free_list()] + self._release)
+        self._set_free_list(torch.sort(merged).values)
+        self._release, self._num_release = [], 0
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Free KV slots. Paged: frees the whole page of every slot given (de-duplicated)."""
+        if indices.numel() == 0:
+            return
+        if self._group is not None:
+            self._group.append(indices)
+            return
+        pages = self._slots_to_pages(indices)
+        n = pages.numel()
+        if self._in_use_pages - n < 0:
+            raise ValueError(
+                f"double free: freeing {n} pages but only {self._in_use_pages} are allocated"
+            )
+        self._in_use_pages -= n
+        if self.need_sort:
+            # A copy: with page size 1, `pages` can be the caller's own tensor.
+            self._release.append(pages.clone())
+            self._num_release += n
+        else:
+            self._put(pages)
+        if self.debug:
+            self.check_integrity().raise_if_failed()
+
+    def free_group_begin(self) -> None:
+        self._group = []
+
+    def free_group_end(self) -> None:
+        group, self._group = self._group, None
+        if group:
+            self.free(torch.cat(group))
+
+    def backup_state(self) -> AllocatorState:
+        release = torch.cat(self._release) if self._release else self._buf[:0].clone()
+        return AllocatorState(self._free_list().clone(), release, self._in_use_pages)
+
+    def restore_state(self, state: AllocatorState) -> None:
+        self._set_free_list(state.free_pages.clone())
+        self._release = [state.release_pages.clone()] if state.release_pages.numel() else []
+        self._num_release = state.release_pages.numel()
+        self._in_use_pages = state.in_use_pages
+
+    def _commit_alloc(self, num_pages: int) -> None:
+        self._in_use_pages += num_pages
+        if self.debug:
+            self.check_integrity().raise_if_failed()
+
+    def _slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots.to(torch.int64)
+
+    # -- introspection ----------------------------------------------------------------------
+    def free_page_ids(self) -> torch.Tensor:
+        parts = [self._free_list()] + self._release
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def free_slot_ids(self) -> torch.Tensor:
+        """Every free slot (pages expanded), for integrity walks."""
+        pages = self.free_page_ids()
+        if self.page_size == 1:
+            return pages
+        offsets = torch.arange(self.page_size, device=pages.device)
+        return (pages[:, None] * self.page_size + offsets).reshape(-1)
+
+    @property
+    def in_use_tokens(self) -> int:
+        return self._in_use_pages * self.page_size
+
+    def check_integrity(self) -> IntegrityReport:
+        """Free list in range, no duplicate, page 0 never free, available + in use == size."""
+        pages = self.free_page_ids().cpu()
+        n = pages.numel()
+        in_range = bool(((pages >= 1) & (pages <= self.num_pages)).all()) if n else True
+        dup = n - int(torch.unique(pages).numel()) if n else 0
+        zero = bool((pages == 0).any()) if n else False
+        avail, used = self.available_size(), self.in_use_tokens
+        unit = "pages" if self.page_size > 1 else "slots"
+        return IntegrityReport(
+            f"allocator(page_size={self.page_size})",
+            [
+                Check("free list within range", in_range,
+                      f"{n} free {unit}, valid ids 1..{self.num_pages}"),
+                Check("no duplicate in free list", dup == 0, f"{dup} duplicate {unit}"),
+                Check("slot 0 never free", not zero, "page 0 is padding" if not zero else "page 0 is in the free list"),
+                Check("available + in use == size", avail + used == self.size,
+                      f"available {avail} + in use {used} vs size {self.size}"),
+            ],
+        )
+
+
+class TokenToKVPoolAllocator(BaseAllocator):
+    """Page size 1. FIFO reuse: freed slots go to the tail of a ring buffer."""
+
+    def __init__(self, size: int, device: torch.device, backend: str = "torch",
+                 need_sort: bool = False, debug: bool = False):
+        super().__init__(size, 1, device, backend, need_sort, debug)
+
+    def _set_free_list(self, pages: torch.Tensor) -> None:
+        n = pages.numel()
+        self._buf[:n] = pages
+        self._head, self._num_free = 0, n
+
+    def _free_list(self) -> torch.Tensor:
+        return self._ring_slice(self._head, self._num_free)
+
+    def _ring_slice(self, start: int, n: int) -> torch.Tensor:
+        cap = self.num_pages
+        end = start + n
+        if end <= cap:
+            return self._buf[start:end]
+        return torch.cat([self._buf[start:], self._buf[: end - cap]])
+
+    def _head_view(self, n: int) -> torch.Tensor:
+        return self._ring_slice(self._head, n)
+
+    def _take(self, n: int) -> torch.Tensor:
+        # A copy: the ring positions are rewritten by later frees.
+        out = self._head_view(n).clone()
+        self._head = (self._head + n) % self.num_pages
+        self._num_free -= n
+        return out
+
+    def _put(self, pages: torch.Tensor) -> None:
+        cap, n = self.num_pages, pages.numel()
+        if self._num_free + n > cap:
+            raise ValueError(f"double free: {self._num_free} free + {n} freed > size {cap}")
+        tail = (self._head + self._num_free) % cap
+        first = min(n, cap - tail)
+        self._buf[tail : tail + first] = pages[:first]
+        if first < n:
+            self._buf[: n - first] = pages[first:]
+        self._num_free += n
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """`n` slots in free-list order, or None when fewer are free."""
+        if not self._ensure(n):
+            return None
+        out = self._take(n)
+        self._commit_alloc(n)
+        return out
+
+    def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
+                     extend_num_tokens: int) -> torch.Tensor | None:
+        """With page size 1 an extend is a plain `alloc` of its new tokens."""
+        return self.alloc(extend_num_tokens)
+
+    def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc) -> torch.Tensor | None:
+        return self.alloc(seq_lens.numel())
+
+    def alloc_decode_write(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token) -> torch.Tensor | None:
+        """Allocate one slot per request and write it at column `seq_lens` (one kernel)."""
+        bs = seq_lens.numel()
+        if not self._ensure(bs):
+            return None
+        out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._head_view(bs), 1,
+                                         backend=self.backend)
+        self._head = (self._head + bs) % self.num_pages
+        self._num_free -= bs
+        self._commit_alloc(bs)
+        return out
+
+
+class PagedTokenToKVPoolAllocator(BaseAllocator):
+    """Page size > 1. Pages are taken from the head; freed pages are put back in front."""
+
+    def _set_free_list(self, pages: torch.Tensor) -> None:
+        n = pages.numel()
+        self._head = self.num_pages - n
+        self._buf[self._head :] = pages
+        self._num_free = n
+
+    def _free_list(self) -> torch.Tensor:
+        return self._buf[self._head :]
+
+    def _head_view(self, n: int) -> torch.Tensor:
+        return self._buf[self._head : self._head + n]
+
+    def _take(self, n: int) -> torch.Tensor:
+        out = self._head_view(n)
+        self._head += n
+        self._num_free -= n
+        return out
+
+    def _put(self, pages: torch.Tensor) -> None:
+        n = pages.numel()
+        if n > self._head:
+            raise ValueError(f"double free: {self._num_free} free + {n} freed pages > {self.num_pages}")
+        self._head -= n
+        self._buf[self._head : self._head + n] = pages
+        self._num_free += n
+
+    def _slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
+        # Sorted and de-duplicated, like the reference; `unique` synchronises with the device.
+        return torch.unique(slots.to(torch.int64) // self.page_size)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """Whole pages only: `n` must be a multiple of the page size."""
+        if n % self.page_size:
+            raise ValueError(f"paged alloc({n}): not a multiple of page_size {self.page_size}")
+        num_pages = n // self.page_size
+        if not self._ensure(num_pages):
+            return None
+        pages = self._take(num_pages)
+        self._commit_alloc(num_pages)
+        offsets = torch.arange(self.page_size, device=pages.device)
+        return (pages[:, None] * self.page_size + offsets).reshape(-1)
+
+    def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
+                     extend_num_tokens: int) -> torch.Tensor | None:
+        """Slots for the new tokens of every request, page layout of the reference (3.3.2).
+
+        The page count comes from the CPU lengths, so the capacity check happens before the
+        kernel is launched; on None nothing changed.
+        """
+        ps = self.page_size
+        num_pages = int((cdiv(seq_lens_cpu, ps) - cdiv(prefix_lens_cpu, ps)).sum())
+        if not self._ensure(num_pages):
+            return None
+        out = kernels.alloc_extend(prefix_lens, seq_lens, last_loc, self._head_view(num_pages), ps,
+                                   extend_num_tokens, backend=self.backend)
+        self._take(num_pages)
+        self._commit_alloc(num_pages)
+        return out
+
+    def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc) -> torch.Tensor | None:
+        """One slot per request; `seq_lens` already count the new token."""
+        num_pages = int(((seq_lens_cpu - 1) % self.page_size == 0).sum())
+        if not self._ensure(num_pages):
+            return None
+        out = kernels.alloc_decode(seq_lens, last_loc, self._head_view(num_pages), self.page_size,
+                                   backend=self.backend)
+        self._take(num_pages)
+        self._commit_alloc(num_pages)
+        return out
+
+    def alloc_decode_write(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token) -> torch.Tensor | None:
+        """Fused decode step: `seq_lens` are the lengths before the new token, whose slot is
+        written at column `seq_lens` of each request row."""
+        num_pages = int((seq_lens_cpu % self.page_size == 0).sum())
+        if not self._ensure(num_pages):
+            return None
+        out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._head_view(num_pages),
+                                         self.page_size, backend=self.backend)
+        self._take(num_pages)
+        self._commit_alloc(num_pages)
+        return out
+
+    def get_num_new_pages(self, prefix_lens_cpu, seq_lens_cpu) -> int:
+        return int((cdiv(seq_lens_cpu, self.page_size) - cdiv(prefix_lens_cpu, self.page_size)).sum())
+
+
+def make_allocator(size: int, page_size: int, device: torch.device, backend: str,
+                   need_sort: bool = False, debug: bool = False) -> BaseAllocator:
+    if page_size == 1:
+        return TokenToKVPoolAllocator(size, device, backend, need_sort, debug)
+    return PagedTokenToKVPoolAllocator(size, page_size, device, backend, need_sort, debug)

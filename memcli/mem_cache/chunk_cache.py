@@ -1,0 +1,75 @@
+"""ChunkCache: no prefix sharing; only carries a request's own slots between chunks.
+
+Used when the radix cache is disabled. Every request owns all its slots, from its first
+chunk to its finish. The cache itself owns nothing, so `evictable_size()` and
+`protected_size()` are 0: what requests hold is counted as held by running requests in the
+conservation check (`memcli.mem_cache.check`), once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from rich.text import Text
+from rich.tree import Tree
+
+from memcli.errors import IntegrityError
+from memcli.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, RadixKey
+from memcli.mem_cache.integrity import Check, IntegrityReport
+
+
+class ChunkCache(BasePrefixCache):
+    """Prefix cache that caches nothing. `disable` is always True."""
+
+    def __init__(self, req_to_token_pool: Any, allocator: Any, page_size: int,
+                 device: Optional[torch.device | str] = None):
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.page_size = page_size
+        self.device = torch.device(device if device is not None else allocator.device)
+
+    @property
+    def disable(self) -> bool:
+        return True
+
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        """Always empty (nothing is shared)."""
+        return MatchResult(self.empty_indices(), None)
+
+    def insert(self, key: RadixKey, value: Optional[torch.Tensor] = None) -> int:
+        """Stores nothing; returns 0 (no slot of `value` is a duplicate)."""
+        return 0
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+        """Record the request's slots of `fill_ids` as its int64 `prefix_indices` (nothing freed)."""
+        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(req.fill_ids)]
+        req.prefix_indices = kv.to(device=self.device, dtype=torch.int64, copy=True)
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
+        """Free `req_to_token[row, :kv_allocated_len]` (partial last page included) and the row."""
+        if req.kv_freed:
+            raise IntegrityError(f"cache_finished_req on request row {req.req_pool_idx} that was already freed")
+        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_allocated_len]
+        if len(kv):
+            self.allocator.free(kv.to(torch.int64))
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.kv_freed = True
+
+    def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def inc_lock_ref(self, node: Any) -> int:
+        return 0
+
+    def dec_lock_ref(self, node: Any) -> int:
+        return 0
+
+    def reset(self) -> None:
+        """Nothing cached, nothing to forget."""
+
+    def check_integrity(self) -> IntegrityReport:
+        return IntegrityReport("chunk cache", [Check("owns nothing", True, "no cached tokens; requests hold their own slots")])
+
+    def pretty_print(self) -> Tree:
+        return Tree(Text(f"chunk cache (no prefix sharing)  page_size={self.page_size}"))

@@ -1,0 +1,206 @@
+"""The only allocation entry points of the stack.
+
+The scheduler never calls an allocator or writes `req_to_token` itself; it calls these
+functions with a batch that carries `req_to_token_pool`, `token_to_kv_pool_allocator` and
+`tree_cache`.
+
+Extend (prefill) of request i, in its `req_to_token` row:
+
+    [0, prefix_len)          prefix slots (`req.prefix_indices`, from the tree or earlier chunks)
+    [prefix_len, seq_len)    new slots, out_cache_loc[off_i : off_i + extend_len_i]
+
+Decode: one new slot per request, written at column `seq_len` (the old length); the caller
+increments `seq_lens` afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from memcli import kernels
+from memcli.errors import IntegrityError, OutOfMemoryError, RequestSlotsExhausted
+
+
+class PageSizeMismatch(IntegrityError):
+    """The allocator and the tree cache disagree about the page size."""
+
+
+class ExtendAllocation(NamedTuple):
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    req_pool_indices_list: list[int]
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def assert_same_page_size(allocator, tree_cache) -> None:
+    if allocator.page_size != tree_cache.page_size:
+        raise PageSizeMismatch(
+            f"page size mismatch: allocator {allocator.page_size}, tree cache {tree_cache.page_size};"
+            " every component must take memory.page_size"
+        )
+
+
+def extend_tokens_needed(allocator, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor) -> int:
+    """Free tokens an extend really takes: new tokens, or whole new pages when paged."""
+    ps = allocator.page_size
+    if ps == 1:
+        return int((seq_lens_cpu - prefix_lens_cpu).sum())
+    return int((cdiv(seq_lens_cpu, ps) - cdiv(prefix_lens_cpu, ps)).sum()) * ps
+
+
+def decode_tokens_needed(allocator, seq_lens_cpu: torch.Tensor) -> int:
+    """Free tokens the next decode step takes; `seq_lens_cpu` are the lengths before it."""
+    ps = allocator.page_size
+    if ps == 1:
+        return int(seq_lens_cpu.numel())
+    return int((seq_lens_cpu % ps == 0).sum()) * ps
+
+
+def evict_if_needed(tree_cache, allocator, need_tokens: int) -> int:
+    """Evict only the shortfall, and only when `available_size()` is short. Returns tokens freed."""
+    shortfall = need_tokens - allocator.available_size()
+    if shortfall <= 0:
+        return 0
+    return tree_cache.evict(shortfall)
+
+
+def out_of_memory(what: str, tree_cache, allocator, need_tokens: int) -> OutOfMemoryError:
+    return OutOfMemoryError(what, need_tokens, allocator.available_size(), tree_cache.evictable_size(),
+                            tree_cache.protected_size())
+
+
+def alloc_req_slots(req_to_token_pool, num_reqs: int) -> list[int]:
+    rows = req_to_token_pool.alloc(num_reqs)
+    if rows is None:
+        raise RequestSlotsExhausted(
+            f"request slots exhausted: need {num_reqs} rows, {req_to_token_pool.available_size()} of"
+            f" {req_to_token_pool.size} free; raise memory.max_running_requests"
+        )
+    return rows
+
+
+def alloc_for_extend(batch) -> ExtendAllocation:
+    """Request rows, then eviction of the shortfall, then KV slots, then `write_cache_indices`.
+
+    Reads `batch.reqs` (each with `prefix_indices`, and `req_pool_idx` None for a request
+    without a row), `batch.prefix_lens_cpu`, `batch.seq_lens`, `batch.seq_lens_cpu`,
+    `batch.extend_num_tokens`. On failure raises `OutOfMemoryError` and returns the rows it took.
+    """
+    allocator, tree_cache, pool = batch.token_to_kv_pool_allocator, batch.tree_cache, batch.req_to_token_pool
+    assert_same_page_size(allocator, tree_cache)
+    reqs = batch.reqs
+    missing = [i for i, r in enumerate(reqs) if r.req_pool_idx is None]
+    new_rows = alloc_req_slots(pool, len(missing)) if missing else []
+    rows = [r.req_pool_idx for r in reqs]
+    for i, row in zip(missing, new_rows):
+        rows[i] = row
+    prefix_lens_cpu, seq_lens_cpu = batch.prefix_lens_cpu, batch.seq_lens_cpu
+    device = pool.device
+    need = extend_tokens_needed(allocator, prefix_lens_cpu, seq_lens_cpu)
+    evict_if_needed(tree_cache, allocator, need)
+    prefix_lens = prefix_lens_cpu.to(device, non_blocking=True)
+    prefix_flat = _cat_prefixes(reqs, device)
+    if allocator.page_size == 1:
+        out_cache_loc = allocator.alloc(batch.extend_num_tokens)
+    else:
+        last_loc = _last_loc(prefix_flat, prefix_lens, int(prefix_lens_cpu.sum()))
+        out_cache_loc = allocator.alloc_extend(prefix_lens, prefix_lens_cpu, batch.seq_lens, seq_lens_cpu,
+                                               last_loc, batch.extend_num_tokens)
+    if out_cache_loc is None:
+        if new_rows:
+            pool.free(new_rows)
+        raise out_of_memory("prefill", tree_cache, allocator, need)
+    req_pool_indices = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    kernels.write_cache_indices(pool.req_to_token, req_pool_indices, prefix_lens, batch.seq_lens,
+                                out_cache_loc, prefix_flat, backend=allocator.backend)
+    return ExtendAllocation(out_cache_loc, req_pool_indices, rows)
+
+
+def _cat_prefixes(reqs, device: torch.device) -> torch.Tensor:
+    parts = [r.prefix_indices for r in reqs if r.prefix_indices.numel()]
+    if not parts:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _last_loc(prefix_flat: torch.Tensor, prefix_lens: torch.Tensor, total_prefix: int) -> torch.Tensor:
+    """Slot of each request's last prefix token (-1 without prefix), from the prefixes
+    themselves: no lookup in req_to_token and no host sync."""
+    if total_prefix == 0:
+        return torch.full_like(prefix_lens, -1)
+    ends = torch.cumsum(prefix_lens, 0) - 1
+    return torch.where(prefix_lens > 0, prefix_flat[ends.clamp(min=0)], -1)
+
+
+def alloc_for_decode(batch, token_per_req: int = 1) -> torch.Tensor:
+    """One slot per request written at column `batch.seq_lens` (the old lengths).
+
+    Evicts the exact shortfall first. The caller increments `seq_lens` afterwards.
+    """
+    if token_per_req != 1:
+        raise ValueError("alloc_for_decode supports one token per request")
+    allocator, tree_cache, pool = batch.token_to_kv_pool_allocator, batch.tree_cache, batch.req_to_token_pool
+    assert_same_page_size(allocator, tree_cache)
+    need = decode_tokens_needed(allocator, batch.seq_lens_cpu)
+    evict_if_needed(tree_cache, allocator, need)
+    out = allocator.alloc_decode_write(batch.seq_lens, batch.seq_lens_cpu, batch.req_pool_indices,
+                                       pool.req_to_token)
+    if out is None:
+        raise out_of_memory("decode", tree_cache, allocator, need)
+    return out
+
+
+def check_decode_mem(batch, seq_lens_cpu: torch.Tensor | None = None) -> bool:
+    """True when the next decode step of these requests fits, after evicting the shortfall."""
+    allocator = batch.token_to_kv_pool_allocator
+    lens = batch.seq_lens_cpu if seq_lens_cpu is None else seq_lens_cpu
+    need = decode_tokens_needed(allocator, lens)
+    evict_if_needed(batch.tree_cache, allocator, need)
+    return allocator.available_size() >= need
+
+
+def evict_for_headroom(tree_cache, allocator, num_tokens: int) -> int:
+    """Make room for `num_tokens` if possible (used after a retraction)."""
+    return evict_if_needed(tree_cache, allocator, num_tokens)
+
+
+def release_req(tree_cache, req, is_insert: bool = True) -> None:
+    """Release everything a finished (or, with is_insert=False, retracted) request holds."""
+    tree_cache.cache_finished_req(req, is_insert=is_insert)
+
+
+def cache_unfinished(tree_cache, req, chunked: bool = False) -> None:
+    """Hand the computed prefix to the tree after a prefill or a chunk."""
+    tree_cache.cache_unfinished_req(req, chunked=chunked)
+
+
+def free_group(allocator):
+    """Context manager batching the frees of a result-processing loop into one."""
+    return _FreeGroup(allocator)
+
+
+class _FreeGroup:
+    def __init__(self, allocator):
+        self.allocator = allocator
+
+    def __enter__(self):
+        self.allocator.free_group_begin()
+        return self
+
+    def __exit__(self, *exc):
+        self.allocator.free_group_end()
+        return False
+
+
+def usage(tree_cache, allocator) -> dict[str, int]:
+    """Token counts for reports: available, evictable, protected."""
+    return {
+        "available": allocator.available_size(),
+        "evictable": tree_cache.evictable_size(),
+        "protected": tree_cache.protected_size(),
+    }

@@ -1,0 +1,134 @@
+"""The request-to-token table and the KV buffers.
+
+`ReqToTokenPool` maps a request row and a position to a KV slot:
+
+    req_to_token[row, 0:prefix_len)         slots of the cached prefix (owned by the tree)
+    req_to_token[row, prefix_len:seq_len)   slots the request allocated itself
+
+`KVPool` holds K and V of every slot for every layer; slot 0 (page 0) is padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memcli.errors import RequestSlotsExhausted
+from memcli.mem_cache.integrity import Check, IntegrityReport
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+class ReqToTokenPool:
+    """`size` request rows of `cols` int32 slot ids on `device`; rows are handed out FIFO."""
+
+    def __init__(self, size: int, cols: int, device: torch.device):
+        self.size = size
+        self.cols = cols
+        self.device = device
+        self.req_to_token = torch.zeros((size, cols), dtype=torch.int32, device=device)
+        self.clear()
+
+    def clear(self) -> None:
+        self.free_slots: list[int] = list(range(self.size))
+        self._in_use = [False] * self.size
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """Take `n` rows (the oldest free first); None when fewer are free."""
+        if n > len(self.free_slots):
+            return None
+        rows, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        for row in rows:
+            self._in_use[row] = True
+        return rows
+
+    def alloc_or_raise(self, n: int) -> list[int]:
+        rows = self.alloc(n)
+        if rows is None:
+            raise RequestSlotsExhausted(
+                f"request slots exhausted: need {n} rows, {len(self.free_slots)} of {self.size} free;"
+                " raise memory.max_running_requests"
+            )
+        return rows
+
+    def free(self, row: int | list[int]) -> None:
+        """Return rows; freeing a row that is not in use raises (double free) and frees none."""
+        rows = [row] if isinstance(row, int) else list(row)
+        seen: set[int] = set()
+        for r in rows:
+            if not 0 <= r < self.size or not self._in_use[r] or r in seen:
+                raise ValueError(f"request row {r} freed twice or never allocated")
+            seen.add(r)
+        for r in rows:
+            self._in_use[r] = False
+        self.free_slots.extend(rows)
+
+    def rows_in_use(self) -> list[int]:
+        return [r for r, used in enumerate(self._in_use) if used]
+
+    def check_integrity(self) -> IntegrityReport:
+        free = self.free_slots
+        return IntegrityReport(
+            "req_to_token_pool",
+            [
+                Check("no duplicate free rows", len(set(free)) == len(free), f"{len(free) - len(set(free))} duplicates"),
+                Check(
+                    "free + in use == size",
+                    len(free) + len(self.rows_in_use()) == self.size,
+                    f"free {len(free)} + in use {len(self.rows_in_use())} vs size {self.size}",
+                ),
+            ],
+        )
+
+
+class KVPool:
+    """K and V buffers of `size + page_size` rows per layer.
+
+    Stored as two tensors `[num_layers, size + page_size, num_kv_heads, head_dim]` so that one
+    kernel can write every layer. With `materialized=False` no buffer is allocated (indices-only
+    mode for large runs on a CPU); `bytes_per_token` still reports the real footprint.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: str,
+        device: torch.device,
+        materialized: bool = True,
+    ):
+        self.size = size
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = TORCH_DTYPES[dtype]
+        self.device = device
+        self.materialized = materialized
+        self.rows = size + page_size
+        if materialized:
+            shape = (num_layers, self.rows, num_kv_heads, head_dim)
+            self.k_buffer = torch.zeros(shape, dtype=self.dtype, device=device)
+            self.v_buffer = torch.zeros(shape, dtype=self.dtype, device=device)
+        else:
+            self.k_buffer = self.v_buffer = None
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * self.num_kv_heads * self.head_dim * 2 * itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        return self.rows * self.bytes_per_token

@@ -1,0 +1,593 @@
+"""Page-aware radix tree of cached KV slots (SGLang's RadixCache, vectorised).
+
+Each edge into a node stores a run of token ids (`node.key`, a numpy int64 array) and the
+KV slots that hold them (`node.value`, an int64 tensor on the cache's device). Children
+are found by a per-page key (the first token when page_size == 1, the bytes of the first
+page otherwise, prefixed by `extra_key` when set); where a query leaves a node is found
+with one vectorised comparison, floored to a page. Every key and value length in the tree
+is a multiple of page_size.
+
+Locks are path based: `inc_lock_ref(node)` counts one holder on every node from `node` up
+to the root. Tokens in nodes with `lock_ref == 0` are evictable, the rest protected.
+Eviction frees whole leaves in priority order (see `eviction.py`) from a queue kept
+across calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Callable, Iterator, NamedTuple, Optional
+
+import numpy as np
+import torch
+from rich.text import Text
+from rich.tree import Tree
+
+from memcli.errors import IntegrityError
+from memcli.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, RadixKey
+from memcli.mem_cache.eviction import EvictionQueue, get_eviction_policy, is_evictable_leaf
+from memcli.mem_cache.integrity import Check, IntegrityReport
+from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, chain_page_hashes, stored_events
+
+_EMPTY_TOKENS = np.empty((0,), dtype=np.int64)
+
+
+class EvictionRecord(NamedTuple):
+    """One evicted node: its size, how long it was cached, how often it was matched."""
+
+    tokens: int
+    age: float
+    hit_count: int
+
+
+class TreeNode:
+    """One edge of the radix tree: `key` tokens whose KV sits in `value` slots."""
+
+    __slots__ = (
+        "children", "parent", "key", "value", "extra_key", "lock_ref",
+        "creation_time", "last_access_time", "hit_count", "page_hashes", "heap_seq", "id",
+    )
+    _ids = itertools.count()
+
+    def __init__(self, parent: Optional["TreeNode"], key: np.ndarray, value: torch.Tensor,
+                 extra_key: Optional[str], now: float):
+        self.children: dict[Any, TreeNode] = {}
+        self.parent = parent
+        self.key = key
+        self.value: Optional[torch.Tensor] = value  # None once evicted
+        self.extra_key = extra_key
+        self.lock_ref = 0
+        self.creation_time = now
+        self.last_access_time = now
+        self.hit_count = 0
+        self.page_hashes: list[int] = []  # only filled when KV events are on
+        self.heap_seq = -1
+        self.id = next(TreeNode._ids)
+
+    @property
+    def evicted(self) -> bool:
+        return self.value is None
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, hits={self.hit_count})"
+
+
+class RadixCache(BasePrefixCache):
+    """Prefix cache over a paged (or token) KV allocator.
+
+    `clock` (zero-argument callable, default `time.monotonic`) stamps creation and access
+    times; set it to a simulated clock for replays. `eviction_log` receives an
+    `EvictionRecord` per evicted node; the caller clears it.
+    """
+
+    def __init__(self, req_to_token_pool: Any, allocator: Any, page_size: int,
+                 eviction_policy: str = "lru", kv_events: bool = False,
+                 device: Optional[torch.device | str] = None, disable: bool = False):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.page_size = page_size
+        self.eviction_policy = eviction_policy.lower()
+        self.priority = get_eviction_policy(eviction_policy)
+        self.kv_events = kv_events
+        self.disable = disable
+        if device is None:
+            device = allocator.device if allocator is not None else "cpu"
+        self.device = torch.device(device)
+        self.clock: Callable[[], float] = time.monotonic
+        self.eviction_log: list[EvictionRecord] = []
+        self.reset()
+        self._events.clear()
+
+    def reset(self) -> None:
+        """Empty tree (root only, permanently locked). Slots are not returned to the allocator."""
+        self.root = TreeNode(None, _EMPTY_TOKENS, self.empty_indices(), None, self.clock())
+        self.root.lock_ref = 1
+        self._total = 0
+        self._evictable = 0
+        self._protected = 0
+        self._num_nodes = 0
+        self._queue = EvictionQueue(self.priority)
+        self._events: list = [AllBlocksCleared()] if self.kv_events else []
+
+    # -- sizes --------------------------------------------------------------------------
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def total_size(self) -> int:
+        return self._total
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree, root excluded."""
+        return self._num_nodes
+
+    # -- match and insert ---------------------------------------------------------------
+
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        """Longest cached page-aligned prefix of `key`.
+
+        Counts a hit and refreshes the access time on every node the match passes through;
+        splits at most one node. A key shorter than one page matches nothing.
+        """
+        aligned = len(key) - len(key) % self.page_size
+        if self.disable or aligned == 0:
+            return MatchResult(self.empty_indices(), self.root)
+        now = self.clock()
+        node, _, values = self._walk(key.token_ids[:aligned], key.extra_key, now, count_hit=True)
+        self._touched(node)
+        return MatchResult(self._cat(values), node)
+
+    def insert(self, key: RadixKey, value: Optional[torch.Tensor] = None) -> int:
+        """See `BasePrefixCache.insert`. `value=None` stores the token ids as slots (tests).
+
+        Refreshes access times along the path (no hit counted). The new leaf views the
+        caller's arrays when it covers at least half of them, else stores compact copies,
+        so the tree never keeps more than twice its own size alive.
+        """
+        if self.disable:
+            return 0
+        tokens = key.token_ids
+        if value is None:
+            value = torch.as_tensor(tokens, dtype=torch.int64, device=self.device)
+        if len(value) != len(tokens):
+            raise ValueError(f"insert: key has {len(tokens)} tokens but value has {len(value)} slots")
+        aligned = len(tokens) - len(tokens) % self.page_size
+        if aligned == 0:
+            return 0
+        now = self.clock()
+        node, prefix_len, _ = self._walk(tokens[:aligned], key.extra_key, now, count_hit=False)
+        if prefix_len < aligned:
+            leaf_key, leaf_value = tokens[prefix_len:aligned], value[prefix_len:aligned].to(self.device, torch.int64)
+            if 2 * (aligned - prefix_len) < len(tokens):
+                # A short view would keep the caller's whole array alive: store a compact copy.
+                leaf_key, leaf_value = leaf_key.copy(), leaf_value.clone()
+            node = self._add_leaf(node, leaf_key, leaf_value, key.extra_key, now)
+        self._touched(node)
+        return prefix_len
+
+    def _walk(self, tokens: np.ndarray, extra_key: Optional[str], now: float,
+              count_hit: bool) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Descend along page-aligned `tokens`, splitting the node where they leave it.
+
+        Returns the deepest node reached, the number of tokens matched, and the values of
+        the nodes passed (in order).
+        """
+        node, pos, values = self.root, 0, []
+        node.last_access_time = now
+        while pos < len(tokens):
+            child = node.children.get(self._child_key(extra_key, tokens, pos))
+            if child is None:
+                break
+            child_len = len(child.key)
+            matched = self._common_len(child.key, tokens[pos : pos + child_len])
+            if matched < child_len:
+                child = self._split(child, matched)
+            child.last_access_time = now
+            child.hit_count += count_hit
+            values.append(child.value)
+            node, pos = child, pos + matched
+            if matched < child_len:
+                break
+        return node, pos, values
+
+    def _child_key(self, extra_key: Optional[str], tokens: np.ndarray, pos: int) -> Any:
+        if self.page_size == 1:
+            plain = int(tokens[pos])
+        else:
+            plain = tokens[pos : pos + self.page_size].tobytes()
+        return plain if extra_key is None else (extra_key, plain)
+
+    def _common_len(self, node_key: np.ndarray, tokens: np.ndarray) -> int:
+        """Equal leading tokens of `node_key` and `tokens` (len <= len(node_key)), floored to a page."""
+        n = len(tokens)
+        differs = node_key[:n] != tokens
+        first = int(differs.argmax()) if n else 0
+        if n and differs[first]:
+            n = first
+        return n - n % self.page_size
+
+    def _split(self, child: TreeNode, split_len: int) -> TreeNode:
+        """Insert a node holding `child`'s first `split_len` tokens above it; return it.
+
+        The upper node inherits the lock count and statistics; counters do not change.
+        """
+        parent = child.parent
+        upper = TreeNode(parent, child.key[:split_len], child.value[:split_len], child.extra_key, child.creation_time)
+        upper.last_access_time = child.last_access_time
+        upper.hit_count = child.hit_count
+        upper.lock_ref = child.lock_ref
+        pages = split_len // self.page_size
+        upper.page_hashes, child.page_hashes = child.page_hashes[:pages], child.page_hashes[pages:]
+        parent.children[self._child_key(child.extra_key, child.key, 0)] = upper
+        child.key, child.value, child.parent = child.key[split_len:], child.value[split_len:], upper
+        upper.children[self._child_key(child.extra_key, child.key, 0)] = child
+        self._num_nodes += 1
+        return upper
+
+    def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: torch.Tensor,
+                  extra_key: Optional[str], now: float) -> TreeNode:
+        leaf = TreeNode(parent, key, value, extra_key, now)
+        parent.children[self._child_key(extra_key, key, 0)] = leaf
+        self._total += len(key)
+        self._evictable += len(key)
+        self._num_nodes += 1
+        if self.kv_events:
+            parent_hash = parent.page_hashes[-1] if parent.page_hashes else None
+            leaf.page_hashes = chain_page_hashes(parent_hash, extra_key, key, self.page_size)
+            self._events.extend(stored_events(parent_hash, extra_key, key, leaf.page_hashes, self.page_size))
+        return leaf
+
+    def _touched(self, node: TreeNode) -> None:
+        """Re-queue `node` if it is an evictable leaf (its priority may have changed)."""
+        if is_evictable_leaf(node):
+            self._queue.push(node)
+            if len(self._queue) > 4 * self._num_nodes + 1024:
+                self._queue.rebuild(n for n in self._iter_nodes() if is_evictable_leaf(n))
+
+    def _cat(self, values: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(values) if values else self.empty_indices()
+
+    # -- eviction -----------------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        """Free unlocked leaves, lowest priority first, until `num_tokens` are freed.
+
+        Returns the tokens freed (whole nodes: may exceed `num_tokens`; less when the rest
+        is locked). Appends an `EvictionRecord` per node to `eviction_log`.
+        """
+        if self.disable or num_tokens <= 0:
+            return 0
+        now = self.clock()
+        freed = 0
+        while freed < num_tokens:
+            node = self._queue.pop()
+            if node is None:
+                break
+            freed += self._delete_leaf(node, now)
+        return freed
+
+    def _delete_leaf(self, node: TreeNode, now: float) -> int:
+        size = len(node.key)
+        if self.allocator is not None:
+            self.allocator.free(node.value)
+        parent = node.parent
+        del parent.children[self._child_key(node.extra_key, node.key, 0)]
+        self._total -= size
+        self._evictable -= size
+        self._num_nodes -= 1
+        self.eviction_log.append(EvictionRecord(size, now - node.creation_time, node.hit_count))
+        if self.kv_events:
+            self._events.extend(BlockRemoved((h,)) for h in node.page_hashes)
+        node.value, node.parent = None, None
+        if parent is not self.root:
+            self._touched(parent)
+        return size
+
+    # -- locks --------------------------------------------------------------------------
+
+    def _path_to_root(self, node: TreeNode) -> list[TreeNode]:
+        path = []
+        while node is not self.root:
+            if node.parent is None:
+                raise IntegrityError(
+                    f"node {node.id} is not in this tree (evicted, or from another tree): cannot lock or unlock it"
+                )
+            path.append(node)
+            node = node.parent
+        return path
+
+    def inc_lock_ref(self, node: Optional[TreeNode]) -> int:
+        """Lock the path root -> `node`; return the change in evictable tokens (<= 0).
+
+        None and the root are no-ops. Raises `IntegrityError` for a node not in this tree.
+        """
+        if self.disable or node is None:
+            return 0
+        delta = 0
+        for path_node in self._path_to_root(node):
+            if path_node.lock_ref == 0:
+                size = len(path_node.key)
+                self._evictable -= size
+                self._protected += size
+                delta -= size
+            path_node.lock_ref += 1
+        return delta
+
+    def dec_lock_ref(self, node: Optional[TreeNode]) -> int:
+        """Unlock one holder of the path root -> `node`; return the change in evictable (>= 0).
+
+        None and the root are no-ops. Raises `IntegrityError`, changing nothing, when
+        `node` is not locked (an unmatched unlock) or not in this tree.
+        """
+        if self.disable or node is None or node is self.root:
+            return 0
+        if node.lock_ref <= 0:
+            raise IntegrityError(f"dec_lock_ref on node {node.id} whose lock_ref is {node.lock_ref}: unlock without lock")
+        delta = 0
+        for path_node in self._path_to_root(node):
+            if path_node.lock_ref == 1:
+                size = len(path_node.key)
+                self._evictable += size
+                self._protected -= size
+                delta += size
+            path_node.lock_ref -= 1
+        self._touched(node)
+        return delta
+
+    # -- requests -----------------------------------------------------------------------
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
+        """See `BasePrefixCache.cache_finished_req`. Row ranges (ps = page size):
+
+            [0, start)                 tree slots (locked prefix), untouched
+            [start, new_prefix_len)    duplicates of what the tree got meanwhile: freed
+            [new_prefix_len, aligned)  inserted: the tree owns them now
+            [aligned, kv_allocated_len) the request's tail (partial last page): freed
+        where start = len(prefix_indices) floored to a page and aligned =
+        kv_committed_len floored to a page. With is_insert=False all of
+        [start, kv_allocated_len) is freed.
+        """
+        if req.kv_freed:
+            raise IntegrityError(f"cache_finished_req on request row {req.req_pool_idx} that was already freed")
+        ps = self.page_size
+        allocated = req.kv_allocated_len
+        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :allocated].to(torch.int64)
+        start = len(req.prefix_indices) // ps * ps
+        if self.disable:
+            start = 0
+        elif is_insert:
+            aligned = max(min(req.kv_committed_len, allocated) // ps * ps, start)
+            new_prefix_len = self.insert(RadixKey(req.token_ids(aligned), req.extra_key), kv[:aligned])
+            self._free(kv[start:new_prefix_len])
+            start = aligned
+        self._free(kv[start:])
+        self.req_to_token_pool.free(req.req_pool_idx)
+        self.dec_lock_ref(req.last_node)
+        req.kv_freed = True
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+        """See `BasePrefixCache.cache_unfinished_req`. After it, with n = len(fill_ids):
+
+            row [0, aligned)  the tree's slots (request duplicates freed), locked via last_node
+            row [aligned, n)  the request's own partial page (ps > 1), kept in prefix_indices
+        """
+        ps = self.page_size
+        fill_len = len(req.fill_ids)
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        kv = row[:fill_len].to(torch.int64)
+        if self.disable:
+            req.prefix_indices = kv
+            return
+        aligned = fill_len // ps * ps
+        start = len(req.prefix_indices) // ps * ps
+        key = RadixKey(req.fill_ids[:aligned], req.extra_key)
+        new_prefix_len = self.insert(key, kv[:aligned])
+        self._free(kv[start:new_prefix_len])
+        node, tree_len, values = self._walk(key.token_ids, key.extra_key, self.clock(), count_hit=False)
+        if tree_len != aligned:
+            raise IntegrityError(f"cache_unfinished_req: re-match found {tree_len} of {aligned} tokens just inserted")
+        new_indices = self._cat(values)
+        if start < tree_len:
+            row[start:tree_len] = new_indices[start:].to(row.dtype)
+        self.inc_lock_ref(node)
+        self.dec_lock_ref(req.last_node)
+        req.last_matched_prefix_len = tree_len
+        req.prefix_indices = torch.cat([new_indices, kv[tree_len:]])
+        req.last_node = node
+
+    def _free(self, slots: torch.Tensor) -> None:
+        if len(slots) > 0:
+            self.allocator.free(slots)
+
+    # -- inspection ---------------------------------------------------------------------
+
+    def _iter_nodes(self) -> Iterator[TreeNode]:
+        """Every non-root node, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def all_values_flatten(self) -> torch.Tensor:
+        """Every slot the tree owns (one tensor, no particular order)."""
+        return self._cat([node.value for node in self._iter_nodes()])
+
+    def take_events(self) -> list:
+        events, self._events = self._events, []
+        return events
+
+    def snapshot_events(self) -> list:
+        """The whole tree as `BlockStored` events (parents first), as if replayed from empty."""
+        events = []
+        stack = [(child, None) for child in self.root.children.values()]
+        while stack:
+            node, parent_hash = stack.pop()
+            hashes = chain_page_hashes(parent_hash, node.extra_key, node.key, self.page_size)
+            events.extend(stored_events(parent_hash, node.extra_key, node.key, hashes, self.page_size))
+            stack.extend((child, hashes[-1]) for child in node.children.values())
+        return events
+
+    def check_integrity(self) -> IntegrityReport:
+        """Walk the whole tree and check sizes, locks, shapes, child keys and slot ownership.
+
+        Checks: total_size, evictable_plus_protected, evictable_size, protected_size,
+        node_count, lock_refs, key_value_lengths, child_keys, unique_slots,
+        slots_not_free, eviction_queue, and page_layout when page_size > 1.
+        """
+        return IntegrityReport("radix cache", _radix_checks(self))
+
+    def pretty_print(self, max_nodes: int = 200) -> Tree:
+        """Rich tree: one line per node (tokens, first ids, lock, hits), at most `max_nodes`."""
+        title = Text(
+            f"radix cache  page_size={self.page_size}  total={self._total}  "
+            f"evictable={self._evictable}  protected={self._protected}  nodes={self._num_nodes}"
+        )
+        tree = Tree(title)
+        shown = 0
+        stack = [(child, tree) for child in reversed(list(self.root.children.values()))]
+        while stack and shown < max_nodes:
+            node, branch = stack.pop()
+            sub = branch.add(Text(self._node_label(node)))
+            shown += 1
+            stack.extend((child, sub) for child in reversed(list(node.children.values())))
+        if self._num_nodes > shown:
+            tree.add(Text(f"... {self._num_nodes - shown} more nodes"))
+        return tree
+
+    @staticmethod
+    def _node_label(node: TreeNode) -> str:
+        ids = node.key[:10].tolist()
+        more = "..." if len(node.key) > 10 else ""
+        namespace = f" extra_key={node.extra_key!r}" if node.extra_key is not None else ""
+        return f"{len(node.key)} tokens {ids}{more} lock_ref={node.lock_ref} hits={node.hit_count}{namespace}"
+
+
+# -- integrity walk -------------------------------------------------------------------------
+
+
+def _radix_checks(cache: RadixCache) -> list[Check]:
+    nodes = list(cache._iter_nodes())
+    total, evictable, protected = cache._total, cache._evictable, cache._protected
+    walked_total = sum(len(node.key) for node in nodes)
+    walked_evictable = sum(len(node.key) for node in nodes if node.lock_ref == 0)
+    walked_protected = sum(len(node.key) for node in nodes if node.lock_ref > 0)
+    values = cache._cat([node.value for node in nodes if node.value is not None])
+    checks = [
+        Check("total_size", walked_total == total, f"nodes hold {walked_total} tokens, total counter {total}"),
+        Check("evictable_plus_protected", evictable + protected == total,
+              f"evictable {evictable} + protected {protected} {_eq(evictable + protected, total)} total {total}"),
+        Check("evictable_size", walked_evictable == evictable,
+              f"unlocked nodes hold {walked_evictable} tokens, evictable counter {evictable}"),
+        Check("protected_size", walked_protected == protected,
+              f"locked nodes hold {walked_protected} tokens, protected counter {protected}"),
+        Check("node_count", len(nodes) == cache.num_nodes, f"walked {len(nodes)} nodes, counter {cache.num_nodes}"),
+        _lock_check(cache, nodes),
+        _shape_check(nodes, cache.page_size),
+        _child_key_check(cache, nodes),
+        _unique_slot_check(nodes, values, cache.page_size),
+        _free_slot_check(cache, values),
+        _eviction_queue_check(cache, nodes),
+    ]
+    if cache.page_size > 1:
+        checks.append(_page_layout_check(values, cache.page_size))
+    return checks
+
+
+def _eq(a: int, b: int) -> str:
+    return "==" if a == b else "!="
+
+
+def _first(bad: list[str], count: int, what: str) -> str:
+    if not bad:
+        return f"all {count} {what} ok"
+    return f"{len(bad)} of {count} {what} bad, e.g. " + "; ".join(bad[:3])
+
+
+def _lock_check(cache: RadixCache, nodes: list[TreeNode]) -> Check:
+    bad = [] if cache.root.lock_ref == 1 else [f"root lock_ref {cache.root.lock_ref} != 1"]
+    for node in nodes:
+        children_locks = sum(child.lock_ref for child in node.children.values())
+        if node.lock_ref < 0 or node.lock_ref < children_locks:
+            bad.append(f"node {node.id} lock_ref {node.lock_ref} < max(0, children's {children_locks})")
+    return Check("lock_refs", not bad, _first(bad, len(nodes), "nodes"))
+
+
+def _shape_check(nodes: list[TreeNode], page_size: int) -> Check:
+    bad = []
+    for node in nodes:
+        key_len = len(node.key)
+        value_len = -1 if node.value is None else len(node.value)
+        if key_len != value_len or key_len == 0 or key_len % page_size:
+            bad.append(f"node {node.id} key {key_len} value {value_len} (page_size {page_size})")
+    return Check("key_value_lengths", not bad, _first(bad, len(nodes), "nodes"))
+
+
+def _child_key_check(cache: RadixCache, nodes: list[TreeNode]) -> Check:
+    bad = []
+    for parent in [cache.root, *nodes]:
+        for child_key, child in parent.children.items():
+            expected = cache._child_key(child.extra_key, child.key, 0) if len(child.key) else None
+            if child.parent is not parent:
+                bad.append(f"node {child.id} listed under node {parent.id} but its parent is another node")
+            elif child_key != expected:
+                bad.append(f"node {child.id} registered under {child_key!r}, expected {expected!r}")
+            elif parent is not cache.root and child.extra_key != parent.extra_key:
+                bad.append(f"node {child.id} extra_key {child.extra_key!r} under {parent.extra_key!r}")
+    return Check("child_keys", not bad, _first(bad, len(nodes), "child links"))
+
+
+def _duplicates(ids: torch.Tensor) -> torch.Tensor:
+    unique, counts = torch.unique(ids, return_counts=True)
+    return unique[counts > 1]
+
+
+def _unique_slot_check(nodes: list[TreeNode], values: torch.Tensor, page_size: int) -> Check:
+    dup_slots = _duplicates(values)
+    detail = f"{len(dup_slots)} of {len(values)} slots owned by two nodes"
+    if len(dup_slots):
+        detail += f", e.g. {dup_slots[:5].tolist()}"
+    ok = len(dup_slots) == 0
+    if page_size > 1:
+        pages = [torch.unique(node.value // page_size) for node in nodes if node.value is not None]
+        dup_pages = _duplicates(torch.cat(pages)) if pages else dup_slots
+        ok = ok and len(dup_pages) == 0
+        detail += f"; {len(dup_pages)} pages owned by two nodes"
+        if len(dup_pages):
+            detail += f", e.g. {dup_pages[:5].tolist()}"
+    return Check("unique_slots", ok, detail)
+
+
+def _free_slot_check(cache: RadixCache, values: torch.Tensor) -> Check:
+    if cache.allocator is None:
+        return Check("slots_not_free", True, "no allocator to compare with")
+    free = cache.allocator.free_slot_ids().to(values.device)
+    both = values[torch.isin(values, free)]
+    detail = f"{len(both)} of {len(values)} tree slots are also in the allocator's {len(free)} free slots"
+    if len(both):
+        detail += f", e.g. {both[:5].tolist()}"
+    return Check("slots_not_free", len(both) == 0, detail)
+
+
+def _eviction_queue_check(cache: RadixCache, nodes: list[TreeNode]) -> Check:
+    queued = cache._queue.live_seqs()
+    leaves = [node for node in nodes if is_evictable_leaf(node)]
+    missing = [f"node {node.id}" for node in leaves if node.heap_seq not in queued]
+    return Check("eviction_queue", not missing, _first(missing, len(leaves), "evictable leaves queued"))
+
+
+def _page_layout_check(values: torch.Tensor, page_size: int) -> Check:
+    if len(values) % page_size:
+        return Check("page_layout", False, f"{len(values)} tree slots is not a multiple of page_size {page_size}")
+    pages = values.view(-1, page_size)
+    expected = pages[:, :1] + torch.arange(page_size, device=values.device)
+    bad = (pages[:, 0] % page_size != 0) | (pages != expected).any(dim=1)
+    detail = f"{int(bad.sum())} of {len(pages)} tree pages not page-aligned runs of consecutive slots"
+    return Check("page_layout", not bool(bad.any()), detail)

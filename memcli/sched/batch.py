@@ -1,0 +1,139 @@
+"""ScheduleBatch: the requests of one forward step and their length tensors.
+
+Memory is reached only through `memcli.mem_cache.common`; the batch holds the pools and the
+allocator as opaque references to pass along.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memcli.mem_cache import common
+
+
+class ScheduleBatch:
+    def __init__(self, reqs: list, stack):
+        self.reqs = list(reqs)
+        self.stack = stack
+        self.req_to_token_pool = stack.req_to_token_pool
+        self.token_to_kv_pool_allocator = stack.allocator
+        self.tree_cache = stack.tree_cache
+        self.device = stack.req_to_token_pool.device
+        self.forward_mode = "idle"
+        self.seq_lens_cpu = torch.empty(0, dtype=torch.int64)
+        self.seq_lens = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.req_pool_indices = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.prefix_lens_cpu = torch.empty(0, dtype=torch.int64)
+        self.extend_lens_cpu = torch.empty(0, dtype=torch.int64)
+        self.extend_num_tokens = 0
+        self.out_cache_loc: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def prepare_for_extend(self) -> None:
+        """Set every length field first, then allocate through `alloc_for_extend`."""
+        self.forward_mode = "extend"
+        prefix_lens = [len(r.prefix_indices) for r in self.reqs]
+        seq_lens = [len(r.fill_ids) for r in self.reqs]
+        extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
+        for req, ext in zip(self.reqs, extend_lens):
+            if ext != req.extend_input_len:
+                raise AssertionError(f"{req}: extend length {ext} != extend_input_len {req.extend_input_len}")
+        self.prefix_lens_cpu = torch.tensor(prefix_lens, dtype=torch.int64)
+        self.extend_lens_cpu = torch.tensor(extend_lens, dtype=torch.int64)
+        self.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
+        self.seq_lens = self.seq_lens_cpu.to(self.device, non_blocking=True)
+        self.extend_num_tokens = sum(extend_lens)
+        alloc = common.alloc_for_extend(self)
+        self.out_cache_loc = alloc.out_cache_loc
+        self.req_pool_indices = alloc.req_pool_indices
+        for req, row, seq in zip(self.reqs, alloc.req_pool_indices_list, seq_lens):
+            req.req_pool_idx = row
+            req.kv_allocated_len = seq
+
+    def prepare_for_decode(self) -> None:
+        """Allocate one slot per request at column `seq_lens`, then increment `seq_lens`."""
+        self.forward_mode = "decode"
+        self.out_cache_loc = common.alloc_for_decode(self, token_per_req=1)
+        self.seq_lens = self.seq_lens + 1
+        self.seq_lens_cpu = self.seq_lens_cpu + 1
+        for req in self.reqs:
+            req.kv_allocated_len += 1
+
+    def filter_batch(self, keep_indices: list[int] | None = None) -> None:
+        """Keep the unfinished requests (or exactly `keep_indices`). Frees nothing."""
+        if keep_indices is None:
+            keep_indices = [i for i, r in enumerate(self.reqs) if not r.finished]
+        if len(keep_indices) == len(self.reqs) and keep_indices == list(range(len(self.reqs))):
+            return
+        self.reqs = [self.reqs[i] for i in keep_indices]
+        if not self.reqs:
+            self._set_lengths([], [])
+            return
+        index_cpu = torch.tensor(keep_indices, dtype=torch.int64)
+        self.seq_lens_cpu = self.seq_lens_cpu[index_cpu]
+        index = index_cpu.to(self.device, non_blocking=True)
+        self.seq_lens = self.seq_lens[index]
+        self.req_pool_indices = self.req_pool_indices[index]
+        self.out_cache_loc = None
+
+    def merge_batch(self, other: "ScheduleBatch") -> None:
+        self.reqs.extend(other.reqs)
+        self.seq_lens_cpu = torch.cat([self.seq_lens_cpu, other.seq_lens_cpu])
+        self.seq_lens = torch.cat([self.seq_lens, other.seq_lens])
+        self.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
+        self.out_cache_loc = None
+
+    def _set_lengths(self, rows: list[int], seq_lens: list[int]) -> None:
+        self.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
+        self.seq_lens = self.seq_lens_cpu.to(self.device, non_blocking=True)
+        self.req_pool_indices = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def set_decode_lengths(self) -> None:
+        """Rebuild the length tensors from the requests (after prefill merged them)."""
+        self._set_lengths([r.req_pool_idx for r in self.reqs], [r.kv_allocated_len for r in self.reqs])
+
+    def new_tokens_next_decode(self, keep: list[int] | None = None) -> int:
+        lens = self.seq_lens_cpu if keep is None else self.seq_lens_cpu[keep]
+        return common.decode_tokens_needed(self.token_to_kv_pool_allocator, lens)
+
+    def check_decode_mem(self, keep: list[int] | None = None) -> bool:
+        """True when the next decode step fits (evicting the shortfall from the tree)."""
+        lens = None if keep is None else self.seq_lens_cpu[torch.tensor(keep, dtype=torch.int64)]
+        return common.check_decode_mem(self, lens)
+
+    def retract_decode(self, retract_decode_steps: int) -> tuple[list, float]:
+        """Release requests until the next decode step fits; at least one when bs > 1.
+
+        Victims: fewest output tokens first, ties by longest prompt. Returns the retracted
+        requests and the new-token ratio of the rest.
+        """
+        order = sorted(range(len(self.reqs)),
+                       key=lambda i: (len(self.reqs[i].output_ids), -self.reqs[i].input_len), reverse=True)
+        retracted = []
+        while True:
+            if len(order) == 1:
+                break
+            idx = order.pop()
+            req = self.reqs[idx]
+            retracted.append(req)
+            common.release_req(self.tree_cache, req, is_insert=False)
+            common.evict_for_headroom(self.tree_cache, self.token_to_kv_pool_allocator,
+                                      len(order) * retract_decode_steps)
+            if self.check_decode_mem(sorted(order)):
+                break
+        self.filter_batch(sorted(order))
+        for req in retracted:
+            req.reset_for_retract()
+        total_out = sum(len(r.output_ids) for r in self.reqs)
+        total_max = sum(r.max_new_tokens for r in self.reqs)
+        ratio = min(1.0, (total_out + retract_decode_steps * len(self.reqs)) / (total_max + 1))
+        return retracted, ratio

@@ -1,0 +1,382 @@
+"""The scheduler loop with a simulated forward step.
+
+One `step()`: admit arrivals, then run a prefill batch if the budget admits one (prefill has
+priority), else decode the running batch (retracting when its next step does not fit), else
+idle (the clock jumps to the next arrival and the idle check runs). There is no model: each
+output token is a fresh id, and the simulated clock advances by the cost model of
+`SimConfig`. Every arrival, admission, allocation, finish, retraction and abort is recorded.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+
+from memcli.errors import OutOfMemoryError, RequestSlotsExhausted
+from memcli.mem_cache import common
+from memcli.mem_cache.check import check_memory, held_by_request
+from memcli.sched.batch import ScheduleBatch
+from memcli.sched.policy import AddResult, PrefillAdder, order_waiting, uses_lpm
+from memcli.sched.req import Req
+
+
+class Event(NamedTuple):
+    step: int
+    time_ms: float
+    kind: str  # arrive, admit, alloc, finish, retract, abort, oom
+    rid: str
+    tokens: int
+
+
+class StepRecord(NamedTuple):
+    step: int
+    time_ms: float
+    kind: str  # prefill, decode, idle
+    batch_size: int
+    new_tokens: int
+    running: int
+    waiting: int
+    available: int
+    evictable: int
+    protected: int
+    held_tokens: int
+    held_pages: int
+
+
+@dataclass
+class SchedulerStats:
+    prefill_batches: int = 0
+    decode_steps: int = 0
+    idle_steps: int = 0
+    allocations: int = 0
+    allocated_tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+    retractions: int = 0
+    retracted_requests: int = 0
+    recomputed_tokens: int = 0
+    oom_events: int = 0
+    peak_request_rows: int = 0
+    checks_run: int = 0
+    forced_retractions: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, stack, sched_config, sim_config, page_size: int, output_token_base: int = 1 << 40,
+                 check_every_step: bool = False, retract_every: int = 0, record_events: bool = True,
+                 on_step: Callable[["Scheduler", StepRecord], None] | None = None):
+        self.stack = stack
+        self.cfg = sched_config
+        self.sim = sim_config
+        self.page_size = page_size
+        self.tree_cache = stack.tree_cache
+        self.device = stack.req_to_token_pool.device
+        self.max_running = stack.req_to_token_pool.size
+        self.check_every_step = check_every_step
+        self.retract_every = retract_every
+        self.record_events = record_events
+        self.on_step = on_step
+        self.next_token = output_token_base
+        self.clock_ms = 0.0
+        self.step_count = 0
+        self.pending: deque[Req] = deque()
+        self.waiting: list[Req] = []
+        self.running = ScheduleBatch([], stack)
+        self.chunked_req: Req | None = None
+        self.finished: list[Req] = []
+        self.events: list[Event] = []
+        self.records: list[StepRecord] = []
+        self.stats = SchedulerStats()
+        self.init_new_token_ratio = min(sched_config.init_new_token_ratio, 1.0)
+        self.min_new_token_ratio = self.init_new_token_ratio * sched_config.min_new_token_ratio_factor
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / max(
+            sched_config.new_token_ratio_decay_steps, 1)
+        self.new_token_ratio = self.init_new_token_ratio
+        if hasattr(self.tree_cache, "clock"):
+            self.tree_cache.clock = lambda: self.clock_ms
+
+    # -- requests -----------------------------------------------------------------------
+    def new_req(self, rid: str, input_ids, max_new_tokens: int, extra_key: str | None = None,
+                arrival_ms: float = 0.0) -> Req:
+        return Req(rid, input_ids, max_new_tokens, self.device, extra_key, arrival_ms)
+
+    def add_request(self, req: Req) -> None:
+        """Queue a request; it arrives when the clock reaches `req.arrival_ms`."""
+        self.pending.append(req)
+
+    def active_reqs(self) -> list[Req]:
+        """Requests that hold memory now: the running batch and the request being chunked."""
+        reqs = list(self.running.reqs)
+        if self.chunked_req is not None:
+            reqs.append(self.chunked_req)
+        return reqs
+
+    def is_done(self) -> bool:
+        return not (self.pending or self.waiting or self.running.reqs or self.chunked_req)
+
+    def _event(self, kind: str, rid: str, tokens: int = 0) -> None:
+        if self.record_events:
+            self.events.append(Event(self.step_count, self.clock_ms, kind, rid, tokens))
+
+    def _token(self) -> int:
+        self.next_token += 1
+        return self.next_token - 1
+
+    # -- the loop -------------------------------------------------------------------------
+    def run(self, max_steps: int | None = None) -> None:
+        while not self.is_done() and (max_steps is None or self.step_count < max_steps):
+            self.step()
+
+    def step(self) -> StepRecord:
+        self._admit_arrivals()
+        batch = self.get_new_batch_prefill()
+        if batch is not None:
+            kind, bs, new_tokens = "prefill", batch.batch_size, batch.extend_num_tokens
+            self.clock_ms += self._prefill_cost_ms(batch)
+            self.process_prefill_result(batch)
+        elif self.running.reqs:
+            kind, bs, new_tokens = "decode", 0, 0
+            decoded = self.update_running_batch()
+            if decoded is not None:
+                bs, new_tokens = decoded.batch_size, decoded.batch_size
+                self.clock_ms += self._decode_cost_ms(decoded)
+                self.process_decode_result(decoded)
+        else:
+            kind, bs, new_tokens = "idle", 0, 0
+            self._idle()
+        record = self._record(kind, bs, new_tokens)
+        self.step_count += 1
+        if self.check_every_step:
+            self.run_check()
+        if self.on_step is not None:
+            self.on_step(self, record)
+        return record
+
+    def run_check(self) -> None:
+        self.stats.checks_run += 1
+        check_memory(self.stack, self.active_reqs())
+
+    def _admit_arrivals(self) -> None:
+        while self.pending and self.pending[0].arrival_ms <= self.clock_ms:
+            req = self.pending.popleft()
+            self.waiting.append(req)
+            self._event("arrive", req.rid, req.input_len)
+
+    def _idle(self) -> None:
+        self.stats.idle_steps += 1
+        self.new_token_ratio = self.init_new_token_ratio
+        if self.pending and not self.waiting:
+            self.clock_ms = max(self.clock_ms, self.pending[0].arrival_ms)
+        self.run_check()
+
+    def _record(self, kind: str, bs: int, new_tokens: int) -> StepRecord:
+        u = common.usage(self.tree_cache, self.stack.allocator)
+        held_tokens = held_pages = 0
+        for req in self.active_reqs():
+            t, p = held_by_request(req, self.stack.allocator.page_size)
+            held_tokens += t
+            held_pages += p
+        rows = self.stack.req_to_token_pool.size - self.stack.req_to_token_pool.available_size()
+        self.stats.peak_request_rows = max(self.stats.peak_request_rows, rows)
+        record = StepRecord(self.step_count, self.clock_ms, kind, bs, new_tokens, len(self.running.reqs),
+                            len(self.waiting), u["available"], u["evictable"], u["protected"], held_tokens,
+                            held_pages)
+        self.records.append(record)
+        return record
+
+    # -- prefill --------------------------------------------------------------------------
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        if len(self.running.reqs) >= self.max_running and self.chunked_req is None:
+            return None
+        matched = uses_lpm(self.waiting, self.cfg.policy, self.tree_cache)
+        self.waiting = order_waiting(self.waiting, self.cfg.policy, self.tree_cache)
+        adder = PrefillAdder(self.tree_cache, self.stack.allocator, self.running.reqs, self.new_token_ratio,
+                             self.cfg.max_prefill_tokens, self.cfg.chunked_prefill_size, self.page_size,
+                             self.cfg.max_new_tokens_clip)
+        chunked_pending = self.chunked_req
+        if chunked_pending is not None:
+            chunked_pending.init_next_round_input(None)
+            still, added = adder.add_chunked_req(chunked_pending)
+            if added:
+                self.chunked_req = still
+        for req in list(self.waiting):
+            slots_used = len(self.running.reqs) + len(adder.can_run_list) + (self.chunked_req is not None)
+            if slots_used >= self.max_running:
+                break
+            if not matched:
+                req.init_next_round_input(self.tree_cache)
+            has_chunked = self.chunked_req is not None or adder.new_chunked_req is not None
+            result = adder.add_one_req(req, has_chunked)
+            if req in adder.can_run_list:
+                self.waiting.remove(req)
+            if result != AddResult.CONTINUE:
+                break
+        if adder.new_chunked_req is not None:
+            self.chunked_req = adder.new_chunked_req
+        if not adder.can_run_list:
+            self._unstick()
+            return None
+        return self._prepare_prefill(adder.can_run_list)
+
+    def _unstick(self) -> None:
+        """Nothing holds memory and the head request still cannot be admitted: the pool can
+        never hold it, so abort it instead of waiting forever."""
+        if self.running.reqs or self.chunked_req is not None or not self.waiting:
+            return
+        self._abort_waiting(self.waiting.pop(0))
+
+    def _abort_waiting(self, req: Req) -> None:
+        req.aborted = req.finished = True
+        self.stats.aborted += 1
+        self._event("abort", req.rid, req.input_len)
+
+    def _prepare_prefill(self, reqs: list[Req]) -> ScheduleBatch | None:
+        batch = ScheduleBatch(reqs, self.stack)
+        try:
+            batch.prepare_for_extend()
+        except (OutOfMemoryError, RequestSlotsExhausted) as exc:
+            self._prefill_failed(reqs, exc)
+            return None
+        self.stats.prefill_batches += 1
+        self.stats.allocations += 1
+        self.stats.allocated_tokens += batch.extend_num_tokens
+        for req in reqs:
+            if req.first_cached_tokens is None:
+                req.first_cached_tokens = len(req.prefix_indices)
+                req.admit_ms = self.clock_ms
+                self._event("admit", req.rid, len(req.prefix_indices))
+            elif req.retraction_count and req.kv_committed_len == 0:
+                self.stats.recomputed_tokens += req.extend_input_len
+        self._event("alloc", "", batch.extend_num_tokens)
+        return batch
+
+    def _prefill_failed(self, reqs: list[Req], exc: Exception) -> None:
+        """Put the batch back (unlocking what admission locked) and record the OOM."""
+        self.stats.oom_events += 1
+        self._event("oom", reqs[0].rid, sum(r.extend_input_len for r in reqs))
+        requeue = [r for r in reqs if r is not self.chunked_req]
+        for req in requeue:
+            self.tree_cache.dec_lock_ref(req.last_node)
+            req.prefix_indices = req.prefix_indices[:0]
+            req.last_node = None
+        self.waiting[:0] = requeue
+        self._unstick()
+
+    def process_prefill_result(self, batch: ScheduleBatch) -> None:
+        keep = []
+        for i, req in enumerate(batch.reqs):
+            req.kv_committed_len = len(req.fill_ids)
+            if req is self.chunked_req:
+                common.cache_unfinished(self.tree_cache, req, chunked=True)
+                continue
+            req.output_ids.append(self._token())
+            if len(req.output_ids) >= req.max_new_tokens:
+                self._finish(req)
+            else:
+                common.cache_unfinished(self.tree_cache, req)
+                keep.append(i)
+        batch.filter_batch(keep)
+        if batch.reqs:
+            self.running.merge_batch(batch)
+
+    # -- decode ---------------------------------------------------------------------------
+    def update_running_batch(self) -> ScheduleBatch | None:
+        """Retract when the next decode step does not fit (or when forced), then allocate it."""
+        batch = self.running
+        n = self.retract_every
+        if n and self.stats.decode_steps % n == n - 1 and len(batch.reqs) > 1:
+            self.stats.forced_retractions += 1
+            self._retract()
+        if not batch.check_decode_mem():
+            if len(batch.reqs) > 1:
+                self._retract()
+            if not batch.check_decode_mem():
+                self._abort_running_oom()
+                return None
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+        batch.prepare_for_decode()
+        self.stats.decode_steps += 1
+        self.stats.allocations += 1
+        self.stats.allocated_tokens += batch.batch_size
+        self._event("alloc", "", batch.batch_size)
+        return batch
+
+    def _retract(self) -> None:
+        retracted, ratio = self.running.retract_decode(self.cfg.retract_decode_steps)
+        self.new_token_ratio = ratio
+        self.stats.retractions += 1
+        self.stats.retracted_requests += len(retracted)
+        for req in retracted:
+            self._event("retract", req.rid, req.seqlen)
+        # Retracted requests were admitted before anything still waiting: they go first.
+        self.waiting[:0] = sorted(retracted, key=lambda r: r.arrival_ms)
+
+    def _abort_running_oom(self) -> None:
+        self.stats.oom_events += 1
+        for req in self.running.reqs:
+            self._event("oom", req.rid, req.seqlen)
+            req.aborted = True
+            self._finish(req)
+        self.running.filter_batch()
+
+    def process_decode_result(self, batch: ScheduleBatch) -> None:
+        any_finished = False
+        with common.free_group(self.stack.allocator):
+            for req in batch.reqs:
+                req.kv_committed_len += 1
+                req.output_ids.append(self._token())
+                if len(req.output_ids) >= req.max_new_tokens:
+                    self._finish(req)
+                    any_finished = True
+        if any_finished:
+            batch.filter_batch()
+
+    def _finish(self, req: Req) -> None:
+        req.finished = True
+        req.finish_ms = self.clock_ms
+        common.release_req(self.tree_cache, req, is_insert=True)
+        if req.aborted:
+            self.stats.aborted += 1
+            self._event("abort", req.rid, req.seqlen)
+        else:
+            self.stats.finished += 1
+            self._event("finish", req.rid, req.seqlen)
+        self.finished.append(req)
+
+    def abort(self, rid: str) -> bool:
+        """Abort a request wherever it is; returns False when unknown or already done."""
+        for queue in (self.waiting, self.pending):
+            for req in list(queue):
+                if req.rid == rid:
+                    queue.remove(req)
+                    self._abort_waiting(req)
+                    return True
+        if self.chunked_req is not None and self.chunked_req.rid == rid:
+            req, self.chunked_req = self.chunked_req, None
+            req.aborted = True
+            self._finish(req)
+            return True
+        for req in self.running.reqs:
+            if req.rid == rid:
+                req.aborted = True
+                self._finish(req)
+                self.running.filter_batch()
+                return True
+        return False
+
+    # -- cost model -----------------------------------------------------------------------
+    def _prefill_cost_ms(self, batch: ScheduleBatch) -> float:
+        kv_read = int(batch.prefix_lens_cpu.sum())
+        return (self.sim.step_base_ms + self.sim.prefill_token_us * batch.extend_num_tokens / 1e3
+                + self.sim.kv_read_ns * kv_read / 1e6)
+
+    def _decode_cost_ms(self, batch: ScheduleBatch) -> float:
+        kv_read = int(batch.seq_lens_cpu.sum())
+        return (self.sim.step_base_ms + self.sim.decode_req_us * batch.batch_size / 1e3
+                + self.sim.kv_read_ns * kv_read / 1e6)

@@ -1,0 +1,123 @@
+"""The one builder that turns a config into a memory stack.
+
+Every component receives `memory.page_size` from the config. The only way to give a component
+another page size is `page_size_overrides`, a debugging switch used by `check-page-size
+--inject` to show what a mismatch breaks; normal commands never pass it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from memcli.config import Config
+from memcli.errors import ConfigError
+from memcli.mem_cache.allocator import BaseAllocator, make_allocator
+from memcli.mem_cache.base_prefix_cache import BasePrefixCache
+from memcli.mem_cache.chunk_cache import ChunkCache
+from memcli.mem_cache.null_cache import NullCache
+from memcli.mem_cache.pools import KVPool, ReqToTokenPool
+from memcli.mem_cache.radix_cache import RadixCache
+
+COMPONENTS = ("kv_pool", "allocator", "tree_cache", "scheduler", "null_cache")
+
+
+@dataclass
+class MemoryStack:
+    """Pools, allocator and prefix cache built from one config."""
+
+    config: Config
+    device: torch.device
+    backend: str
+    req_to_token_pool: ReqToTokenPool
+    kv_pool: KVPool
+    allocator: BaseAllocator
+    tree_cache: BasePrefixCache
+    scheduler_page_size: int
+    injected: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.allocator.size
+
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    def page_sizes(self) -> dict[str, int]:
+        """The page size every component holds or reads."""
+        return {
+            "config": self.config.page_size,
+            "kv_pool": self.kv_pool.page_size,
+            "allocator": self.allocator.page_size,
+            "tree_cache": self.tree_cache.page_size,
+            "scheduler": self.scheduler_page_size,
+            "null_cache": self.injected.get("null_cache", self.config.page_size),
+        }
+
+    def reset(self) -> None:
+        """Everything free again (only valid when no request runs)."""
+        self.tree_cache.reset()
+        self.req_to_token_pool.clear()
+        self.allocator.clear()
+
+
+def resolve_device(config: Config) -> torch.device:
+    want = config.runtime.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("runtime.device: cuda requested but no CUDA device is visible",
+                          hint="use --set runtime.device=cpu (or auto)")
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(want)
+
+
+def resolve_backend(config: Config, device: torch.device) -> str:
+    backend = config.runtime.kernel_backend
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda":
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("runtime.kernel_backend: triton needs a CUDA device (or TRITON_INTERPRET=1)",
+                              hint="use --set runtime.kernel_backend=torch on a CPU")
+    return backend
+
+
+def build_stack(config: Config, cache_kind: str | None = None,
+                page_size_overrides: dict[str, int] | None = None) -> MemoryStack:
+    """Build pools, allocator and prefix cache. `cache_kind` overrides `cache.kind`."""
+    overrides = dict(page_size_overrides or {})
+    unknown = set(overrides) - set(COMPONENTS)
+    if unknown:
+        raise ConfigError(f"cannot inject a page size into {', '.join(sorted(unknown))}",
+                          hint=f"components: {', '.join(COMPONENTS)}")
+    ps = config.page_size
+    device = resolve_device(config)
+    backend = resolve_backend(config, device)
+    mem, model = config.memory, config.model
+    size = config.pool_size
+    req_to_token_pool = ReqToTokenPool(mem.max_running_requests, config.req_to_token_cols, device)
+    kv_pool = KVPool(size, overrides.get("kv_pool", ps), model.num_layers, model.num_kv_heads, model.head_dim,
+                     model.dtype, device, materialized=mem.kv_pool == "materialized")
+    alloc_ps = overrides.get("allocator", ps)
+    allocator = make_allocator(size // alloc_ps * alloc_ps, alloc_ps, device, backend, mem.need_sort, mem.debug)
+    kind = cache_kind or config.cache.kind
+    tree_ps = overrides.get("null_cache" if kind == "none" else "tree_cache", ps)
+    tree_cache = make_tree_cache(kind, config, req_to_token_pool, allocator, tree_ps)
+    return MemoryStack(config, device, backend, req_to_token_pool, kv_pool, allocator, tree_cache,
+                       overrides.get("scheduler", ps), overrides)
+
+
+def make_tree_cache(kind: str, config: Config, req_to_token_pool: ReqToTokenPool, allocator: BaseAllocator,
+                    page_size: int) -> BasePrefixCache:
+    if kind == "radix":
+        return RadixCache(req_to_token_pool, allocator, page_size,
+                          eviction_policy=config.cache.eviction_policy, kv_events=config.cache.kv_events)
+    if kind == "chunk":
+        return ChunkCache(req_to_token_pool, allocator, page_size)
+    if kind == "none":
+        return NullCache(allocator, req_to_token_pool, page_size)
+    raise ConfigError(f"cache.kind: invalid value {kind!r}", hint="cache.kind must be one of radix, chunk, none")

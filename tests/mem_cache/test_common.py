@@ -1,0 +1,152 @@
+"""alloc_for_extend / alloc_for_decode / release: exact slots, eviction of the shortfall, OOM."""
+
+import pytest
+import torch
+
+from memcli.errors import OutOfMemoryError, RequestSlotsExhausted
+from memcli.mem_cache import common
+from memcli.mem_cache.base_prefix_cache import RadixKey
+from memcli.sched.batch import ScheduleBatch
+from memcli.sched.req import Req
+from tests.sched.helpers import small_stack, tokens
+
+
+def make_reqs(stack, *token_arrays, max_new=4):
+    reqs = [Req(str(i), t, max_new, stack.device) for i, t in enumerate(token_arrays)]
+    for r in reqs:
+        r.init_next_round_input(stack.tree_cache)
+    return reqs
+
+
+def extend(stack, reqs):
+    batch = ScheduleBatch(reqs, stack)
+    batch.prepare_for_extend()
+    return batch
+
+
+def row(stack, req, n=None):
+    n = req.kv_allocated_len if n is None else n
+    return stack.req_to_token_pool.req_to_token[req.req_pool_idx, :n].tolist()
+
+
+def test_extend_token_path_exact_slots():
+    _, stack = small_stack(page_size=1, pool=64)
+    a, b = make_reqs(stack, tokens((0, 3)), tokens((100, 2)))
+    batch = extend(stack, [a, b])
+    assert batch.out_cache_loc.tolist() == [1, 2, 3, 4, 5]
+    assert (a.req_pool_idx, b.req_pool_idx) == (0, 1)
+    assert row(stack, a) == [1, 2, 3] and row(stack, b) == [4, 5]
+    assert batch.out_cache_loc.dtype == torch.int64
+
+
+def test_extend_paged_continues_the_prefix_partial_page():
+    _, stack = small_stack(page_size=4, pool=64)
+    (a,) = make_reqs(stack, tokens((0, 6)))
+    extend(stack, [a])
+    assert row(stack, a) == [4, 5, 6, 7, 8, 9]  # pages 1 and 2, position t at offset t % 4
+    # A second round of the same request continues after its own slots (chunk-style prefix).
+    a.prefix_indices = torch.tensor(row(stack, a), dtype=torch.int64)
+    a.fill_ids = tokens((0, 9))
+    a.extend_input_len = 3
+    batch = extend(stack, [a])
+    assert batch.out_cache_loc.tolist() == [10, 11, 12]  # fills page 2, then opens page 3
+    assert row(stack, a) == [4, 5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def test_last_loc_comes_from_prefix_indices_not_req_to_token():
+    _, stack = small_stack(page_size=4, pool=64)
+    (a,) = make_reqs(stack, tokens((0, 2)))
+    a.prefix_indices = torch.tensor([40], dtype=torch.int64)  # page 10, never written to req_to_token
+    a.fill_ids = tokens((0, 6))
+    a.extend_input_len = 5
+    batch = extend(stack, [a])
+    assert batch.out_cache_loc.tolist() == [41, 42, 43, 4, 5]
+    assert row(stack, a) == [40, 41, 42, 43, 4, 5]
+
+
+def test_decode_writes_at_old_seq_len_then_caller_increments():
+    _, stack = small_stack(page_size=4, pool=64)
+    a, b = make_reqs(stack, tokens((0, 4)), tokens((50, 3)))
+    batch = extend(stack, [a, b])
+    assert row(stack, a) == [4, 5, 6, 7] and row(stack, b) == [8, 9, 10]
+    batch.prepare_for_decode()
+    # a's position 4 opens a new page (4 % 4 == 0); b continues its page.
+    assert batch.out_cache_loc.tolist() == [12, 11]
+    assert batch.seq_lens.tolist() == [5, 4] and batch.seq_lens_cpu.tolist() == [5, 4]
+    assert row(stack, a) == [4, 5, 6, 7, 12] and row(stack, b) == [8, 9, 10, 11]
+
+
+def test_evicts_only_the_shortfall():
+    _, stack = small_stack(page_size=1, pool=16)
+    tree = stack.tree_cache
+    slots = stack.allocator.alloc(12)
+    tree.insert(RadixKey(tokens((0, 6))), slots[:6])
+    tree.insert(RadixKey(tokens((100, 6))), slots[6:])
+    assert stack.allocator.available_size() == 4
+    asked = []
+    real_evict = tree.evict
+    tree.evict = lambda n: asked.append(n) or real_evict(n)
+    (a,) = make_reqs(stack, tokens((500, 7)))
+    extend(stack, [a])
+    assert asked == [3]  # need 7, available 4
+    assert tree.evictable_size() == 6  # one whole leaf of 6 went, the other stayed
+
+
+def test_no_eviction_when_memory_suffices():
+    _, stack = small_stack(page_size=4, pool=64)
+    tree = stack.tree_cache
+    tree.insert(RadixKey(tokens((0, 8))), stack.allocator.alloc(8))
+    (a,) = make_reqs(stack, tokens((500, 5)))
+    extend(stack, [a])
+    assert tree.evictable_size() == 8
+
+
+def test_oom_raises_with_numbers_and_returns_request_rows():
+    _, stack = small_stack(page_size=4, pool=16)
+    a, b = make_reqs(stack, tokens((0, 9)), tokens((100, 9)))
+    rows_before = stack.req_to_token_pool.available_size()
+    with pytest.raises(OutOfMemoryError) as info:
+        extend(stack, [a, b])
+    assert "need 24 tokens, available 16 + evictable 0, protected 0" in str(info.value)
+    assert stack.req_to_token_pool.available_size() == rows_before
+    assert stack.allocator.available_size() == 16
+    assert a.req_pool_idx is None
+
+
+def test_request_rows_exhausted_is_typed():
+    _, stack = small_stack(page_size=1, pool=64, rows=1)
+    reqs = make_reqs(stack, tokens((0, 2)), tokens((10, 2)))
+    with pytest.raises(RequestSlotsExhausted, match="max_running_requests"):
+        extend(stack, reqs)
+
+
+def test_page_size_mismatch_is_refused():
+    from memcli.stack import build_stack
+    from tests.sched.helpers import small_config
+
+    stack = build_stack(small_config(page_size=16, pool=256), page_size_overrides={"tree_cache": 1})
+    (a,) = make_reqs(stack, tokens((0, 5)))
+    with pytest.raises(common.PageSizeMismatch, match="allocator 16, tree cache 1"):
+        extend(stack, [a])
+
+
+def test_extend_needs_exact_pages_not_a_page_per_request():
+    _, stack = small_stack(page_size=4, pool=64)
+    alloc = stack.allocator
+    prefix = torch.tensor([0, 3, 4])
+    seq = torch.tensor([4, 5, 8])
+    assert common.extend_tokens_needed(alloc, prefix, seq) == 4 * (1 + 1 + 1)
+    assert common.decode_tokens_needed(alloc, torch.tensor([4, 5, 8, 9])) == 8
+
+
+def test_release_frees_exactly_what_was_allocated_once():
+    _, stack = small_stack(page_size=4, pool=64, cache="chunk")
+    (a,) = make_reqs(stack, tokens((0, 6)))
+    batch = extend(stack, [a])
+    batch.prepare_for_decode()
+    a.kv_committed_len = a.kv_allocated_len
+    common.release_req(stack.tree_cache, a)
+    assert stack.allocator.available_size() == 64
+    assert stack.req_to_token_pool.available_size() == stack.req_to_token_pool.size
+    with pytest.raises(Exception, match="already freed"):
+        common.release_req(stack.tree_cache, a)
