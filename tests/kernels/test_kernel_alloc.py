@@ -1,0 +1,278 @@
+"""alloc_extend / alloc_decode / alloc_decode_write: worked examples, kernel vs reference."""
+
+import pytest
+import torch
+
+from memcli.kernels import (
+    alloc_decode,
+    alloc_decode_torch,
+    alloc_decode_triton,
+    alloc_decode_write,
+    alloc_decode_write_torch,
+    alloc_decode_write_triton,
+    alloc_extend,
+    alloc_extend_torch,
+    alloc_extend_triton,
+)
+from memcli.kernels.cases import random_decode_case, random_extend_case
+
+BACKENDS = ["triton", "torch"]
+PAGE_SIZES = [1, 4, 16, 64]
+# Compiled kernels on a CUDA host, the Triton interpreter on CPU (see tests/conftest.py).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def i64(values):
+    return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def spec_alloc_extend(prefix_lens, seq_lens, last_loc, free_pages, ps):
+    """The three-part layout, literally as the reference stack describes it."""
+    out, page_start = [], 0
+    for pre, seq, last in zip(prefix_lens, seq_lens, last_loc):
+        new_pages = cdiv(seq, ps) - cdiv(pre, ps)
+        n1 = min(seq, cdiv(pre, ps) * ps) - pre
+        out += [last + 1 + k for k in range(n1)]
+        if pre + n1 < seq:
+            n2 = seq // ps * ps - cdiv(pre, ps) * ps
+            out += [free_pages[page_start + k // ps] * ps + k % ps for k in range(n2)]
+            if pre + n1 + n2 < seq:
+                page = free_pages[page_start + new_pages - 1]
+                out += [page * ps + k for k in range(seq - seq // ps * ps)]
+        page_start += new_pages
+    return out
+
+
+def spec_decode_slots(needs_page, last_loc, free_pages, ps):
+    out, taken = [], 0
+    for needs, last in zip(needs_page, last_loc):
+        out.append(free_pages[taken] * ps if needs else last + 1)
+        taken += int(needs)
+    return out
+
+
+def extend_args(case):
+    return (case.prefix_lens, case.seq_lens, case.last_loc, case.free_pages, case.page_size,
+            case.extend_num_tokens)
+
+
+# ----------------------------------------------------------------------------- worked examples
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alloc_extend_worked_example(backend):
+    free_pages = torch.arange(1, 9, device=DEVICE)
+    out = alloc_extend(i64([0, 5, 8]), i64([6, 11, 9]), i64([-1, 40, 47]), free_pages, 4, 13,
+                       backend=backend)
+    assert out.dtype == torch.int64
+    assert out.tolist() == [4, 5, 6, 7, 8, 9, 41, 42, 43, 12, 13, 14, 16]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alloc_extend_page_size_one_takes_free_slots_in_order(backend):
+    free_slots = i64([9, 3, 7, 1, 8, 2, 6, 5, 4])
+    out = alloc_extend(i64([0, 2, 5]), i64([3, 4, 8]), i64([-1, 11, 12]), free_slots, 1, 8,
+                       backend=backend)
+    assert out.tolist() == free_slots[:8].tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alloc_extend_inside_prefix_page_takes_no_page(backend):
+    # ps 16, prefix of 5 ending at slot 84 (page 5); 3 new tokens stay on page 5.
+    out = alloc_extend(i64([5]), i64([8]), i64([84]), i64([7]), 16, 3, backend=backend)
+    assert out.tolist() == [85, 86, 87]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alloc_extend_empty_batch(backend):
+    empty = i64([])
+    assert alloc_extend(empty, empty, empty, i64([1]), 4, 0, backend=backend).numel() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alloc_decode_worked_example(backend):
+    out = alloc_decode(i64([7, 9, 12]), i64([21, 99, 42]), i64([6, 2]), 4, backend=backend)
+    assert out.tolist() == [22, 24, 43]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alloc_decode_counts_earlier_new_pages(backend):
+    # ps 4: requests 0, 2 and 3 open pages, request 1 does not.
+    out = alloc_decode(i64([5, 6, 1, 9]), i64([15, 33, -1, 7]), i64([3, 8, 2, 11]), 4,
+                       backend=backend)
+    assert out.tolist() == [12, 34, 32, 8]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alloc_decode_write_worked_example(backend):
+    req_to_token = torch.full((4, 10), -7, dtype=torch.int32, device=DEVICE)
+    req_to_token[1, :6] = torch.arange(100, 106, dtype=torch.int32)  # page 25 and 26
+    req_to_token[3, :8] = torch.arange(200, 208, dtype=torch.int32)  # pages 50, 51
+    before = req_to_token.clone()
+    out = alloc_decode_write(i64([6, 8, 0]), i64([1, 3, 2]), req_to_token, i64([5, 9]), 4,
+                             backend=backend)
+    assert out.tolist() == [106, 20, 36]
+    before[1, 6], before[3, 8], before[2, 0] = 106, 20, 36
+    assert torch.equal(req_to_token, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alloc_decode_write_page_size_one_takes_free_slots(backend):
+    req_to_token = torch.zeros((3, 8), dtype=torch.int32, device=DEVICE)
+    out = alloc_decode_write(i64([3, 0, 5]), i64([2, 0, 1]), req_to_token, i64([17, 4, 9, 30]),
+                             1, backend=backend)
+    assert out.tolist() == [17, 4, 9]
+    assert [req_to_token[2, 3].item(), req_to_token[0, 0].item(), req_to_token[1, 5].item()] == \
+        [17, 4, 9]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_short_free_list_reads_as_negative_slots(backend):
+    # Capacity is the caller's job; a broken promise must not read outside the free list.
+    out = alloc_extend(i64([0]), i64([6]), i64([-1]), i64([3]), 4, 6, backend=backend)
+    assert out.tolist() == [12, 13, 14, 15, -4, -3]
+    assert alloc_decode(i64([1, 5]), i64([-1, 7]), i64([]), 4, backend=backend).tolist() == \
+        [-4, -4]
+
+
+# ----------------------------------------------------------------------------- random cases
+
+
+def _check_extend_layout(case, out):
+    """Every position t sits at offset t % ps; slots are distinct and come from the right pages."""
+    ps, out = case.page_size, out.tolist()
+    pages = set(case.free_pages.tolist())
+    assert len(set(out)) == len(out)
+    k = 0
+    for pre, seq, last in zip(case.prefix_lens.tolist(), case.seq_lens.tolist(),
+                              case.last_loc.tolist()):
+        for pos in range(pre, seq):
+            slot = out[k]
+            assert slot % ps == pos % ps
+            if pos < cdiv(pre, ps) * ps:
+                assert slot // ps == last // ps
+            else:
+                assert slot // ps in pages
+            k += 1
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_alloc_extend_random_matches_reference_and_spec(page_size):
+    gen = torch.Generator().manual_seed(1000 + page_size)
+    for bs in (1, 2, 7, 64):
+        case = random_extend_case(gen, bs, page_size, device=DEVICE)
+        expected = spec_alloc_extend(case.prefix_lens.tolist(), case.seq_lens.tolist(),
+                                     case.last_loc.tolist(), case.free_pages.tolist(), page_size)
+        reference = alloc_extend_torch(*extend_args(case))
+        assert reference.tolist() == expected
+        assert torch.equal(alloc_extend_triton(*extend_args(case)), reference)
+        _check_extend_layout(case, reference)
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_alloc_decode_random_matches_reference_and_spec(page_size):
+    gen = torch.Generator().manual_seed(2000 + page_size)
+    for bs in (1, 5, 64):
+        case = random_decode_case(gen, bs, page_size, device=DEVICE)
+        needs = [(s - 1) % page_size == 0 for s in case.seq_lens.tolist()]
+        expected = spec_decode_slots(needs, case.last_loc.tolist(), case.free_pages.tolist(),
+                                     page_size)
+        reference = alloc_decode_torch(case.seq_lens, case.last_loc, case.free_pages, page_size)
+        assert reference.tolist() == expected
+        assert torch.equal(
+            alloc_decode_triton(case.seq_lens, case.last_loc, case.free_pages, page_size),
+            reference,
+        )
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_alloc_decode_write_random_matches_reference(page_size):
+    gen = torch.Generator().manual_seed(3000 + page_size)
+    for bs in (1, 6, 64):
+        case = random_decode_case(gen, bs, page_size, device=DEVICE)
+        expected_out = alloc_decode_torch(case.seq_lens, case.last_loc, case.free_pages,
+                                          page_size)
+        tables = {}
+        for name, fn in (("torch", alloc_decode_write_torch),
+                         ("triton", alloc_decode_write_triton)):
+            tables[name] = case.req_to_token.clone()
+            out = fn(case.seq_lens_before, case.req_pool_indices, tables[name],
+                     case.free_pages, page_size)
+            assert torch.equal(out, expected_out), name
+        expected_table = case.req_to_token.clone()
+        expected_table[case.req_pool_indices, case.seq_lens_before] = expected_out.to(torch.int32)
+        assert torch.equal(tables["torch"], expected_table)
+        assert torch.equal(tables["triton"], expected_table)
+
+
+def test_alloc_decode_write_needs_more_than_one_block():
+    # 1100 requests cross the kernel's 1024-request block: the running page offset carries over.
+    gen = torch.Generator().manual_seed(7)
+    case = random_decode_case(gen, 1100, 4, max_len=12, device=DEVICE)
+    results = []
+    for fn in (alloc_decode_write_torch, alloc_decode_write_triton):
+        table = case.req_to_token.clone()
+        results.append((fn(case.seq_lens_before, case.req_pool_indices, table,
+                           case.free_pages, 4), table))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+# ----------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_gpu_large_batches_match_reference(page_size):
+    gen = torch.Generator().manual_seed(page_size)
+    cuda = torch.device("cuda")
+    for bs in (1, 33, 256):
+        case = random_extend_case(gen, bs, page_size, max_prefix_len=2048, max_extend_len=2048,
+                                  device=cuda)
+        assert torch.equal(alloc_extend_triton(*extend_args(case)),
+                           alloc_extend_torch(*extend_args(case)))
+        dec = random_decode_case(gen, bs, page_size, max_len=2048, device=cuda)
+        dec_args = (dec.seq_lens, dec.last_loc, dec.free_pages, page_size)
+        assert torch.equal(alloc_decode_triton(*dec_args), alloc_decode_torch(*dec_args))
+        t_table, r_table = dec.req_to_token.clone(), dec.req_to_token.clone()
+        args = (dec.seq_lens_before, dec.req_pool_indices)
+        assert torch.equal(alloc_decode_write_triton(*args, t_table, dec.free_pages, page_size),
+                           alloc_decode_write_torch(*args, r_table, dec.free_pages, page_size))
+        assert torch.equal(t_table, r_table)
+
+
+@pytest.mark.gpu
+def test_gpu_one_compile_per_page_size():
+    from memcli.kernels._common import num_compiled_variants
+    from memcli.kernels.alloc import _alloc_extend_kernel
+
+    cuda = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    page_size = 32  # a page size no other test uses, so the count starts at this test
+    before = num_compiled_variants(_alloc_extend_kernel, cuda)
+    for bs, max_len in ((1, 10), (3, 100), (17, 1000), (200, 3000)):
+        case = random_extend_case(gen, bs, page_size, max_len, max_len, device=cuda)
+        # A free list that starts at an odd offset must not trigger an alignment variant.
+        case = case._replace(free_pages=torch.cat([case.free_pages[:1], case.free_pages])[1:])
+        alloc_extend_triton(*extend_args(case))
+    assert num_compiled_variants(_alloc_extend_kernel, cuda) == before + 1
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_random_cases_are_valid(page_size):
+    gen = torch.Generator().manual_seed(4000 + page_size)
+    case = random_extend_case(gen, 40, page_size, max_prefix_len=50, max_extend_len=20)
+    pre, seq = case.prefix_lens, case.seq_lens
+    assert int(pre.max()) <= 50 and bool(((seq - pre) >= 1).all()) and int((seq - pre).max()) <= 20
+    has_prefix = pre > 0
+    assert torch.equal((case.last_loc[has_prefix] + 1) % page_size, pre[has_prefix] % page_size)
+    prefix_pages = set((case.prefix_flat // page_size).tolist())
+    free_pages = case.free_pages.tolist()
+    assert len(set(free_pages)) == len(free_pages) and 0 not in free_pages
+    assert not prefix_pages & set(free_pages)
+    for slots, last in zip(case.prefix_slots, case.last_loc.tolist()):
+        assert len(slots) == 0 or slots[-1] == last
