@@ -1,0 +1,37 @@
+"""The package layout: kernels/ ships as memcli.kernels, configs ship inside the package."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+import memcli.kernels
+from memcli.cli import app
+from memcli.config import builtin_config_text
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_kernels_folder_is_memcli_kernels():
+    origin = Path(memcli.kernels.__file__).resolve().parent
+    assert origin.name == "kernels"
+    for name in ("alloc_extend", "alloc_decode", "alloc_decode_write", "write_cache_indices", "get_last_loc", "store_kv"):
+        assert callable(getattr(memcli.kernels, name)), name
+
+
+def test_kernel_modules_never_import_memcli():
+    for path in (REPO / "kernels").glob("*.py"):
+        text = path.read_text()
+        assert "import memcli" not in text and "from memcli" not in text, path.name
+
+
+def test_builtin_default_config_ships_with_the_package():
+    assert "page_size" in builtin_config_text("default")
+
+
+def test_help_and_python_dash_m():
+    result = CliRunner().invoke(app, ["--help"])
+    assert result.exit_code == 0 and "show-config" in result.stdout
+    proc = subprocess.run([sys.executable, "-m", "memcli", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Usage" in proc.stdout
