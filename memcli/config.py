@@ -283,7 +283,12 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     merged = {k: dict(v) if isinstance(v, dict) else v for k, v in (raw or {}).items()}
     for text in overrides:
         (section, key), value = parse_override(text)
-        target = merged.setdefault(section, {})
+        if section not in SECTIONS:
+            raise ConfigError(f"--set {text!r}: unknown config section {section!r}", hint=f"valid sections: {', '.join(SECTIONS)}")
+        if merged.get(section) is None:
+            # An empty section in YAML (`memory:`) parses as None.
+            merged[section] = {}
+        target = merged[section]
         if not isinstance(target, dict):
             raise ConfigError(f"--set {text!r}: {section} is not a section", hint=f"sections: {', '.join(SECTIONS)}")
         target[key] = value
@@ -296,11 +301,16 @@ def read_yaml(path: Path) -> dict:
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}", hint="pass an existing YAML file to --config") from None
     try:
-        return yaml.safe_load(text) or {}
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
         raise ConfigError(f"{path}{where}: not valid YAML", hint="check the indentation and the key: value syntax") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}", hint=f"sections: {', '.join(SECTIONS)}")
+    return raw
 
 
 def builtin_config_text(name: str = "default") -> str:

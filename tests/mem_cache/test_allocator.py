@@ -1,0 +1,520 @@
+"""Token and paged allocators: exact slot ids and exact free lists, worked examples of the
+reference (sections 3.2, 3.3 and 10.7), integrity checks and planted faults."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memcli.kernels
+from memcli.errors import IntegrityError
+from memcli.mem_cache.allocator import (
+    AllocatorState,
+    PagedTokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+    make_allocator,
+)
+
+CPU = torch.device("cpu")
+
+ALL_CHECKS = {
+    "free list within range",
+    "no duplicate in free list",
+    "slot 0 never free",
+    "available + in use == size",
+}
+
+
+def i64(values):
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def token(size, **kwargs):
+    return TokenToKVPoolAllocator(size, CPU, **kwargs)
+
+
+def paged(size, page_size=4, **kwargs):
+    return PagedTokenToKVPoolAllocator(size, page_size, CPU, **kwargs)
+
+
+def free_list(allocator):
+    return allocator.free_page_ids().tolist()
+
+
+def page_slots(pages, page_size=4):
+    """Every slot of `pages`, page-major (what freeing a whole request gives)."""
+    return i64([p * page_size + k for p in pages for k in range(page_size)])
+
+
+def extend(allocator, prefix_lens, seq_lens, last_loc):
+    """`alloc_extend` with the CPU twins and the token count derived from the lengths."""
+    pre, seq = i64(prefix_lens), i64(seq_lens)
+    return allocator.alloc_extend(pre, pre.clone(), seq, seq.clone(), i64(last_loc),
+                                  int((seq - pre).sum()))
+
+
+def decode(allocator, seq_lens, last_loc):
+    seq = i64(seq_lens)
+    return allocator.alloc_decode(seq, seq.clone(), i64(last_loc))
+
+
+def failed_checks(allocator):
+    report = allocator.check_integrity()
+    assert {c.name for c in report.checks} == ALL_CHECKS
+    return {c.name for c in report.failures}
+
+
+def forbid_kernel(monkeypatch, name):
+    """Make `memcli.kernels.<name>` (what the allocator calls) raise if it is launched."""
+
+    def launched(*args, **kwargs):
+        raise AssertionError(f"kernel {name} launched although the capacity check failed")
+
+    monkeypatch.setattr(memcli.kernels, name, launched)
+
+
+# ------------------------------------------------------------------ token allocator (ps 1)
+
+
+def test_token_worked_example():
+    allocator = token(8)
+    assert free_list(allocator) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert allocator.alloc(3).tolist() == [1, 2, 3]
+    assert free_list(allocator) == [4, 5, 6, 7, 8]
+    allocator.free(i64([2]))
+    assert free_list(allocator) == [4, 5, 6, 7, 8, 2]
+    assert allocator.alloc(6).tolist() == [4, 5, 6, 7, 8, 2]
+    assert free_list(allocator) == []
+    assert allocator.available_size() == 0
+    assert allocator.in_use_tokens == 8
+    assert allocator.alloc(1) is None
+    assert allocator.check_integrity().ok
+
+
+def test_token_fifo_across_ring_wrap():
+    allocator = token(4)
+    assert allocator.alloc(3).tolist() == [1, 2, 3]
+    allocator.free(i64([2]))  # lands at the buffer's start: the ring wraps
+    allocator.free(i64([3, 1]))
+    assert free_list(allocator) == [4, 2, 3, 1]
+    assert allocator.alloc(2).tolist() == [4, 2]
+    allocator.free(i64([4]))
+    assert free_list(allocator) == [3, 1, 4]
+    assert allocator.alloc(3).tolist() == [3, 1, 4]
+    assert allocator.check_integrity().ok
+
+
+def test_token_alloc_returns_a_copy_not_the_ring():
+    allocator = token(4)
+    out = allocator.alloc(2)
+    allocator.free(out.clone())
+    assert out.tolist() == [1, 2]
+    assert allocator.alloc(4).tolist() == [3, 4, 1, 2]
+    assert out.tolist() == [1, 2]
+
+
+def test_token_alloc_extend_and_decode_take_from_the_head():
+    allocator = token(8)
+    assert extend(allocator, [0, 2], [3, 4], [-1, 17]).tolist() == [1, 2, 3, 4, 5]
+    assert decode(allocator, [4, 5], [3, 5]).tolist() == [6, 7]
+    assert extend(allocator, [0], [2], [-1]) is None
+    assert free_list(allocator) == [8]
+
+
+def test_token_available_size_counts_release_list():
+    allocator = token(8, need_sort=True)
+    slots = allocator.alloc(5)
+    allocator.free(slots[:2])
+    assert free_list(allocator) == [6, 7, 8, 1, 2]
+    assert allocator.available_size() == 5
+    # Three fit in the free list, so no merge happens yet.
+    assert allocator.alloc(3).tolist() == [6, 7, 8]
+    allocator.free(i64([5, 3]))
+    # Not enough in the free list: merge the release list, sorted.
+    assert allocator.alloc(3).tolist() == [1, 2, 3]
+    assert free_list(allocator) == [5]
+    assert allocator.check_integrity().ok
+
+
+def test_release_list_does_not_alias_the_callers_tensor():
+    allocator = token(8, need_sort=True)
+    slots = allocator.alloc(3)
+    freed = slots[:2]
+    allocator.free(freed)
+    freed.fill_(0)
+    assert free_list(allocator) == [4, 5, 6, 7, 8, 1, 2]
+    assert allocator.check_integrity().ok
+
+
+# ------------------------------------------------------------------ paged allocator
+
+
+def test_paged_alloc_whole_pages():
+    allocator = paged(16)
+    assert allocator.alloc(8).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert free_list(allocator) == [3, 4]
+    assert allocator.available_size() == 8
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        allocator.alloc(6)
+    assert allocator.alloc(12) is None
+    assert free_list(allocator) == [3, 4]
+
+
+def test_paged_free_prepends_sorted_unique_pages():
+    """Reference 3.3: free list [5, 6, ...], free([8, 9, 41]) with ps 4 -> [2, 10, 5, 6, ...]."""
+    allocator = paged(48)
+    allocator.alloc(48)
+    allocator.free(page_slots([5, 6, 7, 8, 9, 11, 12]))
+    assert free_list(allocator) == [5, 6, 7, 8, 9, 11, 12]
+    allocator.free(i64([41, 8, 9]))
+    assert free_list(allocator) == [2, 10, 5, 6, 7, 8, 9, 11, 12]
+    assert allocator.available_size() == 9 * 4
+    assert allocator.check_integrity().ok
+
+
+def spec_extend_state(backend="torch"):
+    """Free list [1, 2, 3, 4, 5, ...]; R1's prefix on pages 20 and 10 (last slot 40), R2's on
+    pages 21 and 11 (last slot 47)."""
+    allocator = paged(24 * 4, backend=backend)
+    allocator.alloc(24 * 4)
+    allocator.free(page_slots([p for p in range(1, 25) if p not in (10, 11, 20, 21)]))
+    assert free_list(allocator)[:6] == [1, 2, 3, 4, 5, 6]
+    return allocator
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_paged_alloc_extend_worked_example(backend):
+    """Reference 3.3.2, slot for slot."""
+    allocator = spec_extend_state(backend)
+    out = extend(allocator, [0, 5, 8], [6, 11, 9], [-1, 40, 47])
+    assert out.tolist() == [4, 5, 6, 7, 8, 9, 41, 42, 43, 12, 13, 14, 16]
+    assert free_list(allocator) == [5, 6, 7, 8, 9, 12, 13, 14, 15, 16, 17, 18, 19, 22, 23, 24]
+    assert allocator.in_use_tokens == (4 + 4) * 4
+    assert allocator.check_integrity().ok
+
+
+def decode_state(backend="torch"):
+    """Three requests of lengths 6, 8, 11 on pages [1, 2], [3, 4], [5, 6, 7]; page 8 free."""
+    allocator = paged(32, backend=backend)
+    out = extend(allocator, [0, 0, 0], [6, 8, 11], [-1, -1, -1])
+    assert out.tolist() == [4, 5, 6, 7, 8, 9, 12, 13, 14, 15, 16, 17, 18, 19,
+                            20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
+    assert free_list(allocator) == [8]
+    return allocator
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_paged_alloc_decode_example(backend):
+    """Reference 3.3.3: next lengths [7, 9, 12]; only the second request opens a page."""
+    allocator = decode_state(backend)
+    assert decode(allocator, [7, 9, 12], [9, 19, 30]).tolist() == [10, 32, 31]
+    assert free_list(allocator) == []
+    assert allocator.check_integrity().ok
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_paged_alloc_decode_write(backend):
+    """Lengths before the token; column seq_len is written; new page iff seq_len % ps == 0."""
+    allocator = decode_state(backend)
+    req_to_token = torch.zeros((4, 16), dtype=torch.int32)
+    rows = {0: [4, 5, 6, 7, 8, 9], 2: [12, 13, 14, 15, 16, 17, 18, 19],
+            3: list(range(20, 31))}
+    for row, slots in rows.items():
+        req_to_token[row, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+    before = req_to_token.clone()
+    seq = i64([6, 8, 11])
+    out = allocator.alloc_decode_write(seq, seq.clone(), i64([0, 2, 3]), req_to_token)
+    assert out.tolist() == [10, 32, 31]
+    assert req_to_token[0, 6] == 10 and req_to_token[2, 8] == 32 and req_to_token[3, 11] == 31
+    changed = (req_to_token != before).nonzero().tolist()
+    assert changed == [[0, 6], [2, 8], [3, 11]]
+    assert free_list(allocator) == []
+    # Lengths 7 and 9 stay on their pages; length 12 would open one and none is left.
+    seq = i64([7, 9])
+    assert allocator.alloc_decode_write(seq, seq.clone(), i64([0, 2]), req_to_token).tolist() == [11, 33]
+    assert req_to_token[0, 7] == 11 and req_to_token[2, 9] == 33
+    assert allocator.alloc_decode_write(i64([12]), i64([12]), i64([3]), req_to_token) is None
+    assert req_to_token[3, 12] == 0
+    assert allocator.check_integrity().ok
+
+
+def test_paged_alloc_decode_write_out_of_pages_changes_nothing(monkeypatch):
+    allocator = decode_state()
+    allocator.alloc(4)
+    forbid_kernel(monkeypatch, "alloc_decode_write")
+    req_to_token = torch.zeros((2, 16), dtype=torch.int32)
+    seq = i64([8])
+    assert allocator.alloc_decode_write(seq, seq.clone(), i64([1]), req_to_token) is None
+    assert not req_to_token.any()
+    assert free_list(allocator) == []
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_token_alloc_decode_write(backend):
+    allocator = token(6, backend=backend)
+    allocator.alloc(4)
+    allocator.free(i64([2]))
+    assert free_list(allocator) == [5, 6, 2]
+    req_to_token = torch.zeros((3, 8), dtype=torch.int32)
+    seq = i64([3, 0, 5])
+    out = allocator.alloc_decode_write(seq, seq.clone(), i64([2, 0, 1]), req_to_token)
+    assert out.tolist() == [5, 6, 2]
+    assert req_to_token[2, 3] == 5 and req_to_token[0, 0] == 6 and req_to_token[1, 5] == 2
+    assert int(req_to_token.count_nonzero()) == 3
+    assert allocator.alloc_decode_write(i64([1]), i64([1]), i64([0]), req_to_token) is None
+    assert allocator.check_integrity().ok
+
+
+def test_get_num_new_pages():
+    allocator = paged(32)
+    assert allocator.get_num_new_pages(i64([0, 5, 8]), i64([6, 11, 9])) == 4
+    assert allocator.get_num_new_pages(i64([4]), i64([4])) == 0
+
+
+# ------------------------------------------------------------------ OOM gate (reference 10.7)
+
+
+def test_oom_extend_returns_none_without_launching_the_kernel(monkeypatch):
+    allocator = paged(8)
+    assert free_list(allocator) == [1, 2]
+    with monkeypatch.context() as patch:
+        forbid_kernel(patch, "alloc_extend")
+        assert extend(allocator, [0], [12], [-1]) is None
+    assert free_list(allocator) == [1, 2]
+    assert allocator.in_use_tokens == 0
+    out = extend(allocator, [0], [8], [-1])
+    assert out.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert free_list(allocator) == []
+    assert allocator.check_integrity().ok
+
+
+def test_oom_decode_returns_none_without_launching_the_kernel(monkeypatch):
+    allocator = paged(8)
+    with monkeypatch.context() as patch:
+        forbid_kernel(patch, "alloc_decode")
+        assert decode(allocator, [5, 9, 13], [3, 7, 11]) is None
+    assert free_list(allocator) == [1, 2]
+    assert decode(allocator, [5], [3]).tolist() == [4]
+    assert free_list(allocator) == [2]
+    assert allocator.available_size() == 4
+
+
+def test_oom_need_sort_merges_release_list_before_giving_up():
+    allocator = paged(12, need_sort=True)
+    assert allocator.alloc(8).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    allocator.free(i64([4, 5, 6, 7]))
+    assert free_list(allocator) == [3, 1]  # free list, then the release list
+    assert allocator.num_free_pages == 1
+    assert allocator.available_size() == 8
+    out = extend(allocator, [0], [8], [-1])
+    assert out.tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert free_list(allocator) == []
+    assert allocator.check_integrity().ok
+
+
+# ------------------------------------------------------------------ free groups
+
+
+def test_paged_free_group_is_one_free_with_duplicates_removed():
+    allocator = paged(32)
+    allocator.alloc(32)
+    allocator.free(page_slots([7, 8]))
+    allocator.free_group_begin()
+    allocator.free(i64([20]))  # page 5
+    allocator.free(i64([4, 5]))  # page 1
+    allocator.free(i64([6, 21, 12]))  # pages 1, 5 again and 3
+    assert free_list(allocator) == [7, 8]  # nothing freed inside the group
+    assert allocator.available_size() == 8
+    allocator.free_group_end()
+    # One free: sorted and de-duplicated. Three separate frees would give [3, 1, 5, 7, 8].
+    assert free_list(allocator) == [1, 3, 5, 7, 8]
+    assert allocator.check_integrity().ok
+
+
+def test_token_free_group_keeps_free_order():
+    allocator = token(8)
+    allocator.alloc(8)
+    allocator.free_group_begin()
+    allocator.free(i64([5]))
+    allocator.free(i64([]))
+    allocator.free(i64([2, 7]))
+    assert free_list(allocator) == []
+    allocator.free_group_end()
+    assert free_list(allocator) == [5, 2, 7]
+    allocator.free_group_begin()
+    allocator.free_group_end()  # an empty group frees nothing
+    assert free_list(allocator) == [5, 2, 7]
+
+
+# ------------------------------------------------------------------ backup / restore / clear
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_backup_restore_round_trip(page_size):
+    allocator = make_allocator(32, page_size, CPU, "torch", need_sort=True)
+    first = allocator.alloc(12)
+    allocator.free(first[: 2 * page_size])
+    state = allocator.backup_state()
+    assert isinstance(state, AllocatorState)
+    before = (free_list(allocator), allocator.available_size(), allocator.in_use_tokens)
+    second = allocator.alloc(16)
+    allocator.free(first[2 * page_size:])
+    allocator.free(second)
+    allocator.restore_state(state)
+    assert (free_list(allocator), allocator.available_size(), allocator.in_use_tokens) == before
+    assert allocator.check_integrity().ok
+    assert allocator.alloc(16).tolist() == second.tolist()
+    # The snapshot is a copy: restoring it again after more work gives the same state.
+    allocator.restore_state(state)
+    assert free_list(allocator) == before[0]
+
+
+def test_backup_restore_across_ring_wrap():
+    allocator = token(4)
+    allocator.alloc(3)
+    allocator.free(i64([2, 1]))
+    state = allocator.backup_state()
+    assert state.free_pages.tolist() == [4, 2, 1]
+    assert allocator.alloc(3).tolist() == [4, 2, 1]
+    allocator.restore_state(state)
+    assert free_list(allocator) == [4, 2, 1]
+    assert allocator.alloc(3).tolist() == [4, 2, 1]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_clear(page_size):
+    allocator = make_allocator(16, page_size, CPU, "torch", need_sort=True)
+    slots = allocator.alloc(8)
+    allocator.free(slots[:page_size])
+    allocator.free_group_begin()
+    allocator.clear()
+    assert free_list(allocator) == list(range(1, 16 // page_size + 1))
+    assert allocator.available_size() == 16
+    assert allocator.in_use_tokens == 0
+    allocator.free(i64([]))
+    allocator.alloc(page_size)
+    allocator.free(i64([page_size]))  # not grouped any more: freed at once
+    assert allocator.available_size() == 16
+    assert allocator.check_integrity().ok
+
+
+def test_available_size_is_in_tokens():
+    allocator = paged(64, page_size=16)
+    assert allocator.available_size() == 64
+    assert allocator.num_pages == 4
+    extend(allocator, [0], [17], [-1])
+    assert allocator.available_size() == 32
+    assert allocator.in_use_tokens == 32
+
+
+def test_size_must_be_a_page_multiple():
+    with pytest.raises(ValueError, match="not a multiple of page_size 4"):
+        paged(10)
+
+
+def test_make_allocator_picks_the_class():
+    assert type(make_allocator(8, 1, CPU, "torch")) is TokenToKVPoolAllocator
+    assert type(make_allocator(8, 4, CPU, "torch")) is PagedTokenToKVPoolAllocator
+
+
+# ------------------------------------------------------------------ integrity and faults
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_integrity_passes_normally(page_size):
+    allocator = make_allocator(32, page_size, CPU, "torch")
+    report = allocator.check_integrity()
+    assert report.ok and {c.name for c in report.checks} == ALL_CHECKS
+    assert "available 32 + in use 0 vs size 32" in report.check("available + in use == size").detail
+    allocator.alloc(8)
+    assert allocator.check_integrity().ok
+
+
+def test_double_free_of_a_page_is_detected():
+    allocator = paged(16)
+    allocator.alloc(16)
+    allocator.free(i64([4]))
+    allocator.free(i64([7]))  # same page 1 again, while other pages are still in use
+    assert failed_checks(allocator) == {"no duplicate in free list"}
+    assert "1 duplicate pages" in allocator.check_integrity().check("no duplicate in free list").detail
+
+
+def test_double_free_beyond_what_is_allocated_raises():
+    allocator = paged(16)
+    slots = allocator.alloc(8)
+    allocator.free(slots)
+    with pytest.raises(ValueError, match="double free"):
+        allocator.free(slots)
+    assert free_list(allocator) == [1, 2, 3, 4]
+    token_allocator = token(4)
+    token_allocator.free(token_allocator.alloc(2))
+    with pytest.raises(ValueError, match="double free"):
+        token_allocator.free(i64([1]))
+
+
+def test_token_double_free_is_detected():
+    allocator = token(8)
+    allocator.alloc(4)
+    allocator.free(i64([2]))
+    allocator.free(i64([2]))
+    assert failed_checks(allocator) == {"no duplicate in free list"}
+
+
+def test_page_zero_in_free_list_is_caught():
+    allocator = paged(16)
+    allocator.alloc(4)
+    allocator.free(i64([1]))  # a slot of the padding page
+    assert free_list(allocator) == [0, 2, 3, 4]
+    # Page 0 is also outside the valid ids 1..num_pages.
+    assert failed_checks(allocator) == {"slot 0 never free", "free list within range"}
+    assert allocator.check_integrity().check("slot 0 never free").detail == "page 0 is in the free list"
+
+
+def test_out_of_range_id_is_caught():
+    allocator = paged(16)
+    allocator.alloc(4)
+    allocator.free(i64([5 * 4 + 1]))  # page 5 of a 4-page pool
+    assert failed_checks(allocator) == {"free list within range"}
+    token_allocator = token(4)
+    token_allocator.alloc(1)
+    token_allocator.free(i64([5]))
+    assert failed_checks(token_allocator) == {"free list within range"}
+
+
+def test_conservation_fault_is_caught():
+    allocator = paged(16)
+    allocator.alloc(4)
+    state = allocator.backup_state()
+    allocator.restore_state(state._replace(in_use_pages=2))  # one page counted twice
+    assert failed_checks(allocator) == {"available + in use == size"}
+    detail = allocator.check_integrity().check("available + in use == size").detail
+    assert detail == "available 12 + in use 8 vs size 16"
+    with pytest.raises(IntegrityError, match="available 12 \\+ in use 8 vs size 16"):
+        allocator.check_integrity().raise_if_failed()
+
+
+def test_debug_mode_checks_after_every_operation(monkeypatch):
+    allocator = paged(32, debug=True)
+    calls = []
+    real_check = allocator.check_integrity
+    monkeypatch.setattr(allocator, "check_integrity", lambda: calls.append(1) or real_check())
+    slots = allocator.alloc(8)
+    extend(allocator, [0], [5], [-1])
+    decode(allocator, [6], [20])
+    allocator.free(slots)
+    assert len(calls) == 4
+    assert extend(allocator, [0], [64], [-1]) is None  # a refused allocation changes nothing
+    assert len(calls) == 4
+
+
+def test_debug_mode_raises_on_the_faulty_operation():
+    allocator = paged(16, debug=True)
+    allocator.alloc(12)
+    allocator.free(i64([4, 8]))  # pages 1 and 2
+    with pytest.raises(IntegrityError, match="no duplicate in free list"):
+        allocator.free(i64([5]))  # page 1 again
+    quiet = paged(16)
+    quiet.alloc(12)
+    quiet.free(i64([4, 8]))
+    quiet.free(i64([5]))  # without debug mode nothing is raised
+    assert not quiet.check_integrity().ok

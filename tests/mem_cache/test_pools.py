@@ -1,0 +1,162 @@
+"""ReqToTokenPool rows (FIFO reuse, exhaustion, double free) and KVPool buffer shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memcli.errors import RequestSlotsExhausted
+from memcli.mem_cache.pools import KVPool, ReqToTokenPool
+
+CPU = torch.device("cpu")
+
+
+def rows_pool(size=4, cols=8):
+    return ReqToTokenPool(size, cols, CPU)
+
+
+def failed(pool):
+    return {c.name for c in pool.check_integrity().failures}
+
+
+# ------------------------------------------------------------------ ReqToTokenPool
+
+
+def test_table_shape_and_initial_state():
+    pool = rows_pool(3, 12)
+    assert pool.req_to_token.shape == (3, 12)
+    assert pool.req_to_token.dtype == torch.int32
+    assert not pool.req_to_token.any()
+    assert pool.free_slots == [0, 1, 2]
+    assert pool.available_size() == 3
+    assert pool.rows_in_use() == []
+    assert pool.check_integrity().ok
+
+
+def test_rows_are_reused_fifo():
+    pool = rows_pool(4)
+    assert pool.alloc(2) == [0, 1]
+    pool.free(0)
+    assert pool.free_slots == [2, 3, 0]
+    assert pool.alloc(2) == [2, 3]
+    pool.free([3, 1])
+    assert pool.free_slots == [0, 3, 1]
+    assert pool.alloc(3) == [0, 3, 1]
+    assert pool.rows_in_use() == [0, 1, 2, 3]
+    assert pool.check_integrity().ok
+
+
+def test_alloc_does_not_clear_rows():
+    pool = rows_pool(2)
+    (row,) = pool.alloc(1)
+    pool.req_to_token[row, :3] = torch.tensor([7, 8, 9], dtype=torch.int32)
+    pool.free(row)
+    pool.alloc(1)
+    assert pool.alloc(1) == [row]
+    assert pool.req_to_token[row, :3].tolist() == [7, 8, 9]
+
+
+def test_exhaustion_returns_none_and_changes_nothing():
+    pool = rows_pool(3)
+    pool.alloc(2)
+    assert pool.alloc(2) is None
+    assert pool.free_slots == [2]
+    assert pool.alloc(0) == []
+    assert pool.alloc(1) == [2]
+    assert pool.alloc(1) is None
+
+
+def test_alloc_or_raise_message_carries_the_numbers():
+    pool = rows_pool(3)
+    pool.alloc(2)
+    with pytest.raises(RequestSlotsExhausted) as info:
+        pool.alloc_or_raise(2)
+    message = str(info.value)
+    assert "need 2 rows, 1 of 3 free" in message
+    assert "memory.max_running_requests" in message
+    assert pool.alloc_or_raise(1) == [2]
+
+
+@pytest.mark.parametrize("bad", [1, [1], [0, 1], [2, 2], [5], [-1]])
+def test_double_or_foreign_free_raises_and_changes_nothing(bad):
+    pool = rows_pool(4)
+    pool.alloc(3)
+    pool.free(1)
+    before = (list(pool.free_slots), pool.rows_in_use())
+    with pytest.raises(ValueError, match="freed twice or never allocated"):
+        pool.free(bad)
+    assert (pool.free_slots, pool.rows_in_use()) == before
+    assert pool.check_integrity().ok
+
+
+def test_free_of_a_duplicate_in_one_call_is_refused():
+    pool = rows_pool(4)
+    pool.alloc(4)
+    with pytest.raises(ValueError, match="request row 2"):
+        pool.free([2, 2])
+    assert pool.free_slots == []
+    assert pool.rows_in_use() == [0, 1, 2, 3]
+    assert pool.check_integrity().ok
+
+
+def test_clear_frees_every_row():
+    pool = rows_pool(3)
+    pool.alloc(3)
+    pool.clear()
+    assert pool.free_slots == [0, 1, 2]
+    assert pool.rows_in_use() == []
+    assert pool.alloc(3) == [0, 1, 2]
+
+
+def test_integrity_reports_planted_faults():
+    pool = rows_pool(4)
+    pool.alloc(2)
+    report = pool.check_integrity()
+    assert report.ok
+    assert report.check("free + in use == size").detail == "free 2 + in use 2 vs size 4"
+    pool.free_slots.append(2)  # a row listed twice
+    assert failed(pool) == {"no duplicate free rows", "free + in use == size"}
+    pool.free_slots.pop()
+    pool.free_slots.pop()  # a row lost
+    assert failed(pool) == {"free + in use == size"}
+
+
+# ------------------------------------------------------------------ KVPool
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_kv_buffers_have_size_plus_page_size_rows(page_size):
+    pool = KVPool(64, page_size, num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16", device=CPU)
+    shape = (3, 64 + page_size, 2, 8)
+    assert pool.rows == 64 + page_size
+    assert tuple(pool.k_buffer.shape) == shape and tuple(pool.v_buffer.shape) == shape
+    assert pool.k_buffer.dtype == torch.bfloat16
+    assert pool.k_buffer.data_ptr() != pool.v_buffer.data_ptr()
+    assert not pool.k_buffer.any() and not pool.v_buffer.any()
+
+
+@pytest.mark.parametrize(
+    "dtype, itemsize",
+    [("float32", 4), ("bfloat16", 2), ("float16", 2), ("float8_e4m3fn", 1), ("float8_e5m2", 1)],
+)
+def test_bytes_per_token(dtype, itemsize):
+    pool = KVPool(16, 4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=dtype, device=CPU)
+    assert pool.bytes_per_token == 3 * 2 * 8 * 2 * itemsize
+    assert pool.total_bytes == (16 + 4) * pool.bytes_per_token
+    assert pool.k_buffer.element_size() == itemsize
+    assert pool.k_buffer.numel() * itemsize * 2 == pool.total_bytes
+
+
+def test_indices_only_mode_allocates_nothing():
+    pool = KVPool(1 << 20, 64, num_layers=80, num_kv_heads=8, head_dim=128, dtype="bfloat16",
+                  device=CPU, materialized=False)
+    assert pool.k_buffer is None and pool.v_buffer is None
+    assert not pool.materialized
+    assert pool.rows == (1 << 20) + 64
+    assert pool.bytes_per_token == 80 * 8 * 128 * 2 * 2
+    assert pool.total_bytes == ((1 << 20) + 64) * 327680
+
+
+def test_unknown_dtype_is_rejected():
+    with pytest.raises(KeyError):
+        KVPool(16, 4, 1, 1, 8, dtype="int8", device=CPU)
