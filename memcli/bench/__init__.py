@@ -1,0 +1,1 @@
+"""Benchmarks that drive the real memory stack: `bench-one-batch` (static batches)."""
