@@ -254,7 +254,8 @@ class TokenToKVPoolAllocator(BaseAllocator):
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc) -> torch.Tensor | None:
         return self.alloc(seq_lens.numel())
 
-    def alloc_decode_write(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token) -> torch.Tensor | None:
+    def alloc_decode_write(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token,
+                           num_pages: int | None = None) -> torch.Tensor | None:
         """Allocate one slot per request and write it at column `seq_lens` (one kernel)."""
         bs = seq_lens.numel()
         if not self._ensure(bs):
@@ -340,10 +341,13 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         self._commit_alloc(num_pages)
         return out
 
-    def alloc_decode_write(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token) -> torch.Tensor | None:
+    def alloc_decode_write(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token,
+                           num_pages: int | None = None) -> torch.Tensor | None:
         """Fused decode step: `seq_lens` are the lengths before the new token, whose slot is
-        written at column `seq_lens` of each request row."""
-        num_pages = int((seq_lens_cpu % self.page_size == 0).sum())
+        written at column `seq_lens` of each request row. `num_pages` (the pages this step
+        opens) may be passed when the caller already counted them."""
+        if num_pages is None:
+            num_pages = int((seq_lens_cpu % self.page_size == 0).sum())
         if not self._ensure(num_pages):
             return None
         out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._head_view(num_pages),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from memcli import kernels
@@ -53,12 +54,20 @@ def extend_tokens_needed(allocator, prefix_lens_cpu: torch.Tensor, seq_lens_cpu:
     return int((cdiv(seq_lens_cpu, ps) - cdiv(prefix_lens_cpu, ps)).sum()) * ps
 
 
+def decode_pages_needed(page_size: int, seq_lens_cpu: torch.Tensor) -> int:
+    """Pages the next decode step opens: requests whose new position starts a page.
+
+    `seq_lens_cpu` are the lengths before the step. Counted with numpy on the CPU twin: no
+    device work and no host sync.
+    """
+    if page_size == 1:
+        return int(seq_lens_cpu.numel())
+    return int(np.count_nonzero(seq_lens_cpu.numpy() % page_size == 0))
+
+
 def decode_tokens_needed(allocator, seq_lens_cpu: torch.Tensor) -> int:
     """Free tokens the next decode step takes; `seq_lens_cpu` are the lengths before it."""
-    ps = allocator.page_size
-    if ps == 1:
-        return int(seq_lens_cpu.numel())
-    return int((seq_lens_cpu % ps == 0).sum()) * ps
+    return decode_pages_needed(allocator.page_size, seq_lens_cpu) * allocator.page_size
 
 
 def evict_if_needed(tree_cache, allocator, need_tokens: int) -> int:
@@ -87,28 +96,26 @@ def alloc_req_slots(req_to_token_pool, num_reqs: int) -> list[int]:
 def alloc_for_extend(batch) -> ExtendAllocation:
     """Request rows, then eviction of the shortfall, then KV slots, then `write_cache_indices`.
 
-    Reads `batch.reqs` (each with `prefix_indices`, and `req_pool_idx` None for a request
-    without a row), `batch.prefix_lens_cpu`, `batch.seq_lens`, `batch.seq_lens_cpu`,
-    `batch.extend_num_tokens`. On failure raises `OutOfMemoryError` and returns the rows it took.
+    Reads the fields `prepare_for_extend` set: `batch.req_rows` (row per request, None for
+    a request without one), `batch.prefix_tensors` (each request's `prefix_indices`),
+    `batch.prefix_lens_cpu`, `batch.seq_lens`, `batch.seq_lens_cpu`, `batch.extend_num_tokens`.
+    On failure raises `OutOfMemoryError` and returns the rows it took.
     """
     allocator, tree_cache, pool = batch.token_to_kv_pool_allocator, batch.tree_cache, batch.req_to_token_pool
     assert_same_page_size(allocator, tree_cache)
-    reqs = batch.reqs
-    missing = [i for i, r in enumerate(reqs) if r.req_pool_idx is None]
-    new_rows = alloc_req_slots(pool, len(missing)) if missing else []
-    rows = [r.req_pool_idx for r in reqs]
-    for i, row in zip(missing, new_rows):
-        rows[i] = row
+    rows, new_rows = _rows_for(pool, batch.req_rows)
     prefix_lens_cpu, seq_lens_cpu = batch.prefix_lens_cpu, batch.seq_lens_cpu
     device = pool.device
     need = extend_tokens_needed(allocator, prefix_lens_cpu, seq_lens_cpu)
-    evict_if_needed(tree_cache, allocator, need)
+    if need > allocator.available_size():
+        evict_if_needed(tree_cache, allocator, need)
     prefix_lens = prefix_lens_cpu.to(device, non_blocking=True)
-    prefix_flat = _cat_prefixes(reqs, device)
+    total_prefix = int(prefix_lens_cpu.sum())
+    prefix_flat = torch.cat(batch.prefix_tensors) if total_prefix else _EMPTY.get(device)
     if allocator.page_size == 1:
         out_cache_loc = allocator.alloc(batch.extend_num_tokens)
     else:
-        last_loc = _last_loc(prefix_flat, prefix_lens, int(prefix_lens_cpu.sum()))
+        last_loc = _last_loc(prefix_flat, prefix_lens, total_prefix)
         out_cache_loc = allocator.alloc_extend(prefix_lens, prefix_lens_cpu, batch.seq_lens, seq_lens_cpu,
                                                last_loc, batch.extend_num_tokens)
     if out_cache_loc is None:
@@ -121,11 +128,34 @@ def alloc_for_extend(batch) -> ExtendAllocation:
     return ExtendAllocation(out_cache_loc, req_pool_indices, rows)
 
 
-def _cat_prefixes(reqs, device: torch.device) -> torch.Tensor:
-    parts = [r.prefix_indices for r in reqs if r.prefix_indices.numel()]
-    if not parts:
-        return torch.empty(0, dtype=torch.int64, device=device)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+def _rows_for(pool, req_rows: list) -> tuple[list[int], list[int]]:
+    """Every request's row, taking new rows for those without one. Returns (rows, new rows)."""
+    if None not in req_rows:
+        return req_rows, []
+    missing = [i for i, row in enumerate(req_rows) if row is None]
+    new_rows = alloc_req_slots(pool, len(missing))
+    if len(missing) == len(req_rows):
+        return new_rows, new_rows
+    rows = list(req_rows)
+    for i, row in zip(missing, new_rows):
+        rows[i] = row
+    return rows, new_rows
+
+
+class _EmptyIndices:
+    """One cached empty int64 tensor per device."""
+
+    def __init__(self):
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        empty = self._by_device.get(device)
+        if empty is None:
+            empty = self._by_device[device] = torch.empty(0, dtype=torch.int64, device=device)
+        return empty
+
+
+_EMPTY = _EmptyIndices()
 
 
 def _last_loc(prefix_flat: torch.Tensor, prefix_lens: torch.Tensor, total_prefix: int) -> torch.Tensor:
@@ -146,10 +176,12 @@ def alloc_for_decode(batch, token_per_req: int = 1) -> torch.Tensor:
         raise ValueError("alloc_for_decode supports one token per request")
     allocator, tree_cache, pool = batch.token_to_kv_pool_allocator, batch.tree_cache, batch.req_to_token_pool
     assert_same_page_size(allocator, tree_cache)
-    need = decode_tokens_needed(allocator, batch.seq_lens_cpu)
-    evict_if_needed(tree_cache, allocator, need)
+    num_pages = decode_pages_needed(allocator.page_size, batch.seq_lens_cpu)
+    need = num_pages * allocator.page_size
+    if need > allocator.available_size():
+        evict_if_needed(tree_cache, allocator, need)
     out = allocator.alloc_decode_write(batch.seq_lens, batch.seq_lens_cpu, batch.req_pool_indices,
-                                       pool.req_to_token)
+                                       pool.req_to_token, num_pages=num_pages)
     if out is None:
         raise out_of_memory("decode", tree_cache, allocator, need)
     return out

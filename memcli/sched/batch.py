@@ -24,6 +24,8 @@ class ScheduleBatch:
         self.seq_lens = torch.empty(0, dtype=torch.int64, device=self.device)
         self.req_pool_indices = torch.empty(0, dtype=torch.int64, device=self.device)
         self.prefix_lens_cpu = torch.empty(0, dtype=torch.int64)
+        self.prefix_tensors: list[torch.Tensor] = []
+        self.req_rows: list[int | None] = []
         self.extend_lens_cpu = torch.empty(0, dtype=torch.int64)
         self.extend_num_tokens = 0
         self.out_cache_loc: torch.Tensor | None = None
@@ -41,17 +43,18 @@ class ScheduleBatch:
     def prepare_for_extend(self) -> None:
         """Set every length field first, then allocate through `alloc_for_extend`."""
         self.forward_mode = "extend"
-        prefix_lens = [len(r.prefix_indices) for r in self.reqs]
+        self.prefix_tensors = [r.prefix_indices for r in self.reqs]
+        self.req_rows = [r.req_pool_idx for r in self.reqs]
+        prefix_lens = [len(p) for p in self.prefix_tensors]
         seq_lens = [len(r.fill_ids) for r in self.reqs]
-        extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
-        for req, ext in zip(self.reqs, extend_lens):
-            if ext != req.extend_input_len:
-                raise AssertionError(f"{req}: extend length {ext} != extend_input_len {req.extend_input_len}")
         self.prefix_lens_cpu = torch.tensor(prefix_lens, dtype=torch.int64)
-        self.extend_lens_cpu = torch.tensor(extend_lens, dtype=torch.int64)
         self.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
+        self.extend_lens_cpu = self.seq_lens_cpu - self.prefix_lens_cpu
+        expected = [r.extend_input_len for r in self.reqs]
+        if self.extend_lens_cpu.tolist() != expected:
+            raise AssertionError(f"extend lengths {self.extend_lens_cpu.tolist()} != extend_input_len {expected}")
         self.seq_lens = self.seq_lens_cpu.to(self.device, non_blocking=True)
-        self.extend_num_tokens = sum(extend_lens)
+        self.extend_num_tokens = sum(seq_lens) - sum(prefix_lens)
         alloc = common.alloc_for_extend(self)
         self.out_cache_loc = alloc.out_cache_loc
         self.req_pool_indices = alloc.req_pool_indices
