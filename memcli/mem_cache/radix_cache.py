@@ -98,11 +98,19 @@ class RadixCache(BasePrefixCache):
         self.device = torch.device(device)
         self.clock: Callable[[], float] = time.monotonic
         self.eviction_log: list[EvictionRecord] = []
-        self.reset()
-        self._events.clear()
+        self._events: list = []
+        self._new_tree()
 
     def reset(self) -> None:
-        """Empty tree (root only, permanently locked). Slots are not returned to the allocator."""
+        """Empty tree (root only, permanently locked). Slots are not returned to the allocator.
+
+        Call it only when no request holds a node: nodes of the old tree cannot be unlocked.
+        """
+        self._new_tree()
+        if self.kv_events:
+            self._events.append(AllBlocksCleared())
+
+    def _new_tree(self) -> None:
         self.root = TreeNode(None, _EMPTY_TOKENS, self.empty_indices(), None, self.clock())
         self.root.lock_ref = 1
         self._total = 0
@@ -110,7 +118,6 @@ class RadixCache(BasePrefixCache):
         self._protected = 0
         self._num_nodes = 0
         self._queue = EvictionQueue(self.priority)
-        self._events: list = [AllBlocksCleared()] if self.kv_events else []
 
     # -- sizes --------------------------------------------------------------------------
 
@@ -156,15 +163,17 @@ class RadixCache(BasePrefixCache):
         tokens = key.token_ids
         if value is None:
             value = torch.as_tensor(tokens, dtype=torch.int64, device=self.device)
-        if len(value) != len(tokens):
-            raise ValueError(f"insert: key has {len(tokens)} tokens but value has {len(value)} slots")
+        if value.shape[0] != len(tokens):
+            raise ValueError(f"insert: key has {len(tokens)} tokens but value has {value.shape[0]} slots")
         aligned = len(tokens) - len(tokens) % self.page_size
         if aligned == 0:
             return 0
         now = self.clock()
         node, prefix_len, _ = self._walk(tokens[:aligned], key.extra_key, now, count_hit=False)
         if prefix_len < aligned:
-            leaf_key, leaf_value = tokens[prefix_len:aligned], value[prefix_len:aligned].to(self.device, torch.int64)
+            leaf_key, leaf_value = tokens[prefix_len:aligned], value[prefix_len:aligned]
+            if leaf_value.dtype != torch.int64 or leaf_value.device != self.device:
+                leaf_value = leaf_value.to(self.device, torch.int64)
             if 2 * (aligned - prefix_len) < len(tokens):
                 # A short view would keep the caller's whole array alive: store a compact copy.
                 leaf_key, leaf_value = leaf_key.copy(), leaf_value.clone()
@@ -365,6 +374,7 @@ class RadixCache(BasePrefixCache):
         elif is_insert:
             aligned = max(min(req.kv_committed_len, allocated) // ps * ps, start)
             new_prefix_len = self.insert(RadixKey(req.token_ids(aligned), req.extra_key), kv[:aligned])
+            self._check_prefix_kept(req, start, new_prefix_len)
             self._free(kv[start:new_prefix_len])
             start = aligned
         self._free(kv[start:])
@@ -389,6 +399,7 @@ class RadixCache(BasePrefixCache):
         start = len(req.prefix_indices) // ps * ps
         key = RadixKey(req.fill_ids[:aligned], req.extra_key)
         new_prefix_len = self.insert(key, kv[:aligned])
+        self._check_prefix_kept(req, start, new_prefix_len)
         self._free(kv[start:new_prefix_len])
         node, tree_len, values = self._walk(key.token_ids, key.extra_key, self.clock(), count_hit=False)
         if tree_len != aligned:
@@ -401,6 +412,15 @@ class RadixCache(BasePrefixCache):
         req.last_matched_prefix_len = tree_len
         req.prefix_indices = torch.cat([new_indices, kv[tree_len:]])
         req.last_node = node
+
+    @staticmethod
+    def _check_prefix_kept(req: Any, start: int, new_prefix_len: int) -> None:
+        """The request's locked prefix must still be cached; otherwise its slots were freed."""
+        if new_prefix_len < start:
+            raise IntegrityError(
+                f"request row {req.req_pool_idx}: its prefix of {start} tokens is no longer cached (only"
+                f" {new_prefix_len}); it was evicted while the request did not hold a lock on it"
+            )
 
     def _free(self, slots: torch.Tensor) -> None:
         if len(slots) > 0:
@@ -545,8 +565,10 @@ def _child_key_check(cache: RadixCache, nodes: list[TreeNode]) -> Check:
 
 
 def _duplicates(ids: torch.Tensor) -> torch.Tensor:
-    unique, counts = torch.unique(ids, return_counts=True)
-    return unique[counts > 1]
+    """Ids that occur more than once (bincount: linear in len(ids) + max id, no sort)."""
+    if len(ids) == 0:
+        return ids
+    return torch.nonzero(torch.bincount(ids) > 1).flatten()
 
 
 def _unique_slot_check(nodes: list[TreeNode], values: torch.Tensor, page_size: int) -> Check:
@@ -555,9 +577,9 @@ def _unique_slot_check(nodes: list[TreeNode], values: torch.Tensor, page_size: i
     if len(dup_slots):
         detail += f", e.g. {dup_slots[:5].tolist()}"
     ok = len(dup_slots) == 0
-    if page_size > 1:
-        pages = [torch.unique(node.value // page_size) for node in nodes if node.value is not None]
-        dup_pages = _duplicates(torch.cat(pages)) if pages else dup_slots
+    if page_size > 1 and len(values) % page_size == 0:
+        # One page per page_size run of slots (page_layout checks that the runs are pages).
+        dup_pages = _duplicates(values.view(-1, page_size)[:, 0] // page_size)
         ok = ok and len(dup_pages) == 0
         detail += f"; {len(dup_pages)} pages owned by two nodes"
         if len(dup_pages):
@@ -569,7 +591,11 @@ def _free_slot_check(cache: RadixCache, values: torch.Tensor) -> Check:
     if cache.allocator is None:
         return Check("slots_not_free", True, "no allocator to compare with")
     free = cache.allocator.free_slot_ids().to(values.device)
-    both = values[torch.isin(values, free)]
+    both = values[:0]
+    if len(values) and len(free):
+        is_free = torch.zeros(int(max(values.max(), free.max())) + 1, dtype=torch.bool, device=values.device)
+        is_free[free] = True
+        both = values[is_free[values]]
     detail = f"{len(both)} of {len(values)} tree slots are also in the allocator's {len(free)} free slots"
     if len(both):
         detail += f", e.g. {both[:5].tolist()}"
