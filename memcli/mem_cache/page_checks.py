@@ -13,7 +13,7 @@ slots involved. Pages are the allocator's pages (single slots when page_size == 
     free_list     no duplicate, no page 0, nothing the tree or a request holds        (2.3)
     no_lost_page  every page is free, cached in the tree, or held by one request      (2.3)
     conservation  available + evictable + protected + held == size, tokens and pages  (2.3)
-    tree          the prefix cache's own integrity walk                               (2.4)
+    tree          the prefix cache's sizes, whole distinct pages, and its own walk    (2.4)
     idle          nothing running: every request row free, available + evictable == size (2.6)
 
 A request row, in positions (tree_len = last_matched_prefix_len, page aligned):
@@ -29,6 +29,7 @@ from functools import cached_property
 from typing import Any, Iterable, NamedTuple, Optional
 
 import numpy as np
+import torch
 
 from memcli.mem_cache.check import conservation
 from memcli.mem_cache.integrity import Check
@@ -72,12 +73,30 @@ class Outcome(NamedTuple):
 
 
 @dataclass(frozen=True)
-class RequestRow:
-    """One request's row of req_to_token, positions [0, kv_allocated_len), on the host."""
+class Rows:
+    """The req_to_token rows of the requests holding memory, concatenated on the host.
 
-    rid: str
+    Entry i is position `pos[i]` of request `rids[row[i]]`, held in slot `slots[i]`; a row
+    covers positions [0, kv_allocated_len) and its entries are contiguous, in position order.
+    """
+
+    rids: list[str]
+    tree_lens: np.ndarray
+    starts: np.ndarray
     slots: np.ndarray
-    tree_len: int
+    row: np.ndarray
+    pos: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rids)
+
+    def slot(self, row: int, pos: int) -> int:
+        return int(self.slots[self.starts[row] + pos])
+
+    @cached_property
+    def own(self) -> np.ndarray:
+        """Per entry: True for the request's own part, False for its cached (tree) prefix."""
+        return self.pos >= self.tree_lens[self.row]
 
 
 class OwnedRuns(NamedTuple):
@@ -96,41 +115,73 @@ class Layout:
     page_size: int
     num_pages: int
     kv_rows: int
-    rows: list[RequestRow]
+    rows: Rows
     tree_slots: np.ndarray
     free_pages: np.ndarray
 
     @cached_property
+    def tree_mask(self) -> np.ndarray:
+        return self.page_mask(self.tree_slots // self.page_size)
+
+    @cached_property
     def tree_pages(self) -> np.ndarray:
-        return np.unique(self.tree_slots // self.page_size)
+        """Pages holding cached slots, sorted (ids out of range dropped: slot_range reports those)."""
+        return np.flatnonzero(self.tree_mask)
+
+    @cached_property
+    def free_mask(self) -> np.ndarray:
+        return self.page_mask(self.free_pages)
+
+    def page_mask(self, pages: np.ndarray) -> np.ndarray:
+        """Boolean array over page ids 0..num_pages, True for `pages` (ids out of range ignored)."""
+        mask = np.zeros(self.num_pages + 1, dtype=bool)
+        mask[pages[(pages >= 0) & (pages <= self.num_pages)]] = True
+        return mask
+
+    def lookup(self, mask: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        """`mask[pages]`, False where a page id is out of range."""
+        inside = (pages >= 0) & (pages <= self.num_pages)
+        out = np.zeros(len(pages), dtype=bool)
+        out[inside] = mask[pages[inside]]
+        return out
 
     @cached_property
     def owned(self) -> OwnedRuns:
-        """Every run of own positions per page, in row order (a page appears once per run)."""
-        parts = []
-        for index, row in enumerate(self.rows):
-            pages = row.slots[row.tree_len:] // self.page_size
-            if not len(pages):
-                continue
-            starts = np.flatnonzero(np.r_[True, pages[1:] != pages[:-1]])
-            ends = np.r_[starts[1:], len(pages)] - 1
-            parts.append((pages[starts], np.full(len(starts), index), row.tree_len + starts, row.tree_len + ends))
-        if not parts:
+        """Every run of own positions on one page, in row order (a page appears once per run)."""
+        rows = self.rows
+        index = np.flatnonzero(rows.own)
+        if not len(index):
             empty = np.empty(0, np.int64)
             return OwnedRuns(empty, empty, empty, empty)
-        return OwnedRuns(*(np.concatenate(column) for column in zip(*parts)))
+        pages, row, pos = rows.slots[index] // self.page_size, rows.row[index], rows.pos[index]
+        change = np.ones(len(index), dtype=bool)
+        change[1:] = (row[1:] != row[:-1]) | (pages[1:] != pages[:-1])
+        starts = np.flatnonzero(change)
+        ends = np.append(starts[1:], len(index)) - 1
+        return OwnedRuns(pages[starts], row[starts], pos[starts], pos[ends])
 
 
-def active_rows(stack: Any, reqs: Iterable[Any]) -> list[RequestRow]:
+def take_rows(stack: Any, reqs: Iterable[Any]) -> Rows:
     """Rows of the requests that hold memory (a row, something allocated, not yet freed)."""
-    table = stack.req_to_token_pool.req_to_token
-    rows = []
-    for req in reqs:
-        if req.kv_freed or req.req_pool_idx is None or req.kv_allocated_len <= 0:
-            continue
-        slots = table[req.req_pool_idx, : req.kv_allocated_len].cpu().numpy().astype(np.int64)
-        rows.append(RequestRow(str(req.rid), slots, int(req.last_matched_prefix_len)))
-    return rows
+    held = [r for r in reqs if not r.kv_freed and r.req_pool_idx is not None and r.kv_allocated_len > 0]
+    lens = np.array([r.kv_allocated_len for r in held], dtype=np.int64)
+    tree_lens = np.array([r.last_matched_prefix_len for r in held], dtype=np.int64)
+    starts = np.cumsum(lens) - lens
+    if not held:
+        empty = np.empty(0, np.int64)
+        return Rows([], tree_lens, starts, empty, empty, empty)
+    width = int(lens.max())
+    table = stack.req_to_token_pool.req_to_token[:, :width]
+    indices = [r.req_pool_idx for r in held]
+    if table.device.type == "cpu":
+        block = table.numpy()[indices].astype(np.int64)
+    else:  # one gather and one transfer of the rows in use
+        index = torch.tensor(indices, dtype=torch.int64, device=table.device)
+        block = table.index_select(0, index).cpu().numpy().astype(np.int64)
+    slots = block[np.arange(width) < lens[:, None]]
+    row = np.repeat(np.arange(len(held)), lens)
+    pos = np.arange(len(slots)) - np.repeat(starts, lens)
+    return Rows([str(r.rid) for r in held], tree_lens, starts, slots, row, pos)
 
 
 def take_layout(stack: Any, reqs: Iterable[Any]) -> Layout:
@@ -141,14 +192,17 @@ def take_layout(stack: Any, reqs: Iterable[Any]) -> Layout:
         page_size=allocator.page_size,
         num_pages=allocator.num_pages,
         kv_rows=stack.kv_pool.rows,
-        rows=active_rows(stack, reqs),
+        rows=take_rows(stack, reqs),
         tree_slots=tree_slots,
         free_pages=allocator.free_page_ids().cpu().numpy().astype(np.int64),
     )
 
 
-def run_page_checks(stack: Any, reqs: Iterable[Any]) -> list[Outcome]:
-    """All checks in `CHECK_NAMES` order over the requests `reqs` that hold memory."""
+def run_page_checks(stack: Any, reqs: Iterable[Any], full_tree_walk: bool = True) -> list[Outcome]:
+    """All checks in `CHECK_NAMES` order over the requests `reqs` that hold memory.
+
+    `full_tree_walk=False` skips the prefix cache's own `check_integrity()` walk (the tree check
+    still verifies sizes and pages); callers checking every step run the walk now and then."""
     reqs = list(reqs)
     layout = take_layout(stack, reqs)
     return [
@@ -158,7 +212,7 @@ def run_page_checks(stack: Any, reqs: Iterable[Any]) -> list[Outcome]:
         check_free_list(layout),
         check_no_lost_page(layout),
         check_conservation(stack, reqs),
-        check_tree(stack),
+        check_tree(stack, layout, full_tree_walk),
         check_idle(stack, layout),
     ]
 
@@ -186,89 +240,95 @@ def _page_slots(page: int, page_size: int) -> str:
 
 def check_row_layout(layout: Layout) -> Outcome:
     """Slot of position t at offset t % ps; consecutive positions on a page, consecutive slots."""
-    ps = layout.page_size
-    positions = 0
-    for row in layout.rows:
-        slots = row.slots
-        t = np.arange(len(slots))
-        positions += len(slots)
-        if ps == 1:
-            continue
-        bad_offset = slots % ps != t % ps
-        bad_run = np.r_[False, (t[1:] % ps != 0) & (slots[1:] != slots[:-1] + 1)]
-        bad = np.flatnonzero(bad_offset | bad_run)
-        if not len(bad):
-            continue
-        pos = int(bad[0])
-        slot = int(slots[pos])
-        if bad_offset[pos]:
-            detail = (f"request {row.rid} position {pos}: slot {slot} sits at offset {slot % ps} of page"
-                      f" {slot // ps}, expected offset {pos % ps} (= {pos} % {ps})")
-            return _failed(Violation("row_layout", detail, row.rid, (pos,), (slot,)))
-        prev = int(slots[pos - 1])
-        detail = (f"request {row.rid} positions {pos - 1} and {pos} are on one page but hold slots {prev} and"
-                  f" {slot}, expected {prev + 1}")
-        return _failed(Violation("row_layout", detail, row.rid, (pos - 1, pos), (prev, slot)))
-    return _passed("row_layout", f"{len(layout.rows)} request rows, {positions} positions at offset t % {ps}")
+    ps, rows = layout.page_size, layout.rows
+    detail = f"{len(rows)} request rows, {len(rows.slots)} positions at offset t % {ps}"
+    if ps == 1 or not len(rows.slots):
+        return _passed("row_layout", detail)
+    slots, pos = rows.slots, rows.pos
+    bad_offset = slots % ps != pos % ps
+    bad_run = np.zeros(len(slots), dtype=bool)
+    bad_run[1:] = (rows.row[1:] == rows.row[:-1]) & (pos[1:] % ps != 0) & (slots[1:] != slots[:-1] + 1)
+    bad = np.flatnonzero(bad_offset | bad_run)
+    if not len(bad):
+        return _passed("row_layout", detail)
+    i = int(bad[0])
+    rid, t, slot = rows.rids[rows.row[i]], int(pos[i]), int(slots[i])
+    if bad_offset[i]:
+        detail = (f"request {rid} position {t}: slot {slot} sits at offset {slot % ps} of page {slot // ps},"
+                  f" expected offset {t % ps} (= {t} % {ps})")
+        return _failed(Violation("row_layout", detail, rid, (t,), (slot,)))
+    prev = int(slots[i - 1])
+    detail = (f"request {rid} positions {t - 1} and {t} are on one page but hold slots {prev} and {slot},"
+              f" expected {prev + 1}")
+    return _failed(Violation("row_layout", detail, rid, (t - 1, t), (prev, slot)))
 
 
 def check_slot_range(layout: Layout) -> Outcome:
     """Every held slot is past page 0 and inside both the allocator's pages and the KV buffer."""
-    ps = layout.page_size
+    ps, rows = layout.page_size, layout.rows
     end = min((layout.num_pages + 1) * ps, layout.kv_rows)
-    for row in layout.rows:
-        bad = np.flatnonzero((row.slots < ps) | (row.slots >= end))
-        if not len(bad):
-            continue
-        pos = int(bad[0])
-        slot = int(row.slots[pos])
-        if slot < ps:
-            why = f"is on page 0 (padding, slots 0..{ps - 1})"
-        elif slot >= layout.kv_rows:
-            why = f"is beyond the KV buffer, which has {layout.kv_rows} rows"
-        else:
-            why = f"is beyond the allocator's {layout.num_pages} pages (last slot {(layout.num_pages + 1) * ps - 1})"
-        detail = f"request {row.rid} position {pos} holds slot {slot}, which {why}"
-        return _failed(Violation("slot_range", detail, row.rid, (pos,), (slot,)))
-    return _passed("slot_range", f"every held slot in [{ps}, {end}) (KV buffer {layout.kv_rows} rows)")
+    bad = np.flatnonzero((rows.slots < ps) | (rows.slots >= end))
+    if not len(bad):
+        return _passed("slot_range", f"every held slot in [{ps}, {end}) (KV buffer {layout.kv_rows} rows)")
+    i = int(bad[0])
+    rid, t, slot = rows.rids[rows.row[i]], int(rows.pos[i]), int(rows.slots[i])
+    if slot < ps:
+        why = f"is on page 0 (padding, slots 0..{ps - 1})"
+    elif slot >= layout.kv_rows:
+        why = f"is past the end of the KV buffer ({layout.kv_rows} rows, last row {layout.kv_rows - 1})"
+    else:
+        why = f"is beyond the allocator's {layout.num_pages} pages (last slot {(layout.num_pages + 1) * ps - 1})"
+    detail = f"request {rid} position {t} holds slot {slot}, which {why}"
+    return _failed(Violation("slot_range", detail, rid, (t,), (slot,)))
+
+
+def _shared_runs(pages: np.ndarray, num_pages: int) -> Optional[tuple[int, int]]:
+    """Indices of the first two runs on the same page, or None when every page appears once.
+
+    Page ids out of range are left out (slot_range reports them)."""
+    inside = np.flatnonzero((pages >= 0) & (pages <= num_pages))
+    if not len(inside):
+        return None
+    counts = np.bincount(pages[inside], minlength=num_pages + 1)
+    if counts.max() < 2:
+        return None
+    first_dup = inside[counts[pages[inside]] > 1]
+    i = int(first_dup[0])
+    j = int(first_dup[pages[first_dup] == pages[i]][1])
+    return i, j
 
 
 def check_page_sharing(layout: Layout) -> Outcome:
     """No page held twice outside the tree; cached prefixes point at tree pages."""
-    ps = layout.page_size
-    runs = layout.owned_runs()
-    rows = layout.rows
-    by_page: dict[int, OwnedRun] = {}
-    for run in runs:
-        other = by_page.setdefault(run.page, run)
-        if other is run:
-            continue
-        a, b = rows[other.row], rows[run.row]
-        who = "again" if other.row == run.row else f"and request {b.rid}"
-        detail = (f"page {run.page} ({_page_slots(run.page, ps)}) is held by request {a.rid} at positions"
-                  f" {other.first}..{other.last} {who} at positions {run.first}..{run.last}, outside the tree")
-        return _failed(Violation("page_sharing", detail, a.rid, (other.first, run.first),
-                                 (int(a.slots[other.first]), int(b.slots[run.first]))))
-    tree_pages = layout.tree_pages
-    for run in runs:
-        if tree_pages.size and np.isin(run.page, tree_pages):
-            row = rows[run.row]
-            detail = (f"page {run.page} is held by request {row.rid} at positions {run.first}..{run.last}"
-                      f" (its own part) and also cached in the tree")
-            return _failed(Violation("page_sharing", detail, row.rid, (run.first,), (int(row.slots[run.first]),)))
-    prefix_positions = 0
-    for row in rows:
-        prefix_pages = row.slots[: row.tree_len] // ps
-        prefix_positions += row.tree_len
-        bad = np.flatnonzero(~np.isin(prefix_pages, tree_pages))
-        if len(bad):
-            pos = int(bad[0])
-            slot = int(row.slots[pos])
-            detail = (f"request {row.rid} position {pos} is in its cached prefix (< {row.tree_len}) but points at"
-                      f" slot {slot} on page {slot // ps}, which the tree does not hold")
-            return _failed(Violation("page_sharing", detail, row.rid, (pos,), (slot,)))
-    return _passed("page_sharing", f"{len(by_page)} pages held by one request each, {prefix_positions} prefix"
-                                   f" positions on {len(tree_pages)} tree pages")
+    ps, rows, runs = layout.page_size, layout.rows, layout.owned
+    shared = _shared_runs(runs.page, layout.num_pages)
+    if shared is not None:
+        i, j = shared
+        page, a, b = int(runs.page[i]), int(runs.row[i]), int(runs.row[j])
+        who = "again" if a == b else f"and request {rows.rids[b]}"
+        detail = (f"page {page} ({_page_slots(page, ps)}) is held by request {rows.rids[a]} at positions"
+                  f" {runs.first[i]}..{runs.last[i]} {who} at positions {runs.first[j]}..{runs.last[j]},"
+                  " outside the tree")
+        first_i, first_j = int(runs.first[i]), int(runs.first[j])
+        return _failed(Violation("page_sharing", detail, rows.rids[a], (first_i, first_j),
+                                 (rows.slot(a, first_i), rows.slot(b, first_j))))
+    cached = np.flatnonzero(layout.lookup(layout.tree_mask, runs.page))
+    if len(cached):
+        i = int(cached[0])
+        row, first = int(runs.row[i]), int(runs.first[i])
+        detail = (f"page {int(runs.page[i])} is held by request {rows.rids[row]} at positions {first}..{runs.last[i]}"
+                  " (its own part) and is also cached in the tree")
+        return _failed(Violation("page_sharing", detail, rows.rids[row], (first,), (rows.slot(row, first),)))
+    prefix = np.flatnonzero(~rows.own)
+    outside = prefix[~layout.lookup(layout.tree_mask, rows.slots[prefix] // ps)]
+    if len(outside):
+        i = int(outside[0])
+        row, t, slot = int(rows.row[i]), int(rows.pos[i]), int(rows.slots[i])
+        detail = (f"request {rows.rids[row]} position {t} is in its cached prefix (< {rows.tree_lens[row]}) but"
+                  f" points at slot {slot} on page {slot // ps}, which the tree does not hold")
+        return _failed(Violation("page_sharing", detail, rows.rids[row], (t,), (slot,)))
+    return _passed("page_sharing", f"{len(runs.page)} pages held by one request each; {len(prefix)} prefix"
+                                   f" positions on {len(layout.tree_pages)} tree pages")
 
 
 # -- free list and accounting ----------------------------------------------------------------
@@ -291,15 +351,17 @@ def check_free_list(layout: Layout) -> Outcome:
         detail = (f"{unit} {page} ({_page_slots(page, ps)}) is in the free list {int(counts[dup[0]])} times"
                   f" (freed twice); {len(dup)} duplicated {unit}s")
         return _failed(Violation("free_list", detail, slots=(page * ps,)))
-    for run in layout.owned_runs():
-        if np.isin(run.page, pages):
-            row = layout.rows[run.row]
-            detail = (f"{unit} {run.page} ({_page_slots(run.page, ps)}) is in the free list but request {row.rid}"
-                      f" holds it at positions {run.first}..{run.last}")
-            return _failed(Violation("free_list", detail, row.rid, (run.first, run.last),
-                                     (int(row.slots[run.first]), int(row.slots[run.last]))))
+    runs, rows = layout.owned, layout.rows
+    held = np.flatnonzero(layout.lookup(layout.free_mask, runs.page))
+    if len(held):
+        i = int(held[0])
+        page, row, first, last = int(runs.page[i]), int(runs.row[i]), int(runs.first[i]), int(runs.last[i])
+        detail = (f"{unit} {page} ({_page_slots(page, ps)}) is in the free list but request {rows.rids[row]} holds"
+                  f" it at positions {first}..{last}")
+        return _failed(Violation("free_list", detail, rows.rids[row], (first, last),
+                                 (rows.slot(row, first), rows.slot(row, last))))
     tree_pages = layout.tree_pages
-    both = tree_pages[np.isin(tree_pages, pages)]
+    both = tree_pages[layout.lookup(layout.free_mask, tree_pages)]
     if len(both):
         page = int(both[0])
         detail = (f"{unit} {page} ({_page_slots(page, ps)}) is in the free list but the tree caches it;"
@@ -310,10 +372,7 @@ def check_free_list(layout: Layout) -> Outcome:
 
 def check_no_lost_page(layout: Layout) -> Outcome:
     """Every page 1..num_pages is free, cached in the tree, or held by a running request."""
-    accounted = np.zeros(layout.num_pages + 1, dtype=bool)
-    for pages in (layout.free_pages, layout.tree_pages, np.array([r.page for r in layout.owned_runs()], np.int64)):
-        pages = pages[(pages >= 0) & (pages <= layout.num_pages)]
-        accounted[pages] = True
+    accounted = layout.free_mask | layout.tree_mask | layout.page_mask(layout.owned.page)
     lost = np.flatnonzero(~accounted[1:]) + 1
     unit = "page" if layout.page_size > 1 else "slot"
     if len(lost):
@@ -335,13 +394,49 @@ def check_conservation(stack: Any, reqs: list) -> Outcome:
     return _passed("conservation", detail)
 
 
-def check_tree(stack: Any) -> Outcome:
-    """The prefix cache's own `check_integrity()` (sizes, locks, page-aligned nodes, ownership)."""
-    report = stack.tree_cache.check_integrity()
-    if not report.ok:
-        detail = f"{report.component}: " + "; ".join(f"{c.name}: {c.detail}" for c in report.failures)
-        return _failed(Violation("tree", detail))
-    return _passed("tree", f"{report.component}: {len(report.checks)} checks hold")
+def check_tree(stack: Any, layout: Layout, full: bool = True) -> Outcome:
+    """The prefix cache's integrity.
+
+    For a radix tree, every call checks the size counters (evictable + protected == total ==
+    slots in its nodes) and that its slots are distinct whole pages; with `full` it also runs the
+    cache's own `check_integrity()` walk (locks, child keys, eviction queue), which costs more.
+    Caches without a tree always run their (cheap) `check_integrity()`."""
+    tree = stack.tree_cache
+    is_tree = hasattr(tree, "all_values_flatten")
+    if full or not is_tree:
+        report = tree.check_integrity()
+        if not report.ok:
+            detail = f"{report.component}: " + "; ".join(f"{c.name}: {c.detail}" for c in report.failures)
+            return _failed(Violation("tree", detail))
+        if not is_tree:
+            return _passed("tree", f"{report.component}: {len(report.checks)} checks hold")
+    problem = _tree_pages_problem(tree, layout)
+    if problem is not None:
+        return _failed(Violation("tree", f"{type(tree).__name__}: {problem}"))
+    walk = "full walk" if full else "sizes and pages"
+    return _passed("tree", f"{tree.total_size()} cached tokens (evictable {tree.evictable_size()}, protected"
+                           f" {tree.protected_size()}); {walk} ok")
+
+
+def _tree_pages_problem(tree: Any, layout: Layout) -> Optional[str]:
+    ps, slots = layout.page_size, layout.tree_slots
+    total, evictable, protected = tree.total_size(), tree.evictable_size(), tree.protected_size()
+    if evictable + protected != total or len(slots) != total:
+        return f"evictable {evictable} + protected {protected}, total {total}, {len(slots)} slots in its nodes"
+    if not len(slots):
+        return None
+    end = (layout.num_pages + 1) * ps
+    if slots.min() < ps or slots.max() >= end:
+        return f"a cached slot lies outside [{ps}, {end})"
+    if np.bincount(slots, minlength=end).max() > 1:
+        return "a slot is cached twice (held by two tree nodes)"
+    if len(slots) % ps:
+        return f"{len(slots)} cached slots is not a whole number of pages of {ps}"
+    pages = slots.reshape(-1, ps)
+    bad = np.flatnonzero((pages[:, 0] % ps != 0) | (pages != pages[:, :1] + np.arange(ps)).any(axis=1))
+    if len(bad):
+        return f"cached slots {pages[bad[0]].tolist()} are not one whole page"
+    return None
 
 
 def check_idle(stack: Any, layout: Layout) -> Outcome:
