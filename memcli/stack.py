@@ -35,6 +35,7 @@ class MemoryStack:
     allocator: BaseAllocator
     tree_cache: BasePrefixCache
     scheduler_page_size: int
+    null_cache: NullCache
     injected: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -53,7 +54,7 @@ class MemoryStack:
             "allocator": self.allocator.page_size,
             "tree_cache": self.tree_cache.page_size,
             "scheduler": self.scheduler_page_size,
-            "null_cache": self.injected.get("null_cache", self.config.page_size),
+            "null_cache": self.null_cache.page_size,
         }
 
     def reset(self) -> None:
@@ -105,10 +106,16 @@ def build_stack(config: Config, cache_kind: str | None = None,
     alloc_ps = overrides.get("allocator", ps)
     allocator = make_allocator(size // alloc_ps * alloc_ps, alloc_ps, device, backend, mem.need_sort, mem.debug)
     kind = cache_kind or config.cache.kind
+    if kind == "none" and "tree_cache" in overrides:
+        raise ConfigError("cannot inject tree_cache.page_size: the tree cache is the bench null cache here",
+                          hint="inject null_cache.page_size instead, or use cache.kind radix or chunk")
     tree_ps = overrides.get("null_cache" if kind == "none" else "tree_cache", ps)
     tree_cache = make_tree_cache(kind, config, req_to_token_pool, allocator, tree_ps)
+    # The bench null cache is built here too, so its page size is read from a real object.
+    null_cache = tree_cache if kind == "none" else NullCache(allocator, req_to_token_pool,
+                                                              overrides.get("null_cache", ps))
     return MemoryStack(config, device, backend, req_to_token_pool, kv_pool, allocator, tree_cache,
-                       overrides.get("scheduler", ps), overrides)
+                       overrides.get("scheduler", ps), null_cache, overrides)
 
 
 def make_tree_cache(kind: str, config: Config, req_to_token_pool: ReqToTokenPool, allocator: BaseAllocator,

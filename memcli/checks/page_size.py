@@ -214,7 +214,9 @@ def _run_page_size(config: Config, injections: dict[str, int], trace: Optional[W
                                 progress))
         _report(progress, config.page_size, phases[-1])
         bench = bench_workload(dyn_config)
-        bench_stack = build_stack(dyn_config, cache_kind="none", page_size_overrides=injections)
+        # The bench path has no tree cache of its own: its tree cache is the null cache.
+        bench_injections = {k: v for k, v in injections.items() if k != "tree_cache"}
+        bench_stack = build_stack(dyn_config, cache_kind="none", page_size_overrides=bench_injections)
         phases.append(run_phase("bench path (null cache)", bench_stack, dyn_config, bench, bench.step_bound))
         _report(progress, config.page_size, phases[-1])
     return PageSizeRun(config.page_size, static, page_cost(config), static_adjustments, dyn_adjustments, phases,
@@ -232,9 +234,6 @@ def _notes(config: Config, injections: dict[str, int]) -> list[str]:
     if injections:
         listed = ", ".join(f"{k}.page_size={v}" for k, v in injections.items())
         notes.append(f"injected (debugging only, the config keeps one page size {config.page_size}): {listed}")
-    if "tree_cache" in injections and config.cache.kind == "none":
-        notes.append("cache.kind is none: the tree cache is the null cache, so tree_cache injection changes"
-                     " nothing; inject null_cache instead")
     if "null_cache" in injections and config.cache.kind != "none":
         notes.append("the null cache is the bench path's tree cache: its injection shows in the bench phase")
     return notes

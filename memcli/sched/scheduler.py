@@ -234,6 +234,7 @@ class Scheduler:
         req.aborted = req.finished = True
         self.stats.aborted += 1
         self._event("abort", req.rid, req.input_len)
+        self.finished.append(req)
 
     def _prepare_prefill(self, reqs: list[Req]) -> ScheduleBatch | None:
         batch = ScheduleBatch(reqs, self.stack)
