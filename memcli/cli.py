@@ -37,8 +37,11 @@ def report_error(exc: MemcliError) -> None:
         print(f"hint: {exc.hint}", file=sys.stderr)
 
 
-def command(name: str) -> Callable[[Callable], Callable]:
-    """Register a command on `app` with the shared bad-input handling."""
+def command(name: str, list_flags: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Register a command on `app` with the shared bad-input handling.
+
+    `list_flags` name options that take several values after one flag (`--page-size 1 16`).
+    """
 
     def decorate(func: Callable) -> Callable:
         @functools.wraps(func)
@@ -51,13 +54,17 @@ def command(name: str) -> Callable[[Callable], Callable]:
                 report_error(exc)
                 raise typer.Exit(exc.exit_code) from None
 
+        if list_flags:
+            from memcli.commands.options import list_flags_command
+
+            return app.command(name, cls=list_flags_command(list_flags))(wrapper)
         return app.command(name)(wrapper)
 
     return decorate
 
 
 # Importing a command module registers its command.
-from memcli.commands import show_config  # noqa: E402,F401
+from memcli.commands import bench_one_batch, bench_radix, check_page_size, gen_trace, show_config  # noqa: E402,F401
 
 
 def main() -> None:

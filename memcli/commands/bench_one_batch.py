@@ -1,8 +1,7 @@
 """`memcli bench-one-batch`: static batches through the real stack, timed phase by phase.
 
-Options that take several values accept them in any of three forms, mixed freely:
-`--batch-size 1 8 32` (values after one flag, as in SGLang's bench_one_batch),
-`--batch-size 1,8,32` (a comma list) and `--batch-size 1 --batch-size 8` (a repeated flag).
+Options that take several values accept `--batch-size 1 8 32`, `--batch-size 1,8,32` or a
+repeated flag (see `memcli.commands.options`).
 """
 
 from __future__ import annotations
@@ -13,12 +12,12 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from typer.core import TyperCommand
 
 from memcli.bench.cases import Case, plan_cases
 from memcli.bench.one_batch import BenchOptions, run_bench_one_batch
 from memcli.bench.results import BenchResult
-from memcli.cli import app, command
+from memcli.cli import command
+from memcli.commands.options import LIST_METAVAR, ConfigOpt, JsonOpt, SetOpt, parse_ints
 from memcli.config import load_config
 from memcli.errors import MemcliError
 from memcli.report.bench_report import case_table, comparison_table, header_line
@@ -34,61 +33,12 @@ DEFAULT_BATCH_SIZES = [1, 8]
 DEFAULT_INPUT_LEN = 512
 DEFAULT_OUTPUT_LEN = 16
 DEFAULT_REPEAT = {"cuda": 10, "cpu": 5}
-LIST_METAVAR = "N[,N...]"
 
 
-def expand_list_flags(args: list[str]) -> list[str]:
-    """`--batch-size 1 8 32` -> `--batch-size 1 --batch-size 8 --batch-size 32`.
-
-    The command has no positional arguments, so every bare word after a list flag (or after
-    `--list-flag=value`) is one more of its values; other words are left to the parser.
-    """
-    out: list[str] = []
-    flag, has_value = None, False
-    for i, arg in enumerate(args):
-        if arg == "--":
-            return out + args[i:]
-        if arg.startswith("-"):
-            name = arg.split("=", 1)[0]
-            flag = name if name in LIST_FLAGS else None
-            has_value = "=" in arg
-            out.append(arg)
-        elif flag is not None:
-            out += [flag, arg] if has_value else [arg]
-            has_value = True
-        else:
-            out.append(arg)
-    return out
-
-
-class ListFlagsCommand(TyperCommand):
-    """Accepts several values after one list flag (see `expand_list_flags`)."""
-
-    def parse_args(self, ctx, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, expand_list_flags(list(args)))
-
-
-def parse_ints(option: str, values: Optional[List[str]], default: Optional[list[int]]) -> Optional[list[int]]:
-    """Integers from repeated flags, each possibly a comma or space separated list."""
-    if not values:
-        return default
-    out = []
-    for value in values:
-        for word in value.replace(",", " ").split():
-            try:
-                out.append(int(word))
-            except ValueError:
-                raise MemcliError(f"{option} {word!r}: not an integer",
-                                  hint=f"for example {option} 1,8,32 or {option} 1 8 32") from None
-    if not out:
-        raise MemcliError(f"{option}: no value given", hint=f"for example {option} 1,8,32")
-    return out
-
-
-@command(NAME)
+@command(NAME, list_flags=LIST_FLAGS)
 def bench_one_batch(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (default: the built-in default)"),
-    set_: List[str] = typer.Option([], "--set", "-s", help="Override a key: section.key=value (repeatable)"),
+    config: Optional[Path] = ConfigOpt,
+    set_: List[str] = SetOpt,
     batch_size: Optional[List[str]] = typer.Option(
         None, "--batch-size", "-b", metavar=LIST_METAVAR, help="Batch sizes, e.g. 1 8 32 or 1,8,32 (default 1 8)"),
     input_len: Optional[List[str]] = typer.Option(
@@ -105,7 +55,7 @@ def bench_one_batch(
     warmup: int = typer.Option(2, "--warmup", help="Untimed calls per phase before the timed ones"),
     run_name: str = typer.Option("default", "--run-name", help="run_name field of every result"),
     result_file: Optional[Path] = typer.Option(None, "--result-file", help="Append one JSON line per case"),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON document"),
+    json_out: bool = JsonOpt,
 ) -> None:
     """One static batch through the real stack: prefill, decode steps, finish, timed per phase."""
     cfg = load_config(config, set_)
@@ -170,8 +120,3 @@ def _print_tables(result: BenchResult) -> None:
         console.print(comparison_table(result))
 
 
-# `command()` registers with typer's default command class; this one also reads several
-# values after one list flag.
-for _info in app.registered_commands:
-    if _info.name == NAME:
-        _info.cls = ListFlagsCommand

@@ -6,22 +6,20 @@ import json
 from pathlib import Path
 from typing import List, Optional
 
-import typer
 
 from memcli.cli import command
+from memcli.commands.options import ConfigOpt, JsonOpt, SetOpt
 from memcli.config import load_config
 from memcli.report.console import stdout_console
 from memcli.report.tables import config_tables
 
-ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config (default: the built-in default)")
-SetOpt = typer.Option([], "--set", "-s", help="Override a key: section.key=value (repeatable)")
 
 
 @command("show-config")
 def show_config(
     config: Optional[Path] = ConfigOpt,
     set_: List[str] = SetOpt,
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON document"),
+    json_out: bool = JsonOpt,
 ) -> None:
     """Print the resolved config and the sizes derived from it."""
     cfg = load_config(config, set_)

@@ -16,7 +16,8 @@ from memcli.bench.cases import Case, check_capacity
 from memcli.bench.release import release_batch
 from memcli.bench.runner import CaseRunner
 from memcli.cli import app
-from memcli.commands.bench_one_batch import expand_list_flags
+from memcli.commands.bench_one_batch import LIST_FLAGS
+from memcli.commands.options import expand_list_flags
 from memcli.config import load_config, replace
 from memcli.errors import CapacityError
 from memcli.mem_cache import common
@@ -96,9 +97,9 @@ def test_list_options_accept_spaces_commas_and_repeated_flags():
 
 
 def test_expand_list_flags():
-    assert expand_list_flags(["-b", "1", "8", "--json", "--input-len=4", "5"]) == [
+    assert expand_list_flags(["-b", "1", "8", "--json", "--input-len=4", "5"], LIST_FLAGS) == [
         "-b", "1", "-b", "8", "--json", "--input-len=4", "--input-len", "5"]
-    assert expand_list_flags(["--set", "a.b=1", "--repeat", "3"]) == ["--set", "a.b=1", "--repeat", "3"]
+    assert expand_list_flags(["--set", "a.b=1", "--repeat", "3"], LIST_FLAGS) == ["--set", "a.b=1", "--repeat", "3"]
 
 
 @pytest.mark.parametrize("tree_cache, page_size, cached", [("radix", 16, 96), ("radix", 1, 100),
