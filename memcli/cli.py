@@ -64,7 +64,7 @@ def command(name: str, list_flags: tuple[str, ...] = ()) -> Callable[[Callable],
 
 
 # Importing a command module registers its command.
-from memcli.commands import bench_one_batch, bench_radix, check_page_size, gen_trace, show_config  # noqa: E402,F401
+from memcli.commands import bench_one_batch, bench_radix, check_page_size, gen_trace, replay, show_config  # noqa: E402,F401
 
 
 def main() -> None:

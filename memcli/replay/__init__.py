@@ -1,0 +1,1 @@
+"""Trace replay: the runner, its metrics, capacity sweeps and plots."""
