@@ -401,6 +401,10 @@ def alloc_decode_write_torch(
     _check_alloc_decode_write(
         seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size
     )
+    if page_size == 1:  # every request takes the next free slot
+        out = free_pages[: seq_lens_before.shape[0]].clone()
+        req_to_token[req_pool_indices, seq_lens_before] = out.to(torch.int32)
+        return out
     needs_page = seq_lens_before % page_size == 0
     prev_col = (seq_lens_before - 1).clamp(min=0)
     last_loc = req_to_token[req_pool_indices, prev_col].to(torch.int64)

@@ -124,6 +124,9 @@ def write_cache_indices_torch(
     bs = req_pool_indices.shape[0]
     if bs == 0:
         return
+    if req_to_token.device.type == "cpu":
+        _write_rows_cpu(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc, prefix_flat)
+        return
     # One (row, column, value) triple per written cell; the sizes are the flat tensors'
     # lengths, so no host sync is needed to build them.
     rows_pre, cols_pre = _cells(req_pool_indices, torch.zeros_like(prefix_lens), prefix_lens,
@@ -131,6 +134,18 @@ def write_cache_indices_torch(
     rows_new, cols_new = _cells(req_pool_indices, prefix_lens, seq_lens, out_cache_loc.shape[0])
     req_to_token[rows_pre, cols_pre] = prefix_flat.to(torch.int32)
     req_to_token[rows_new, cols_new] = out_cache_loc.to(torch.int32)
+
+
+def _write_rows_cpu(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc, prefix_flat):
+    """The same writes as two slice copies per request: on a CPU reading the lengths costs
+    nothing, and slices beat building an index per cell."""
+    pre_off = new_off = 0
+    for row, pre, seq in zip(req_pool_indices.tolist(), prefix_lens.tolist(), seq_lens.tolist()):
+        dest = req_to_token[row]
+        dest[:pre] = prefix_flat[pre_off : pre_off + pre]
+        dest[pre:seq] = out_cache_loc[new_off : new_off + seq - pre]
+        pre_off += pre
+        new_off += seq - pre
 
 
 def _cells(req_pool_indices, begin, end, total):

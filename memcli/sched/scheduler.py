@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple
 
 from memcli.errors import OutOfMemoryError, RequestSlotsExhausted
 from memcli.mem_cache import common
-from memcli.mem_cache.check import check_memory, held_by_request
+from memcli.mem_cache.check import check_memory
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.policy import AddResult, PrefillAdder, order_waiting, uses_lpm
 from memcli.sched.req import Req
@@ -173,12 +173,12 @@ class Scheduler:
         self.run_check()
 
     def _record(self, kind: str, bs: int, new_tokens: int) -> StepRecord:
-        u = common.usage(self.tree_cache, self.stack.allocator)
-        held_tokens = held_pages = 0
-        for req in self.active_reqs():
-            t, p = held_by_request(req, self.stack.allocator.page_size)
-            held_tokens += t
-            held_pages += p
+        allocator = self.stack.allocator
+        u = common.usage(self.tree_cache, allocator)
+        # Pages in use that the tree does not own are held by requests (exact when memory is
+        # conserved; the checks verify that separately, request by request).
+        held_pages = (allocator.size - u["available"] - u["evictable"] - u["protected"]) // allocator.page_size
+        held_tokens = sum(r.kv_allocated_len - r.last_matched_prefix_len for r in self.active_reqs() if not r.kv_freed)
         rows = self.stack.req_to_token_pool.size - self.stack.req_to_token_pool.available_size()
         self.stats.peak_request_rows = max(self.stats.peak_request_rows, rows)
         record = StepRecord(self.step_count, self.clock_ms, kind, bs, new_tokens, len(self.running.reqs),
@@ -328,10 +328,11 @@ class Scheduler:
 
     def process_decode_result(self, batch: ScheduleBatch) -> None:
         any_finished = False
+        base, self.next_token = self.next_token, self.next_token + batch.batch_size
         with common.free_group(self.stack.allocator):
-            for req in batch.reqs:
+            for token, req in enumerate(batch.reqs, base):
                 req.kv_committed_len += 1
-                req.output_ids.append(self._token())
+                req.output_ids.append(token)
                 if len(req.output_ids) >= req.max_new_tokens:
                     self._finish(req)
                     any_finished = True
