@@ -99,33 +99,68 @@ def alloc_for_extend(batch) -> ExtendAllocation:
     Reads the fields `prepare_for_extend` set: `batch.req_rows` (row per request, None for
     a request without one), `batch.prefix_tensors` (each request's `prefix_indices`),
     `batch.prefix_lens_cpu`, `batch.seq_lens`, `batch.seq_lens_cpu`, `batch.extend_num_tokens`.
+    Every offset is computed on the host from the CPU lengths and reaches the device in one
+    copy (`ExtendPlan`), so the device sees a handful of launches and no sync.
     On failure raises `OutOfMemoryError` and returns the rows it took.
     """
     allocator, tree_cache, pool = batch.token_to_kv_pool_allocator, batch.tree_cache, batch.req_to_token_pool
     assert_same_page_size(allocator, tree_cache)
     rows, new_rows = _rows_for(pool, batch.req_rows)
-    prefix_lens_cpu, seq_lens_cpu = batch.prefix_lens_cpu, batch.seq_lens_cpu
-    device = pool.device
-    need = extend_tokens_needed(allocator, prefix_lens_cpu, seq_lens_cpu)
+    plan = ExtendPlan(batch.prefix_lens_cpu, batch.seq_lens_cpu, rows, allocator.page_size)
+    need = plan.num_pages * allocator.page_size
     if need > allocator.available_size():
         evict_if_needed(tree_cache, allocator, need)
-    prefix_lens = prefix_lens_cpu.to(device, non_blocking=True)
-    total_prefix = int(prefix_lens_cpu.sum())
-    prefix_flat = torch.cat(batch.prefix_tensors) if total_prefix else _EMPTY.get(device)
+    meta = plan.to_device(pool.device)
     if allocator.page_size == 1:
+        prefix_flat = torch.cat(batch.prefix_tensors) if plan.total_prefix else _EMPTY.get(pool.device)
         out_cache_loc = allocator.alloc(batch.extend_num_tokens)
     else:
-        last_loc = _last_loc(prefix_flat, prefix_lens, total_prefix)
-        out_cache_loc = allocator.alloc_extend(prefix_lens, prefix_lens_cpu, batch.seq_lens, seq_lens_cpu,
-                                               last_loc, batch.extend_num_tokens)
+        # A trailing -1 lets requests without a prefix read last_loc = -1 in the same gather.
+        prefix_ext = torch.cat([*batch.prefix_tensors, _MINUS_ONE.get(pool.device)])
+        prefix_flat = prefix_ext[: plan.total_prefix]
+        out_cache_loc = allocator.alloc_extend(meta.prefix_lens, batch.prefix_lens_cpu, batch.seq_lens,
+                                               batch.seq_lens_cpu, prefix_ext[meta.last_index],
+                                               batch.extend_num_tokens, running_sums=meta.alloc_sums,
+                                               num_pages=plan.num_pages)
     if out_cache_loc is None:
         if new_rows:
             pool.free(new_rows)
         raise out_of_memory("prefill", tree_cache, allocator, need)
-    req_pool_indices = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-    kernels.write_cache_indices(pool.req_to_token, req_pool_indices, prefix_lens, batch.seq_lens,
-                                out_cache_loc, prefix_flat, backend=allocator.backend)
-    return ExtendAllocation(out_cache_loc, req_pool_indices, rows)
+    kernels.write_cache_indices(pool.req_to_token, meta.rows, meta.prefix_lens, batch.seq_lens,
+                                out_cache_loc, prefix_flat, backend=allocator.backend,
+                                running_sums=meta.write_sums)
+    return ExtendAllocation(out_cache_loc, meta.rows, rows)
+
+
+class ExtendMeta(NamedTuple):
+    """Views of the one device copy of an `ExtendPlan`."""
+
+    prefix_lens: torch.Tensor
+    alloc_sums: torch.Tensor  # [4, bs]: inclusive sums of seq, pre, cdiv(seq), cdiv(pre)
+    write_sums: torch.Tensor  # [2, bs]: inclusive sums of pre, seq
+    last_index: torch.Tensor  # index of each request's last prefix slot (or of the -1 sentinel)
+    rows: torch.Tensor
+
+
+class ExtendPlan:
+    """Host-side offsets of an extend batch, from the CPU lengths (numpy; no device work)."""
+
+    def __init__(self, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, rows: list[int],
+                 page_size: int):
+        pre, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
+        sums = np.cumsum(np.stack((seq, pre, -(-seq // page_size), -(-pre // page_size))), axis=1)
+        self.total_prefix = int(sums[1, -1]) if len(pre) else 0
+        self.num_pages = int(sums[2, -1] - sums[3, -1]) if len(pre) else 0
+        if page_size == 1:
+            self.num_pages = int(sums[0, -1] - sums[1, -1]) if len(pre) else 0
+        last_index = np.where(pre > 0, sums[1] - 1, self.total_prefix)
+        # Row order: pre | alloc sums (4) | write sums (2) | last_index | rows.
+        self.packed = np.concatenate((pre[None], sums, sums[1::-1], last_index[None],
+                                      np.asarray(rows, dtype=np.int64)[None]))
+
+    def to_device(self, device: torch.device) -> ExtendMeta:
+        meta = torch.from_numpy(self.packed).to(device, non_blocking=True)
+        return ExtendMeta(meta[0], meta[1:5], meta[5:7], meta[7], meta[8])
 
 
 def _rows_for(pool, req_rows: list) -> tuple[list[int], list[int]]:
@@ -143,28 +178,22 @@ def _rows_for(pool, req_rows: list) -> tuple[list[int], list[int]]:
 
 
 class _EmptyIndices:
-    """One cached empty int64 tensor per device."""
+    """One cached small int64 tensor per device: empty, or `[fill]`."""
 
-    def __init__(self):
+    def __init__(self, fill: int | None = None):
+        self.fill = fill
         self._by_device: dict[torch.device, torch.Tensor] = {}
 
     def get(self, device: torch.device) -> torch.Tensor:
-        empty = self._by_device.get(device)
-        if empty is None:
-            empty = self._by_device[device] = torch.empty(0, dtype=torch.int64, device=device)
-        return empty
+        cached = self._by_device.get(device)
+        if cached is None:
+            values = [] if self.fill is None else [self.fill]
+            cached = self._by_device[device] = torch.tensor(values, dtype=torch.int64, device=device)
+        return cached
 
 
 _EMPTY = _EmptyIndices()
-
-
-def _last_loc(prefix_flat: torch.Tensor, prefix_lens: torch.Tensor, total_prefix: int) -> torch.Tensor:
-    """Slot of each request's last prefix token (-1 without prefix), from the prefixes
-    themselves: no lookup in req_to_token and no host sync."""
-    if total_prefix == 0:
-        return torch.full_like(prefix_lens, -1)
-    ends = torch.cumsum(prefix_lens, 0) - 1
-    return torch.where(prefix_lens > 0, prefix_flat[ends.clamp(min=0)], -1)
+_MINUS_ONE = _EmptyIndices(fill=-1)
 
 
 def alloc_for_decode(batch, token_per_req: int = 1) -> torch.Tensor:

@@ -150,3 +150,23 @@ def test_release_frees_exactly_what_was_allocated_once():
     assert stack.req_to_token_pool.available_size() == stack.req_to_token_pool.size
     with pytest.raises(Exception, match="already freed"):
         common.release_req(stack.tree_cache, a)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_triton_and_torch_backends_allocate_the_same_slots(page_size):
+    """The whole extend + decode path (host-computed offsets, kernels) on both backends."""
+    results = []
+    for backend in ("torch", "triton"):
+        _, stack = small_stack(page_size=page_size, pool=256, runtime__kernel_backend=backend)
+        first = make_reqs(stack, tokens((0, 13)), tokens((100, 6)))
+        extend(stack, first)
+        for r in first:
+            r.kv_committed_len = r.kv_allocated_len
+            stack.tree_cache.cache_unfinished_req(r)
+        # Second batch: one request reuses a cached prefix, one has none, one is new.
+        second = make_reqs(stack, tokens((0, 13), (500, 5)), tokens((900, 3)), tokens((100, 6), (700, 2)))
+        batch = extend(stack, second)
+        batch.prepare_for_decode()
+        rows = [row(stack, r) for r in first + second]
+        results.append((batch.out_cache_loc.tolist(), rows, stack.allocator.free_page_ids().tolist()))
+    assert results[0] == results[1]
