@@ -156,8 +156,10 @@ def test_release_frees_exactly_what_was_allocated_once():
 def test_triton_and_torch_backends_allocate_the_same_slots(page_size):
     """The whole extend + decode path (host-computed offsets, kernels) on both backends."""
     results = []
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # triton on a CPU runs interpreted
     for backend in ("torch", "triton"):
-        _, stack = small_stack(page_size=page_size, pool=256, runtime__kernel_backend=backend)
+        _, stack = small_stack(page_size=page_size, pool=256, runtime__kernel_backend=backend,
+                               runtime__device=device)
         first = make_reqs(stack, tokens((0, 13)), tokens((100, 6)))
         extend(stack, first)
         for r in first:
