@@ -12,10 +12,9 @@ page size (the config's, with the chosen tree cache), and runs each case with `r
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -25,7 +24,7 @@ from memcli.bench.results import BenchResult, CaseResult, KVStoreFigures
 from memcli.bench.runner import CaseRunner
 from memcli.config import GIB, Config, replace
 from memcli.stack import MemoryStack, build_stack, resolve_device
-from memcli.timing import wall_time
+from memcli.timing import torch_threads, wall_time
 
 Progress = Callable[[int, int, Case], None]
 
@@ -61,7 +60,7 @@ def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOpt
         check_capacity(case, configs[case.page_size])
     device = resolve_device(config)
     results = []
-    with _one_cpu_thread(device):
+    with torch_threads(device):
         for ps, cfg in configs.items():
             stack = build_stack(cfg)
             for case in (c for c in cases if c.page_size == ps):
@@ -74,21 +73,6 @@ def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOpt
     method = results[0].timing_method if results else ""
     shown = replace(config, cache={"kind": options.tree_cache})
     return BenchResult(shown.to_dict(), options.to_dict(), describe_device(device), method, results)
-
-
-@contextlib.contextmanager
-def _one_cpu_thread(device: torch.device) -> Iterator[None]:
-    """On a CPU, run torch on one thread: the memory path's tensors are small, and a thread
-    pool on a busy host adds millisecond stalls to calls of a few hundred microseconds."""
-    if device.type != "cpu":
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def describe_device(device: torch.device) -> str:

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 import typer
 
+from memcli import timing
 from memcli.cli import command
 from memcli.errors import MemcliError
 from memcli.mem_cache.base_prefix_cache import RadixKey
@@ -114,19 +115,14 @@ def run_bench_radix(trace_path: str | Path = DEFAULT_TRACE, num_requests: int = 
                           hint="pass positive --page-size, --capacity, --requests and --repeat")
     trace = read_trace(trace_path, block_size=block_size, limit=num_requests)
     prompts = [spec.input_ids() for spec in trace.requests]
-    saved_threads = torch.get_num_threads()
-    threads = torch_threads or saved_threads
-    torch.set_num_threads(threads)
     radix_runs, baseline_runs = [], []
-    try:
+    with timing.torch_threads(torch.device("cpu"), torch_threads or None) as threads:
         for _ in range(repeat):
             radix_s, matched, radix_evicted = _replay_radix(prompts, page_size, capacity_tokens, progress)
             baseline_s, baseline_matched, baseline_evicted = _replay_baseline(prompts, page_size,
                                                                               capacity_tokens, progress)
             radix_runs.append(radix_s)
             baseline_runs.append(baseline_s)
-    finally:
-        torch.set_num_threads(saved_threads)
     return BenchRadixResult(
         trace=str(trace_path), num_requests=len(prompts), page_size=page_size,
         capacity_tokens=capacity_tokens, block_size=block_size,

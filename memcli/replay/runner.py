@@ -20,10 +20,9 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import numpy as np
-import torch
 
 from memcli.config import Config, replace
 from memcli.errors import CapacityError, IntegrityError, MemcliError
@@ -36,6 +35,7 @@ from memcli.replay.result import (AllocationStats, IntegrityStats, ReplayResult,
                                   TraceInfo)
 from memcli.sched.scheduler import Scheduler
 from memcli.stack import build_stack, resolve_device
+from memcli.timing import torch_threads
 from memcli.workload.spec import Trace, output_token_base
 
 ARRIVALS = ("timestamp", "burst", "sequential")
@@ -136,22 +136,6 @@ def _events_file(path: Optional[Path]):
         yield fh
 
 
-@contextlib.contextmanager
-def _host_threads(device: torch.device) -> Iterator[None]:
-    """One torch intra-op thread on a CPU: a replay issues many small tensor operations, and
-    waking a thread pool for each costs more than the work (a gather of 8k indices: 6 ms with
-    two threads, 0.1 ms with one, on a 2-core host)."""
-    if device.type != "cpu":
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 class _FreeCounter:
     """Counts the allocator's frees: calls that returned pages, and the tokens they returned.
 
@@ -200,7 +184,7 @@ class _Run:
 
     def execute(self, shared: np.ndarray) -> ReplayResult:
         start = time.perf_counter()
-        with _host_threads(resolve_device(self.config)):
+        with torch_threads(resolve_device(self.config)):
             self.stack = build_stack(self.config)
             self.frees = _FreeCounter(self.stack.allocator)
             self.scheduler = Scheduler(
