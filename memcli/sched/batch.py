@@ -100,14 +100,6 @@ class ScheduleBatch:
         self.seq_lens = self.seq_lens_cpu.to(self.device, non_blocking=True)
         self.req_pool_indices = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
 
-    def set_decode_lengths(self) -> None:
-        """Rebuild the length tensors from the requests (after prefill merged them)."""
-        self._set_lengths([r.req_pool_idx for r in self.reqs], [r.kv_allocated_len for r in self.reqs])
-
-    def new_tokens_next_decode(self, keep: list[int] | None = None) -> int:
-        lens = self.seq_lens_cpu if keep is None else self.seq_lens_cpu[keep]
-        return common.decode_tokens_needed(self.token_to_kv_pool_allocator, lens)
-
     def check_decode_mem(self, keep: list[int] | None = None) -> bool:
         """True when the next decode step fits (evicting the shortfall from the tree)."""
         lens = None if keep is None else self.seq_lens_cpu[torch.tensor(keep, dtype=torch.int64)]
