@@ -85,6 +85,8 @@ class BaseAllocator:
         self._num_release = 0
         self._in_use_pages = 0
         self._group: list[torch.Tensor] | None = None
+        self.num_frees = 0  # calls that returned pages (a free group counts once)
+        self.freed_tokens = 0
 
     @property
     def num_free_pages(self) -> int:
@@ -121,6 +123,8 @@ class BaseAllocator:
                 f"double free: freeing {n} pages but only {self._in_use_pages} are allocated"
             )
         self._in_use_pages -= n
+        self.num_frees += 1
+        self.freed_tokens += n * self.page_size
         if self.need_sort:
             # A copy: with page size 1, `pages` can be the caller's own tensor.
             self._release.append(pages.clone())

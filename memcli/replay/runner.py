@@ -136,38 +136,6 @@ def _events_file(path: Optional[Path]):
         yield fh
 
 
-class _FreeCounter:
-    """Counts the allocator's frees: calls that returned pages, and the tokens they returned.
-
-    The allocator keeps no such counters, so its `free` and free-group methods are wrapped on
-    this one instance; a free group counts as one free.
-    """
-
-    def __init__(self, allocator) -> None:
-        self.frees = 0
-        self.freed_tokens = 0
-        self._grouping = False
-        free, begin, end = allocator.free, allocator.free_group_begin, allocator.free_group_end
-
-        def counted_free(indices):
-            if self._grouping or indices.numel() == 0:
-                return free(indices)
-            before = allocator.in_use_tokens
-            free(indices)
-            self.frees += 1
-            self.freed_tokens += before - allocator.in_use_tokens
-
-        def counted_begin():
-            self._grouping = True
-            begin()
-
-        def counted_end():
-            self._grouping = False
-            end()
-
-        allocator.free, allocator.free_group_begin, allocator.free_group_end = counted_free, counted_begin, counted_end
-
-
 class _Run:
     """One replay in progress: the stack, the scheduler, and what is collected per step."""
 
@@ -186,7 +154,6 @@ class _Run:
         start = time.perf_counter()
         with torch_threads(resolve_device(self.config)):
             self.stack = build_stack(self.config)
-            self.frees = _FreeCounter(self.stack.allocator)
             self.scheduler = Scheduler(
                 self.stack, self.config.scheduler, self.config.sim, self.config.page_size,
                 output_token_base=output_token_base(self.trace), check_every_step=self.options.check_every_step,
@@ -299,8 +266,8 @@ class _Run:
             prefix=prefix_stats(input_lens, self.cached, shared, ps, trace.block_size),
             occupancy=occupancy_stats(series, pool, ps),
             allocation=AllocationStats(
-                allocations=stats.allocations, allocated_tokens=stats.allocated_tokens, frees=self.frees.frees,
-                freed_tokens=self.frees.freed_tokens, peak_request_rows=stats.peak_request_rows,
+                allocations=stats.allocations, allocated_tokens=stats.allocated_tokens, frees=self.stack.allocator.num_frees,
+                freed_tokens=self.stack.allocator.freed_tokens, peak_request_rows=stats.peak_request_rows,
                 request_rows=rows.size, oom_events=stats.oom_events,
             ),
             eviction=eviction_stats(self.evictions, config.cache.eviction_policy),

@@ -518,3 +518,16 @@ def test_debug_mode_raises_on_the_faulty_operation():
     quiet.free(i64([4, 8]))
     quiet.free(i64([5]))  # without debug mode nothing is raised
     assert not quiet.check_integrity().ok
+
+
+def test_free_counters_count_calls_and_tokens_a_group_once():
+    alloc = paged(32, page_size=4)
+    slots = alloc.alloc(16)
+    alloc.free(slots[:4])
+    alloc.free_group_begin()
+    alloc.free(slots[4:5])
+    alloc.free(slots[8:12])
+    alloc.free_group_end()
+    assert (alloc.num_frees, alloc.freed_tokens) == (2, 4 + 8)
+    alloc.free(slots[:0])  # nothing to free: not counted
+    assert alloc.num_frees == 2
