@@ -317,10 +317,11 @@ def builtin_config_text(name: str = "default") -> str:
     return resources.files("memcli.configs").joinpath(f"{name}.yaml").read_text()
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load a YAML config (the built-in default when `path` is None) and apply overrides."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                builtin: str = "default") -> Config:
+    """Load a YAML config (the built-in `builtin` config when `path` is None) and apply overrides."""
     if path is None:
-        raw, source = yaml.safe_load(builtin_config_text()) or {}, "built-in default config"
+        raw, source = yaml.safe_load(builtin_config_text(builtin)) or {}, f"built-in {builtin} config"
     else:
         raw, source = read_yaml(Path(path)), str(path)
     return config_from_dict(apply_overrides(raw, list(overrides)), source=source)

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Iterator, List, Optional
 
 import typer
-import yaml
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from memcli.cli import command
-from memcli.config import Config, apply_overrides, builtin_config_text, config_from_dict, load_config
+from memcli.commands.options import JsonOpt, SetOpt
+from memcli.config import load_config
 from memcli.errors import MemcliError
 from memcli.replay.ceiling import shared_prefix_lens
 from memcli.replay.plot import check_plot_path, plot_replay, plot_sweep, require_matplotlib
@@ -23,19 +23,11 @@ from memcli.report.replay_report import render_replay, render_sweep, replay_docu
 from memcli.workload.readers import FORMATS, read_trace
 
 
-def load_replay_config(path: Optional[Path], overrides: List[str]) -> Config:
-    """The given YAML, or the built-in replay config (configs/replay.yaml), with overrides."""
-    if path is not None:
-        return load_config(path, overrides)
-    raw = yaml.safe_load(builtin_config_text("replay")) or {}
-    return config_from_dict(apply_overrides(raw, overrides), source="built-in replay config")
-
-
 @command("replay")
 def replay_command(
     trace_path: Path = typer.Argument(..., metavar="TRACE", help="Trace file: memcli or Mooncake JSONL"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (default: the built-in replay config)"),
-    set_: List[str] = typer.Option([], "--set", "-s", help="Override a key: section.key=value (repeatable)"),
+    set_: List[str] = SetOpt,
     trace_format: str = typer.Option("auto", "--format", help=f"Trace format: {', '.join(FORMATS)}"),
     block_size: int = typer.Option(512, "--block-size", help="Tokens per hash block (Mooncake 512, Qwen-Bailian 16)"),
     limit: Optional[int] = typer.Option(None, "--limit", help="Replay only the first N requests"),
@@ -44,7 +36,7 @@ def replay_command(
         " burst (all at t=0; default otherwise) or sequential (one request at a time)"),
     check: bool = typer.Option(False, "--check", help="Run the integrity check after every step"),
     sweep: Optional[str] = typer.Option(None, "--sweep", help="KEY=v1,v2,...: one replay per value, one row each"),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON document"),
+    json_out: bool = JsonOpt,
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write occupancy and running requests over time (PNG)"),
     events: Optional[Path] = typer.Option(None, "--events", help="Write the KV events stream (JSON lines)"),
     progress: bool = typer.Option(False, "--progress", help="Show progress on stderr (always on when it is a terminal)"),
@@ -60,7 +52,7 @@ def replay_command(
     if spec is not None and events is not None:
         raise MemcliError("--events writes the stream of one replay; it cannot be combined with --sweep",
                           "leave out --sweep, or --events")
-    cfg = load_replay_config(config, set_)
+    cfg = load_config(config, set_, builtin="replay")
     trace = read_trace(trace_path, format=trace_format, block_size=block_size, limit=limit)
     options = ReplayOptions(arrivals or default_arrivals(trace), check, events)
     check_options(trace, cfg, options)
@@ -68,7 +60,7 @@ def replay_command(
     with _progress(show) as progress_for:
         shared = shared_prefix_lens(trace)
         if spec is not None:
-            result = run_sweep(spec, lambda extra: load_replay_config(config, [*set_, *extra]), trace, options,
+            result = run_sweep(spec, lambda extra: load_config(config, [*set_, *extra], builtin="replay"), trace, options,
                                shared, progress_for)
             failed = any(not row.result.integrity.ok for row in result.rows)
             _emit(json_out, sweep_document(result), lambda console: render_sweep(result, console))
