@@ -99,6 +99,7 @@ class RadixCache(BasePrefixCache):
         self.device = torch.device(device)
         self.clock: Callable[[], float] = time.monotonic
         self.eviction_log: list[EvictionRecord] = []
+        self.evicted_tokens_total = 0  # every token `evict` ever freed (never reset)
         self._events: list = []
         self._new_tree()
 
@@ -281,6 +282,7 @@ class RadixCache(BasePrefixCache):
             if node is None:
                 break
             freed += self._delete_leaf(node, now)
+        self.evicted_tokens_total += freed
         return freed
 
     def _delete_leaf(self, node: TreeNode, now: float) -> int:

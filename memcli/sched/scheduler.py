@@ -25,7 +25,7 @@ from memcli.sched.req import Req
 class Event(NamedTuple):
     step: int
     time_ms: float
-    kind: str  # arrive, admit, alloc, finish, retract, abort, oom
+    kind: str  # arrive, admit, alloc, evict, finish, retract, abort, oom
     rid: str
     tokens: int
 
@@ -90,6 +90,7 @@ class Scheduler:
         self.events: list[Event] = []
         self.records: list[StepRecord] = []
         self.stats = SchedulerStats()
+        self._evicted_seen = 0
         self.init_new_token_ratio = min(sched_config.init_new_token_ratio, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * sched_config.min_new_token_ratio_factor
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / max(
@@ -173,6 +174,10 @@ class Scheduler:
         self.run_check()
 
     def _record(self, kind: str, bs: int, new_tokens: int) -> StepRecord:
+        evicted = getattr(self.tree_cache, "evicted_tokens_total", 0)
+        if evicted > self._evicted_seen:
+            self._event("evict", "", evicted - self._evicted_seen)
+            self._evicted_seen = evicted
         allocator = self.stack.allocator
         u = common.usage(self.tree_cache, allocator)
         # Pages in use that the tree does not own are held by requests (exact when memory is

@@ -73,6 +73,8 @@ def test_memory_pressure_forces_eviction_and_retraction(page_size):
     sched.run(max_steps=5000)
     assert sched.stats.retractions > 0
     assert sched.stats.finished == 8
+    evicted = sum(e.tokens for e in sched.events if e.kind == "evict")
+    assert evicted == stack.tree_cache.evicted_tokens_total > 0
     assert_all_free(stack)
 
 
