@@ -14,10 +14,7 @@ from typing import Sequence
 
 from memcli.config import GIB, Config
 from memcli.errors import CapacityError, MemcliError
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from memcli.mem_cache.allocator import cdiv
 
 
 @dataclass(frozen=True)

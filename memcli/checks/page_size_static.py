@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from memcli.mem_cache.allocator import cdiv
 from memcli.mem_cache.integrity import Check
 
 ROLES = {
@@ -19,10 +20,6 @@ ROLES = {
     "scheduler": ("PrefillAdder", "prefill budget rounding (ceil_paged), chunk truncation"),
     "null_cache": ("NullCache", "the bench path's tree cache; picks the alloc path"),
 }
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)

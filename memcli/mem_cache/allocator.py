@@ -27,6 +27,7 @@ from memcli.mem_cache.integrity import Check, IntegrityReport
 
 
 def cdiv(a, b):
+    """Ceiling division for ints, numpy arrays and tensors (page counts: cdiv(tokens, page_size))."""
     return -(-a // b)
 
 

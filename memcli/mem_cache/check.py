@@ -15,11 +15,8 @@ from __future__ import annotations
 from typing import Iterable
 
 from memcli.errors import IntegrityError
+from memcli.mem_cache.allocator import cdiv
 from memcli.mem_cache.integrity import Check, IntegrityReport
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def held_by_request(req, page_size: int) -> tuple[int, int]:

@@ -22,6 +22,7 @@ import torch
 
 from memcli import kernels
 from memcli.errors import IntegrityError, OutOfMemoryError, RequestSlotsExhausted
+from memcli.mem_cache.allocator import cdiv
 
 
 class PageSizeMismatch(IntegrityError):
@@ -34,24 +35,12 @@ class ExtendAllocation(NamedTuple):
     req_pool_indices_list: list[int]
 
 
-def cdiv(a, b):
-    return -(-a // b)
-
-
 def assert_same_page_size(allocator, tree_cache) -> None:
     if allocator.page_size != tree_cache.page_size:
         raise PageSizeMismatch(
             f"page size mismatch: allocator {allocator.page_size}, tree cache {tree_cache.page_size};"
             " every component must take memory.page_size"
         )
-
-
-def extend_tokens_needed(allocator, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor) -> int:
-    """Free tokens an extend really takes: new tokens, or whole new pages when paged."""
-    ps = allocator.page_size
-    if ps == 1:
-        return int((seq_lens_cpu - prefix_lens_cpu).sum())
-    return int((cdiv(seq_lens_cpu, ps) - cdiv(prefix_lens_cpu, ps)).sum()) * ps
 
 
 def decode_pages_needed(page_size: int, seq_lens_cpu: torch.Tensor) -> int:
@@ -148,11 +137,10 @@ class ExtendPlan:
     def __init__(self, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, rows: list[int],
                  page_size: int):
         pre, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
-        sums = np.cumsum(np.stack((seq, pre, -(-seq // page_size), -(-pre // page_size))), axis=1)
+        sums = np.cumsum(np.stack((seq, pre, cdiv(seq, page_size), cdiv(pre, page_size))), axis=1)
         self.total_prefix = int(sums[1, -1]) if len(pre) else 0
+        # New pages (new tokens when page_size is 1): exact, not one page per request.
         self.num_pages = int(sums[2, -1] - sums[3, -1]) if len(pre) else 0
-        if page_size == 1:
-            self.num_pages = int(sums[0, -1] - sums[1, -1]) if len(pre) else 0
         last_index = np.where(pre > 0, sums[1] - 1, self.total_prefix)
         # Row order: pre | alloc sums (4) | write sums (2) | last_index | rows.
         self.packed = np.concatenate((pre[None], sums, sums[1::-1], last_index[None],
@@ -223,11 +211,6 @@ def check_decode_mem(batch, seq_lens_cpu: torch.Tensor | None = None) -> bool:
     need = decode_tokens_needed(allocator, lens)
     evict_if_needed(batch.tree_cache, allocator, need)
     return allocator.available_size() >= need
-
-
-def evict_for_headroom(tree_cache, allocator, num_tokens: int) -> int:
-    """Make room for `num_tokens` if possible (used after a retraction)."""
-    return evict_if_needed(tree_cache, allocator, num_tokens)
 
 
 def release_req(tree_cache, req, is_insert: bool = True) -> None:

@@ -121,8 +121,8 @@ class ScheduleBatch:
             req = self.reqs[idx]
             retracted.append(req)
             common.release_req(self.tree_cache, req, is_insert=False)
-            common.evict_for_headroom(self.tree_cache, self.token_to_kv_pool_allocator,
-                                      len(order) * retract_decode_steps)
+            common.evict_if_needed(self.tree_cache, self.token_to_kv_pool_allocator,
+                                   len(order) * retract_decode_steps)
             if self.check_decode_mem(sorted(order)):
                 break
         self.filter_batch(sorted(order))
