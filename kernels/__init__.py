@@ -5,6 +5,7 @@ dispatcher ``op(..., backend="triton" | "torch")``.
 """
 
 from .alloc import (
+    ExtendWrite,
     alloc_decode,
     alloc_decode_torch,
     alloc_decode_triton,
@@ -14,6 +15,9 @@ from .alloc import (
     alloc_extend,
     alloc_extend_torch,
     alloc_extend_triton,
+    alloc_extend_write,
+    alloc_extend_write_torch,
+    alloc_extend_write_triton,
 )
 from .cache_indices import (
     get_last_loc,
@@ -26,6 +30,7 @@ from .cache_indices import (
 from .kv_store import store_kv, store_kv_torch, store_kv_triton
 
 __all__ = [
+    "ExtendWrite",
     "alloc_decode",
     "alloc_decode_torch",
     "alloc_decode_triton",
@@ -35,6 +40,9 @@ __all__ = [
     "alloc_extend",
     "alloc_extend_torch",
     "alloc_extend_triton",
+    "alloc_extend_write",
+    "alloc_extend_write_torch",
+    "alloc_extend_write_triton",
     "get_last_loc",
     "get_last_loc_torch",
     "get_last_loc_triton",

@@ -47,6 +47,7 @@ def check_tensor(
     device: Optional[torch.device] = None,
     length: Optional[int] = None,
     contiguous: bool = False,
+    length_of: str = "batch size",
 ) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``t`` matches every given requirement."""
     if not isinstance(t, torch.Tensor):
@@ -58,7 +59,7 @@ def check_tensor(
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device} (all inputs on one device)")
     if length is not None and t.shape[0] != length:
-        raise ValueError(f"{name} must have length {length} (batch size), got {t.shape[0]}")
+        raise ValueError(f"{name} must have length {length} ({length_of}), got {t.shape[0]}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
 
@@ -94,3 +95,91 @@ def num_compiled_variants(kernel, device: torch.device) -> Optional[int]:
         return 0 if caches is None else len(caches[0])
     except (AttributeError, IndexError, TypeError):
         return None
+
+
+class Launcher:
+    """Calls a ``@triton.jit`` kernel, then launches its compiled binary directly.
+
+    A call through the JIT binds and specialises every argument before the launch, several
+    microseconds of host time that the memory path pays on every step. When the binary can
+    only depend on the constexpr values, the tensors' dtypes and the integers' widths, the
+    launcher keeps the binary the JIT returned under that key and afterwards calls its launch
+    function directly. That holds when every runtime parameter is listed in both
+    ``do_not_specialize`` and ``do_not_specialize_on_alignment``. Otherwise, under the
+    interpreter, while launch hooks (profilers) are installed, or with a Triton whose
+    compiled kernels lack the launch attributes, every call goes through the JIT.
+
+    Arguments are passed positionally, constexprs included, in the kernel's parameter order.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._binaries: dict[tuple, object] = {}
+        self._direct = not is_interpreted(kernel) and _unspecialised(kernel)
+        self._constexpr = [p.is_constexpr for p in kernel.params] if self._direct else []
+
+    @property
+    def direct(self) -> bool:
+        """True while calls after the first of each key skip the JIT."""
+        return self._direct
+
+    def __call__(self, grid: tuple, *args) -> None:
+        if not self._direct:
+            self.kernel[grid](*args)
+            return
+        key = self._key(args)
+        binary = self._binaries.get(key)
+        if binary is None or _launch_hooks_installed():
+            binary = self.kernel[grid](*args)
+            if _has_launch_attributes(binary):
+                self._binaries[key] = binary
+            else:
+                self._direct = False
+            return
+        gx, gy, gz = (*grid, 1, 1)[:3]
+        binary.run(gx, gy, gz, _current_stream(key), binary.function, binary.packed_metadata, None, None, None,
+                   *args)
+
+    def _key(self, args) -> tuple:
+        """What the binary depends on: constexpr values, tensor dtypes and devices, int widths.
+
+        The key starts with the first tensor's device (the launch stream's device).
+        """
+        key: list = [None]
+        for is_constexpr, arg in zip(self._constexpr, args):
+            if is_constexpr:
+                key.append(arg)
+            elif isinstance(arg, torch.Tensor):
+                if key[0] is None:
+                    key[0] = arg.device
+                key.append(arg.dtype)
+            else:  # an unannotated int is i32 or i64 by its value
+                key.append(-(2**31) <= arg < 2**31 if isinstance(arg, int) else type(arg))
+        return tuple(key)
+
+
+def _current_stream(key: tuple) -> int:
+    device = key[0]
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def _unspecialised(kernel) -> bool:
+    """Every runtime parameter exempt from value and alignment specialisation."""
+    try:
+        return all(p.is_constexpr or (p.do_not_specialize and p.do_not_specialize_on_alignment)
+                   for p in kernel.params)
+    except AttributeError:
+        return False
+
+
+def _has_launch_attributes(binary) -> bool:
+    return all(getattr(binary, name, None) is not None for name in ("run", "function", "packed_metadata"))
+
+
+def _launch_hooks_installed() -> bool:
+    try:
+        from triton import knobs
+    except ImportError:  # an older Triton: keep to the JIT
+        return True
+    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None

@@ -18,11 +18,15 @@ negative slots, on both backends; no memory outside the free list is ever read.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from ._common import (
+    Launcher,
     cdiv,
     check_backend,
     check_count,
@@ -331,10 +335,11 @@ def alloc_decode(
 # ----------------------------------------------------------------------------- alloc_decode_write
 
 
-@triton.jit(
-    do_not_specialize=["bs", "num_free_pages", "row_stride"],
-    do_not_specialize_on_alignment=_INDEX_PTRS + ["req_to_token_ptr"],
-)
+_DECODE_WRITE_RUNTIME = ["seq_lens_before_ptr", "req_pool_indices_ptr", "req_to_token_ptr", "free_pages_ptr",
+                         "out_ptr", "bs", "num_free_pages", "row_stride"]
+
+
+@triton.jit(do_not_specialize=_DECODE_WRITE_RUNTIME, do_not_specialize_on_alignment=_DECODE_WRITE_RUNTIME)
 def _alloc_decode_write_kernel(
     seq_lens_before_ptr,
     req_pool_indices_ptr,
@@ -362,6 +367,9 @@ def _alloc_decode_write_kernel(
         tl.store(out_ptr + i, slot, mask=mask)
         tl.store(row + seq, slot.to(tl.int32), mask=mask)
         pages_before += taken
+
+
+_alloc_decode_write_launch = Launcher(_alloc_decode_write_kernel)
 
 
 def _check_alloc_decode_write(
@@ -394,10 +402,9 @@ def alloc_decode_write_triton(
     out = torch.empty(bs, dtype=torch.int64, device=req_to_token.device)
     if bs == 0:
         return out
-    _alloc_decode_write_kernel[(1,)](
-        seq_lens_before, req_pool_indices, req_to_token, free_pages, out,
-        bs, free_pages.shape[0], req_to_token.stride(0),
-        PAGE_SIZE=page_size, BLOCK=_DECODE_BLOCK,
+    _alloc_decode_write_launch(
+        (1,), seq_lens_before, req_pool_indices, req_to_token, free_pages, out,
+        bs, free_pages.shape[0], req_to_token.stride(0), page_size, _DECODE_BLOCK,
     )
     return out
 
@@ -447,3 +454,193 @@ def alloc_decode_write(
     check_backend(backend)
     fn = alloc_decode_write_triton if backend == "triton" else alloc_decode_write_torch
     return fn(seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size)
+
+
+# ----------------------------------------------------------------------------- alloc_extend_write
+
+# Rows of the plan an extend batch uploads in one copy (int64 [_PLAN_ROWS, bs]).
+_PLAN_PRE, _PLAN_SEQ, _PLAN_OUT_START, _PLAN_PAGE_START, _PLAN_ROW, _PLAN_PREFIX_PTR = range(6)
+_PLAN_ROWS = 6
+
+
+class ExtendWrite(NamedTuple):
+    """What ``alloc_extend_write`` leaves on the device: the new slots, and the batch's rows,
+    prefix lengths and sequence lengths (views of the uploaded plan on the triton backend)."""
+
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    prefix_lens: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+_EXTEND_WRITE_RUNTIME = ["plan_ptr", "req_to_token_ptr", "free_pages_ptr", "out_ptr", "bs", "num_free_pages",
+                         "row_stride"]
+
+
+@triton.jit(do_not_specialize=_EXTEND_WRITE_RUNTIME, do_not_specialize_on_alignment=_EXTEND_WRITE_RUNTIME)
+def _alloc_extend_write_kernel(
+    plan_ptr,
+    req_to_token_ptr,
+    free_pages_ptr,
+    out_ptr,
+    bs: tl.int64,
+    num_free_pages: tl.int64,
+    row_stride: tl.int64,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Plan rows (see _PLAN_*): pre, seq, out_start, page_start, row, prefix address.
+    pid = tl.program_id(0)
+    pre = tl.load(plan_ptr + pid)
+    seq = tl.load(plan_ptr + bs + pid)
+    out_start = tl.load(plan_ptr + 2 * bs + pid)
+    page_start = tl.load(plan_ptr + 3 * bs + pid)
+    row_ptr = req_to_token_ptr + tl.load(plan_ptr + 4 * bs + pid) * row_stride
+    prefix_ptr = tl.load(plan_ptr + 5 * bs + pid).to(tl.pointer_type(tl.int64))
+
+    # Columns [0, pre): the prefix slots, narrowed to int32.
+    for start in range(0, pre, BLOCK):
+        k = start + tl.arange(0, BLOCK)
+        mask = k < pre
+        tl.store(row_ptr + k, tl.load(prefix_ptr + k, mask=mask).to(tl.int32), mask=mask)
+
+    # Columns [pre, seq): new slots, the layout of alloc_extend (module docstring).
+    last_loc = tl.load(prefix_ptr + pre - 1, mask=pre > 0, other=-1)
+    first_new_page = (pre + PAGE_SIZE - 1) // PAGE_SIZE
+    first_new_pos = first_new_page * PAGE_SIZE
+    extend_len = seq - pre
+    for start in range(0, extend_len, BLOCK):
+        k = start + tl.arange(0, BLOCK)
+        mask = k < extend_len
+        pos = pre + k
+        on_new_page = pos >= first_new_pos
+        page_idx = page_start + pos // PAGE_SIZE - first_new_page
+        page = tl.load(free_pages_ptr + page_idx, mask=mask & on_new_page & (page_idx < num_free_pages), other=-1)
+        slot = tl.where(on_new_page, page * PAGE_SIZE + pos % PAGE_SIZE, last_loc + 1 + k)
+        tl.store(out_ptr + out_start + k, slot, mask=mask)
+        tl.store(row_ptr + pos, slot.to(tl.int32), mask=mask)
+
+
+_alloc_extend_write_launch = Launcher(_alloc_extend_write_kernel)
+
+
+def _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
+                              page_size, check_prefixes):
+    check_tensor("req_to_token", req_to_token, dtype=torch.int32, ndim=2)
+    if req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token rows must be contiguous (stride(1) == 1)")
+    device = req_to_token.device
+    check_tensor("prefix_lens_cpu", prefix_lens_cpu, device=torch.device("cpu"), contiguous=True)
+    bs = prefix_lens_cpu.shape[0]
+    check_tensor("seq_lens_cpu", seq_lens_cpu, device=torch.device("cpu"), length=bs, contiguous=True)
+    if len(rows) != bs or len(prefixes) != bs:
+        raise ValueError(f"rows ({len(rows)}) and prefixes ({len(prefixes)}) must have one entry per request ({bs})")
+    check_tensor("free_pages", free_pages, device=device, contiguous=True)
+    check_page_size(page_size)
+    if check_prefixes:
+        for i, (prefix, n) in enumerate(zip(prefixes, prefix_lens_cpu.tolist())):
+            check_tensor(f"prefixes[{i}]", prefix, device=device, length=n, contiguous=True,
+                         length_of="its prefix length")
+
+
+def _extend_offsets_host(prefix_lens_cpu, seq_lens_cpu, page_size):
+    """(pre, seq, out_start, page_start) as numpy arrays: the exclusive sums of the new tokens
+    and of the new pages, computed on the host from the CPU lengths."""
+    pre, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
+    new_tokens = seq - pre
+    new_pages = new_tokens if page_size == 1 else cdiv(seq, page_size) - cdiv(pre, page_size)
+    return pre, seq, np.cumsum(new_tokens) - new_tokens, np.cumsum(new_pages) - new_pages
+
+
+def alloc_extend_write_triton(
+    req_to_token: torch.Tensor,
+    rows,
+    prefix_lens_cpu: torch.Tensor,
+    seq_lens_cpu: torch.Tensor,
+    prefixes,
+    free_pages: torch.Tensor,
+    page_size: int,
+    check_prefixes: bool = True,
+) -> ExtendWrite:
+    """Triton ``alloc_extend_write``: one host-to-device copy and one launch; see
+    :func:`alloc_extend_write`."""
+    _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
+                              page_size, check_prefixes)
+    check_triton_device(req_to_token.device, _alloc_extend_write_kernel)
+    device, bs = req_to_token.device, len(rows)
+    plan = np.empty((_PLAN_ROWS, bs), dtype=np.int64)
+    pre, seq, out_start, page_start = _extend_offsets_host(prefix_lens_cpu, seq_lens_cpu, page_size)
+    plan[_PLAN_PRE], plan[_PLAN_SEQ], plan[_PLAN_OUT_START], plan[_PLAN_PAGE_START] = pre, seq, out_start, page_start
+    plan[_PLAN_ROW] = rows
+    plan[_PLAN_PREFIX_PTR] = [p.data_ptr() for p in prefixes]
+    extend_num_tokens = int(seq.sum() - pre.sum()) if bs else 0
+    out = torch.empty(extend_num_tokens, dtype=torch.int64, device=device)
+    on_device = torch.from_numpy(plan).to(device, non_blocking=True)
+    if bs and extend_num_tokens + int(pre.sum()):
+        _alloc_extend_write_launch(
+            (bs,), on_device, req_to_token, free_pages, out, bs, free_pages.shape[0], req_to_token.stride(0),
+            page_size, _EXTEND_BLOCK,
+        )
+    return ExtendWrite(out, on_device[_PLAN_ROW], on_device[_PLAN_PRE], on_device[_PLAN_SEQ])
+
+
+def alloc_extend_write_torch(
+    req_to_token: torch.Tensor,
+    rows,
+    prefix_lens_cpu: torch.Tensor,
+    seq_lens_cpu: torch.Tensor,
+    prefixes,
+    free_pages: torch.Tensor,
+    page_size: int,
+    check_prefixes: bool = True,
+) -> ExtendWrite:
+    """Torch reference of ``alloc_extend_write``: ``alloc_extend`` then ``write_cache_indices``."""
+    from .cache_indices import write_cache_indices_torch
+
+    _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
+                              page_size, check_prefixes)
+    device = req_to_token.device
+    prefix_lens = prefix_lens_cpu.to(device, non_blocking=True)
+    seq_lens = seq_lens_cpu.to(device, non_blocking=True)
+    rows_t = torch.as_tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    extend_num_tokens = int(seq_lens_cpu.sum() - prefix_lens_cpu.sum())
+    prefix_flat = torch.cat([*prefixes, free_pages.new_full((1,), -1)])
+    total_prefix = prefix_flat.shape[0] - 1
+    if page_size == 1:
+        out = free_pages[:extend_num_tokens].clone()
+    else:
+        # last_loc: the slot before each request's new tokens, -1 (the sentinel) without a prefix.
+        pre = prefix_lens_cpu.numpy()
+        last_index = torch.from_numpy(np.where(pre > 0, np.cumsum(pre) - 1, total_prefix)).to(device)
+        out = alloc_extend_torch(prefix_lens, seq_lens, prefix_flat[last_index], free_pages, page_size,
+                                 extend_num_tokens)
+    write_cache_indices_torch(req_to_token, rows_t, prefix_lens, seq_lens, out, prefix_flat[:total_prefix])
+    return ExtendWrite(out, rows_t, prefix_lens, seq_lens)
+
+
+def alloc_extend_write(
+    req_to_token: torch.Tensor,
+    rows,
+    prefix_lens_cpu: torch.Tensor,
+    seq_lens_cpu: torch.Tensor,
+    prefixes,
+    free_pages: torch.Tensor,
+    page_size: int,
+    backend: str = "triton",
+    check_prefixes: bool = True,
+) -> ExtendWrite:
+    """Fused extend memory step: new slots for every request and its whole ``req_to_token`` row.
+
+    Request ``i`` uses row ``rows[i]``; its prefix slots ``prefixes[i]`` (int64, length
+    ``prefix_lens_cpu[i]``, on the device) go to columns ``[0, pre_i)`` and its new slots,
+    laid out as :func:`alloc_extend` does with ``last_loc = prefixes[i][-1]`` (-1 without a
+    prefix), to columns ``[pre_i, seq_i)`` and to ``out_cache_loc`` in batch order. Lengths
+    and rows are host values (CPU int64 tensors, a list of ints), so every offset is computed
+    on the host and the triton backend makes one copy and one launch, with no sync.
+    ``free_pages`` is read from its start, not advanced; it must hold the batch's new pages.
+    ``check_prefixes=False`` skips the per-request check of ``prefixes`` (for callers whose
+    prefixes are int64 device tensors by construction). Raises ``ValueError`` on bad input.
+    """
+    check_backend(backend)
+    fn = alloc_extend_write_triton if backend == "triton" else alloc_extend_write_torch
+    return fn(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages, page_size, check_prefixes)

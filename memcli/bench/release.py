@@ -71,7 +71,7 @@ def _release_rows(batch, rows: _Rows) -> None:
             page_starts = table[first : first + len(rows.rows), 0 : rows.length : ps]
         else:
             page_starts = table[batch.req_pool_indices, 0 : rows.length : ps]
-        allocator.free(page_starts.to(torch.int64).reshape(-1))
+        allocator.free(page_starts, distinct_pages=True)
     pool.free(rows.rows)
     for req in batch.reqs:
         req.kv_freed = True

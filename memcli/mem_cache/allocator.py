@@ -78,6 +78,10 @@ class BaseAllocator:
         """The first `n` free entries, without removing them (for kernels)."""
         raise NotImplementedError
 
+    def _advance(self, n: int) -> None:
+        """Remove the first `n` free entries after a kernel read them through `_head_view`."""
+        raise NotImplementedError
+
     # -- common API -----------------------------------------------------------------------
     def clear(self) -> None:
         """Everything free again: pages 1..num_pages in order, no release list, no group."""
@@ -110,14 +114,21 @@ class BaseAllocator:
         self._set_free_list(torch.sort(merged).values)
         self._release, self._num_release = [], 0
 
-    def free(self, indices: torch.Tensor) -> None:
-        """Free KV slots. Paged: frees the whole page of every slot given (de-duplicated)."""
+    def free(self, indices: torch.Tensor, distinct_pages: bool = False) -> None:
+        """Free KV slots. Paged: frees the whole page of every slot given (de-duplicated).
+
+        `distinct_pages`: the caller guarantees that no two of `indices` share a page (one
+        slot per page, as when freeing every page of a request row through columns 0, ps,
+        2 ps, ...). The pages are then sorted instead of de-duplicated, which needs no host
+        sync. `indices` may have any shape and integer dtype. Inside a free group the
+        guarantee is dropped (other frees may share pages).
+        """
         if indices.numel() == 0:
             return
         if self._group is not None:
-            self._group.append(indices)
+            self._group.append(indices.reshape(-1))
             return
-        pages = self._slots_to_pages(indices)
+        pages = self._slots_to_pages(indices, distinct_pages)
         n = pages.numel()
         if self._in_use_pages - n < 0:
             raise ValueError(
@@ -128,7 +139,7 @@ class BaseAllocator:
         self.freed_tokens += n * self.page_size
         if self.need_sort:
             # A copy: with page size 1, `pages` can be the caller's own tensor.
-            self._release.append(pages.clone())
+            self._release.append(pages.reshape(-1).to(torch.int64, copy=True))
             self._num_release += n
         else:
             self._put(pages)
@@ -153,13 +164,30 @@ class BaseAllocator:
         self._num_release = state.release_pages.numel()
         self._in_use_pages = state.in_use_pages
 
+    def alloc_extend_write(self, req_to_token: torch.Tensor, rows: list[int], prefix_lens_cpu: torch.Tensor,
+                           seq_lens_cpu: torch.Tensor, prefixes: list[torch.Tensor],
+                           num_pages: int) -> kernels.ExtendWrite | None:
+        """Slots for an extend batch, written with each request's prefix into its row (one
+        fused kernel; see `memcli.kernels.alloc_extend_write`). `num_pages` is the batch's
+        new pages, counted by the caller from the same CPU lengths. None when they are not free.
+        """
+        if not self._ensure(num_pages):
+            return None
+        written = kernels.alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes,
+                                             self._head_view(num_pages), self.page_size, backend=self.backend,
+                                             check_prefixes=self.debug)
+        self._advance(num_pages)
+        self._commit_alloc(num_pages)
+        return written
+
     def _commit_alloc(self, num_pages: int) -> None:
         self._in_use_pages += num_pages
         if self.debug:
             self.check_integrity().raise_if_failed()
 
-    def _slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
-        return slots.to(torch.int64)
+    def _slots_to_pages(self, slots: torch.Tensor, distinct: bool = False) -> torch.Tensor:
+        """Page size 1: the slots themselves (`_put` converts their dtype as it copies)."""
+        return slots
 
     # -- introspection ----------------------------------------------------------------------
     def free_page_ids(self) -> torch.Tensor:
@@ -225,11 +253,14 @@ class TokenToKVPoolAllocator(BaseAllocator):
     def _head_view(self, n: int) -> torch.Tensor:
         return self._ring_slice(self._head, n)
 
+    def _advance(self, n: int) -> None:
+        self._head = (self._head + n) % self.num_pages
+        self._num_free -= n
+
     def _take(self, n: int) -> torch.Tensor:
         # A copy: the ring positions are rewritten by later frees.
         out = self._head_view(n).clone()
-        self._head = (self._head + n) % self.num_pages
-        self._num_free -= n
+        self._advance(n)
         return out
 
     def _put(self, pages: torch.Tensor) -> None:
@@ -237,10 +268,12 @@ class TokenToKVPoolAllocator(BaseAllocator):
         if self._num_free + n > cap:
             raise ValueError(f"double free: {self._num_free} free + {n} freed > size {cap}")
         tail = (self._head + self._num_free) % cap
-        first = min(n, cap - tail)
-        self._buf[tail : tail + first] = pages[:first]
-        if first < n:
-            self._buf[: n - first] = pages[first:]
+        if tail + n <= cap:  # one copy, whatever the shape, strides and dtype of `pages`
+            self._buf[tail : tail + n].view(pages.shape).copy_(pages)
+        else:
+            flat, first = pages.reshape(-1), cap - tail
+            self._buf[tail:] = flat[:first]
+            self._buf[: n - first] = flat[first:]
         self._num_free += n
 
     def alloc(self, n: int) -> torch.Tensor | None:
@@ -267,8 +300,7 @@ class TokenToKVPoolAllocator(BaseAllocator):
             return None
         out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._head_view(bs), 1,
                                          backend=self.backend)
-        self._head = (self._head + bs) % self.num_pages
-        self._num_free -= bs
+        self._advance(bs)
         self._commit_alloc(bs)
         return out
 
@@ -288,10 +320,13 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     def _head_view(self, n: int) -> torch.Tensor:
         return self._buf[self._head : self._head + n]
 
-    def _take(self, n: int) -> torch.Tensor:
-        out = self._head_view(n)
+    def _advance(self, n: int) -> None:
         self._head += n
         self._num_free -= n
+
+    def _take(self, n: int) -> torch.Tensor:
+        out = self._head_view(n)
+        self._advance(n)
         return out
 
     def _put(self, pages: torch.Tensor) -> None:
@@ -299,12 +334,14 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         if n > self._head:
             raise ValueError(f"double free: {self._num_free} free + {n} freed pages > {self.num_pages}")
         self._head -= n
-        self._buf[self._head : self._head + n] = pages
+        self._buf[self._head : self._head + n] = pages  # converts the dtype as it copies
         self._num_free += n
 
-    def _slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
-        # Sorted and de-duplicated, like the reference; `unique` synchronises with the device.
-        return torch.unique(slots.to(torch.int64) // self.page_size)
+    def _slots_to_pages(self, slots: torch.Tensor, distinct: bool = False) -> torch.Tensor:
+        # Sorted and de-duplicated, like the reference; `unique` synchronises with the device,
+        # `sort` (enough when the caller knows the pages are distinct) does not.
+        pages = slots.reshape(-1) // self.page_size
+        return torch.sort(pages).values if distinct else torch.unique(pages)
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """Whole pages only: `n` must be a multiple of the page size."""

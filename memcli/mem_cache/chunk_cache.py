@@ -47,12 +47,16 @@ class ChunkCache(BasePrefixCache):
         req.prefix_indices = kv.to(device=self.device, dtype=torch.int64, copy=True)
 
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
-        """Free `req_to_token[row, :kv_allocated_len]` (partial last page included) and the row."""
+        """Free `req_to_token[row, :kv_allocated_len]` (partial last page included) and the row.
+
+        The row holds only the request's own slots, position t at offset t % page_size of its
+        page, so columns 0, ps, 2 ps, ... name each of its pages once.
+        """
         if req.kv_freed:
             raise IntegrityError(f"cache_finished_req on request row {req.req_pool_idx} that was already freed")
-        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_allocated_len]
-        if len(kv):
-            self.allocator.free(kv.to(torch.int64))
+        page_starts = self.req_to_token_pool.req_to_token[req.req_pool_idx, 0 : req.kv_allocated_len : self.page_size]
+        if len(page_starts):
+            self.allocator.free(page_starts, distinct_pages=True)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.kv_freed = True
 

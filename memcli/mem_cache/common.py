@@ -20,7 +20,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from memcli import kernels
 from memcli.errors import IntegrityError, OutOfMemoryError, RequestSlotsExhausted
 from memcli.mem_cache.allocator import cdiv
 
@@ -33,6 +32,7 @@ class ExtendAllocation(NamedTuple):
     out_cache_loc: torch.Tensor
     req_pool_indices: torch.Tensor
     req_pool_indices_list: list[int]
+    seq_lens: torch.Tensor  # the batch's sequence lengths on the device
 
 
 def assert_same_page_size(allocator, tree_cache) -> None:
@@ -41,6 +41,15 @@ def assert_same_page_size(allocator, tree_cache) -> None:
             f"page size mismatch: allocator {allocator.page_size}, tree cache {tree_cache.page_size};"
             " every component must take memory.page_size"
         )
+
+
+def extend_pages_needed(page_size: int, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor) -> int:
+    """Pages an extend batch opens (new tokens when page_size is 1): exact per request, not one
+    page per request. Counted with numpy on the CPU lengths: no device work, no sync."""
+    pre, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
+    if page_size == 1:
+        return int(seq.sum() - pre.sum())
+    return int(cdiv(seq, page_size).sum() - cdiv(pre, page_size).sum())
 
 
 def decode_pages_needed(page_size: int, seq_lens_cpu: torch.Tensor) -> int:
@@ -83,72 +92,29 @@ def alloc_req_slots(req_to_token_pool, num_reqs: int) -> list[int]:
 
 
 def alloc_for_extend(batch) -> ExtendAllocation:
-    """Request rows, then eviction of the shortfall, then KV slots, then `write_cache_indices`.
+    """Request rows, then eviction of the shortfall, then KV slots written into the rows.
 
     Reads the fields `prepare_for_extend` set: `batch.req_rows` (row per request, None for
     a request without one), `batch.prefix_tensors` (each request's `prefix_indices`),
-    `batch.prefix_lens_cpu`, `batch.seq_lens`, `batch.seq_lens_cpu`, `batch.extend_num_tokens`.
-    Every offset is computed on the host from the CPU lengths and reaches the device in one
-    copy (`ExtendPlan`), so the device sees a handful of launches and no sync.
+    `batch.prefix_lens_cpu` and `batch.seq_lens_cpu`. Every count and offset comes from the
+    CPU lengths, so the capacity check happens on the host, and the device sees one copy
+    (the batch's plan) and one kernel (`alloc_extend_write`), with no sync.
     On failure raises `OutOfMemoryError` and returns the rows it took.
     """
     allocator, tree_cache, pool = batch.token_to_kv_pool_allocator, batch.tree_cache, batch.req_to_token_pool
     assert_same_page_size(allocator, tree_cache)
     rows, new_rows = _rows_for(pool, batch.req_rows)
-    plan = ExtendPlan(batch.prefix_lens_cpu, batch.seq_lens_cpu, rows, allocator.page_size)
-    need = plan.num_pages * allocator.page_size
+    num_pages = extend_pages_needed(allocator.page_size, batch.prefix_lens_cpu, batch.seq_lens_cpu)
+    need = num_pages * allocator.page_size
     if need > allocator.available_size():
         evict_if_needed(tree_cache, allocator, need)
-    meta = plan.to_device(pool.device)
-    if allocator.page_size == 1:
-        prefix_flat = torch.cat(batch.prefix_tensors) if plan.total_prefix else _EMPTY.get(pool.device)
-        out_cache_loc = allocator.alloc(batch.extend_num_tokens)
-    else:
-        # A trailing -1 lets requests without a prefix read last_loc = -1 in the same gather.
-        prefix_ext = torch.cat([*batch.prefix_tensors, _MINUS_ONE.get(pool.device)])
-        prefix_flat = prefix_ext[: plan.total_prefix]
-        out_cache_loc = allocator.alloc_extend(meta.prefix_lens, batch.prefix_lens_cpu, batch.seq_lens,
-                                               batch.seq_lens_cpu, prefix_ext[meta.last_index],
-                                               batch.extend_num_tokens, running_sums=meta.alloc_sums,
-                                               num_pages=plan.num_pages)
-    if out_cache_loc is None:
+    written = allocator.alloc_extend_write(pool.req_to_token, rows, batch.prefix_lens_cpu, batch.seq_lens_cpu,
+                                           batch.prefix_tensors, num_pages)
+    if written is None:
         if new_rows:
             pool.free(new_rows)
         raise out_of_memory("prefill", tree_cache, allocator, need)
-    kernels.write_cache_indices(pool.req_to_token, meta.rows, meta.prefix_lens, batch.seq_lens,
-                                out_cache_loc, prefix_flat, backend=allocator.backend,
-                                running_sums=meta.write_sums)
-    return ExtendAllocation(out_cache_loc, meta.rows, rows)
-
-
-class ExtendMeta(NamedTuple):
-    """Views of the one device copy of an `ExtendPlan`."""
-
-    prefix_lens: torch.Tensor
-    alloc_sums: torch.Tensor  # [4, bs]: inclusive sums of seq, pre, cdiv(seq), cdiv(pre)
-    write_sums: torch.Tensor  # [2, bs]: inclusive sums of pre, seq
-    last_index: torch.Tensor  # index of each request's last prefix slot (or of the -1 sentinel)
-    rows: torch.Tensor
-
-
-class ExtendPlan:
-    """Host-side offsets of an extend batch, from the CPU lengths (numpy; no device work)."""
-
-    def __init__(self, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, rows: list[int],
-                 page_size: int):
-        pre, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
-        sums = np.cumsum(np.stack((seq, pre, cdiv(seq, page_size), cdiv(pre, page_size))), axis=1)
-        self.total_prefix = int(sums[1, -1]) if len(pre) else 0
-        # New pages (new tokens when page_size is 1): exact, not one page per request.
-        self.num_pages = int(sums[2, -1] - sums[3, -1]) if len(pre) else 0
-        last_index = np.where(pre > 0, sums[1] - 1, self.total_prefix)
-        # Row order: pre | alloc sums (4) | write sums (2) | last_index | rows.
-        self.packed = np.concatenate((pre[None], sums, sums[1::-1], last_index[None],
-                                      np.asarray(rows, dtype=np.int64)[None]))
-
-    def to_device(self, device: torch.device) -> ExtendMeta:
-        meta = torch.from_numpy(self.packed).to(device, non_blocking=True)
-        return ExtendMeta(meta[0], meta[1:5], meta[5:7], meta[7], meta[8])
+    return ExtendAllocation(written.out_cache_loc, written.req_pool_indices, rows, written.seq_lens)
 
 
 def _rows_for(pool, req_rows: list) -> tuple[list[int], list[int]]:
@@ -163,25 +129,6 @@ def _rows_for(pool, req_rows: list) -> tuple[list[int], list[int]]:
     for i, row in zip(missing, new_rows):
         rows[i] = row
     return rows, new_rows
-
-
-class _EmptyIndices:
-    """One cached small int64 tensor per device: empty, or `[fill]`."""
-
-    def __init__(self, fill: int | None = None):
-        self.fill = fill
-        self._by_device: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device) -> torch.Tensor:
-        cached = self._by_device.get(device)
-        if cached is None:
-            values = [] if self.fill is None else [self.fill]
-            cached = self._by_device[device] = torch.tensor(values, dtype=torch.int64, device=device)
-        return cached
-
-
-_EMPTY = _EmptyIndices()
-_MINUS_ONE = _EmptyIndices(fill=-1)
 
 
 def alloc_for_decode(batch, token_per_req: int = 1) -> torch.Tensor:

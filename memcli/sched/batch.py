@@ -53,11 +53,11 @@ class ScheduleBatch:
         expected = [r.extend_input_len for r in self.reqs]
         if self.extend_lens_cpu.tolist() != expected:
             raise AssertionError(f"extend lengths {self.extend_lens_cpu.tolist()} != extend_input_len {expected}")
-        self.seq_lens = self.seq_lens_cpu.to(self.device, non_blocking=True)
         self.extend_num_tokens = sum(seq_lens) - sum(prefix_lens)
         alloc = common.alloc_for_extend(self)
         self.out_cache_loc = alloc.out_cache_loc
         self.req_pool_indices = alloc.req_pool_indices
+        self.seq_lens = alloc.seq_lens
         for req, row, seq in zip(self.reqs, alloc.req_pool_indices_list, seq_lens):
             req.req_pool_idx = row
             req.kv_allocated_len = seq

@@ -50,9 +50,11 @@ class FakeAllocator:
             self.free_pages.remove(page)
         return slots
 
-    def free(self, indices: torch.Tensor) -> None:
-        assert indices.dtype == torch.int64, indices.dtype
-        pages = sorted(set((indices // self.page_size).tolist()))
+    def free(self, indices: torch.Tensor, distinct_pages: bool = False) -> None:
+        assert not indices.dtype.is_floating_point, indices.dtype
+        pages = sorted(set((indices.reshape(-1).to(torch.int64) // self.page_size).tolist()))
+        if distinct_pages:
+            assert len(pages) == indices.numel(), f"{indices.numel()} slots name only {len(pages)} pages"
         free = set(self.free_pages)
         for page in pages:
             if page in free or page == 0:

@@ -531,3 +531,74 @@ def test_free_counters_count_calls_and_tokens_a_group_once():
     assert (alloc.num_frees, alloc.freed_tokens) == (2, 4 + 8)
     alloc.free(slots[:0])  # nothing to free: not counted
     assert alloc.num_frees == 2
+
+
+# ------------------------------------------------------------------ frees of known-distinct pages
+
+
+def test_paged_free_of_distinct_pages_sorts_like_the_unique_path():
+    plain, distinct = paged(48), paged(48)
+    for allocator in (plain, distinct):
+        allocator.alloc(48)
+    plain.free(page_slots([9, 2, 7, 4]))
+    # One slot per page, as columns 0, ps, 2 ps, ... of two request rows give (int32, 2-D).
+    distinct.free(torch.tensor([[36, 8], [28, 17]], dtype=torch.int32), distinct_pages=True)
+    assert free_list(distinct) == free_list(plain) == [2, 4, 7, 9]
+    assert distinct.in_use_tokens == plain.in_use_tokens == 8 * 4
+    assert distinct.check_integrity().ok
+
+
+def test_token_free_takes_any_shape_and_int_dtype_in_order():
+    allocator = token(6)
+    allocator.alloc(6)
+    allocator.free(torch.tensor([[5, 1], [3, 6]], dtype=torch.int32), distinct_pages=True)
+    assert free_list(allocator) == [5, 1, 3, 6]
+    assert allocator.alloc(2).tolist() == [5, 1]
+    allocator.free(torch.tensor([[2, 4], [1, 5]], dtype=torch.int32))  # wraps around the ring
+    assert free_list(allocator) == [3, 6, 2, 4, 1, 5]
+    assert allocator.check_integrity().ok
+
+
+def test_need_sort_release_list_keeps_int64_copies_of_2d_frees():
+    allocator = token(6, need_sort=True)
+    allocator.alloc(6)
+    rows = torch.tensor([[4, 2], [6, 1]], dtype=torch.int32)
+    allocator.free(rows, distinct_pages=True)
+    rows.fill_(0)  # the caller's tensor may change afterwards
+    assert sorted(free_list(allocator)) == [1, 2, 4, 6]
+    allocator.merge_and_sort_free()
+    assert free_list(allocator) == [1, 2, 4, 6]
+
+
+def test_free_group_drops_the_distinct_promise():
+    allocator = paged(48)
+    allocator.alloc(48)
+    with allocator_group(allocator):
+        allocator.free(i64([8, 12]), distinct_pages=True)
+        allocator.free(i64([9, 13]), distinct_pages=True)  # pages 2 and 3 again
+    assert free_list(allocator) == [2, 3]
+    assert allocator.in_use_tokens == 10 * 4
+
+
+def allocator_group(allocator):
+    from memcli.mem_cache.common import free_group
+
+    return free_group(allocator)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_alloc_extend_write_takes_the_head_or_changes_nothing(monkeypatch, page_size):
+    allocator = token(8) if page_size == 1 else paged(8 * 4, page_size)
+    table = torch.zeros(2, 40, dtype=torch.int32)
+    too_many = allocator.num_pages + 1
+    with monkeypatch.context() as patch:
+        forbid_kernel(patch, "alloc_extend_write")
+        assert allocator.alloc_extend_write(table, [1], i64([0]), i64([too_many * page_size]), [i64([])],
+                                            num_pages=too_many) is None
+    assert allocator.in_use_tokens == 0 and not table.any()
+    got = allocator.alloc_extend_write(table, [1], i64([0]), i64([3 * page_size]), [i64([])], num_pages=3)
+    expected = page_slots([1, 2, 3], page_size).tolist()
+    assert got.out_cache_loc.tolist() == expected == table[1, : 3 * page_size].tolist()
+    assert got.req_pool_indices.tolist() == [1]
+    assert free_list(allocator)[0] == 4 and allocator.in_use_tokens == 3 * page_size
+    assert allocator.check_integrity().ok

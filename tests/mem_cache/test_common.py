@@ -135,7 +135,7 @@ def test_extend_needs_exact_pages_not_a_page_per_request():
     alloc = stack.allocator
     prefix = torch.tensor([0, 3, 4])
     seq = torch.tensor([4, 5, 8])
-    assert common.ExtendPlan(prefix, seq, [0, 1, 2], alloc.page_size).num_pages * alloc.page_size == 4 * (1 + 1 + 1)
+    assert common.extend_pages_needed(alloc.page_size, prefix, seq) * alloc.page_size == 4 * (1 + 1 + 1)
     assert common.decode_tokens_needed(alloc, torch.tensor([4, 5, 8, 9])) == 8
 
 

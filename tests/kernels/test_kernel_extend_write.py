@@ -1,0 +1,160 @@
+"""alloc_extend_write (fused extend: slots + rows) and the direct-launch `Launcher`."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from memcli.kernels import alloc_extend_write, alloc_extend_write_torch, alloc_extend_write_triton
+from memcli.kernels._common import Launcher, _unspecialised
+from memcli.kernels.cases import random_extend_case
+from tests.kernels.test_kernel_alloc import DEVICE, PAGE_SIZES, spec_alloc_extend
+
+BACKENDS = ["triton", "torch"]
+SENTINEL = -7
+
+
+def table(rows, cols):
+    return torch.full((rows, cols), SENTINEL, dtype=torch.int32, device=DEVICE)
+
+
+def cpu(values):
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def write_case(case, rows, fn, spare_rows=2):
+    """Run `fn` (an alloc_extend_write backend) on an ExtendCase; returns (result, table)."""
+    t = table(max(rows, default=0) + 1 + spare_rows, int(case.seq_lens.max()) + 3 if len(rows) else 4)
+    result = fn(t, rows, case.prefix_lens.cpu(), case.seq_lens.cpu(), case.prefix_slots, case.free_pages,
+                case.page_size)
+    return result, t
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_worked_example_slots_and_rows(backend):
+    # ps 4; (pre, seq): (0, 6), (5, 11) with a prefix ending at slot 40, (8, 9) ending at 47.
+    prefixes = [torch.empty(0, dtype=torch.int64, device=DEVICE),
+                torch.tensor([20, 21, 22, 23, 40], device=DEVICE),
+                torch.tensor([28, 29, 30, 31, 44, 45, 46, 47], device=DEVICE)]
+    t = table(4, 12)
+    free = torch.arange(1, 9, device=DEVICE)
+    got = alloc_extend_write(t, [2, 0, 3], cpu([0, 5, 8]), cpu([6, 11, 9]), prefixes, free, 4, backend=backend)
+    assert got.out_cache_loc.tolist() == [4, 5, 6, 7, 8, 9, 41, 42, 43, 12, 13, 14, 16]
+    assert t[2, :6].tolist() == [4, 5, 6, 7, 8, 9]
+    assert t[0, :11].tolist() == [20, 21, 22, 23, 40, 41, 42, 43, 12, 13, 14]
+    assert t[3, :9].tolist() == [28, 29, 30, 31, 44, 45, 46, 47, 16]
+    assert t[1].tolist() == [SENTINEL] * 12  # an unused row is untouched
+    assert t[2, 6:].tolist() == [SENTINEL] * 6 and t[0, 11:].tolist() == [SENTINEL]
+    assert got.req_pool_indices.tolist() == [2, 0, 3]
+    assert got.prefix_lens.tolist() == [0, 5, 8] and got.seq_lens.tolist() == [6, 11, 9]
+    assert got.out_cache_loc.dtype == got.seq_lens.dtype == torch.int64
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_page_size_one_takes_the_free_list_in_order(backend):
+    prefixes = [torch.tensor([50, 51], device=DEVICE), torch.empty(0, dtype=torch.int64, device=DEVICE)]
+    free = torch.tensor([9, 3, 7, 1, 8], device=DEVICE)
+    t = table(2, 6)
+    got = alloc_extend_write(t, [1, 0], cpu([2, 0]), cpu([4, 2]), prefixes, free, 1, backend=backend)
+    assert got.out_cache_loc.tolist() == [9, 3, 7, 1]
+    assert t[1, :4].tolist() == [50, 51, 9, 3] and t[0, :2].tolist() == [7, 1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefix_only_and_empty_batches(backend):
+    t = table(2, 4)
+    prefix = torch.tensor([12, 13, 14], device=DEVICE)
+    got = alloc_extend_write(t, [1], cpu([3]), cpu([3]), [prefix], torch.tensor([5], device=DEVICE), 4,
+                             backend=backend)
+    assert got.out_cache_loc.numel() == 0 and t[1, :3].tolist() == [12, 13, 14]
+    empty = alloc_extend_write(t, [], cpu([]), cpu([]), [], torch.tensor([5], device=DEVICE), 4, backend=backend)
+    assert empty.out_cache_loc.numel() == 0 and empty.req_pool_indices.numel() == 0
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_random_batches_match_reference_and_spec(page_size):
+    gen = torch.Generator().manual_seed(700 + page_size)
+    for bs in (1, 3, 9):
+        case = random_extend_case(gen, bs, page_size, max_prefix_len=40, max_extend_len=40, device=DEVICE)
+        rows = torch.randperm(bs + 2, generator=gen)[:bs].tolist()
+        kernel, t_kernel = write_case(case, rows, alloc_extend_write_triton)
+        ref, t_ref = write_case(case, rows, alloc_extend_write_torch)
+        assert torch.equal(kernel.out_cache_loc, ref.out_cache_loc)
+        assert torch.equal(t_kernel, t_ref)
+        spec = spec_alloc_extend(case.prefix_lens.tolist(), case.seq_lens.tolist(), case.last_loc.tolist(),
+                                 case.free_pages.tolist(), page_size)
+        assert kernel.out_cache_loc.tolist() == spec
+        offset = 0
+        for row, prefix, pre, seq in zip(rows, case.prefix_slots, case.prefix_lens.tolist(),
+                                         case.seq_lens.tolist()):
+            assert t_kernel[row, :pre].tolist() == prefix.tolist()
+            assert t_kernel[row, pre:seq].tolist() == spec[offset : offset + seq - pre]
+            offset += seq - pre
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_is_rejected(backend):
+    t = table(2, 8)
+    free = torch.arange(1, 5, device=DEVICE)
+    one = [torch.tensor([4], device=DEVICE)]
+    with pytest.raises(ValueError, match="one entry per request"):
+        alloc_extend_write(t, [0, 1], cpu([1]), cpu([3]), one, free, 4, backend=backend)
+    with pytest.raises(ValueError, match=r"prefixes\[0\] must be torch.int64"):
+        alloc_extend_write(t, [0], cpu([1]), cpu([3]), [one[0].to(torch.int32)], free, 4, backend=backend)
+    with pytest.raises(ValueError, match=r"prefixes\[0\] must have length 2"):
+        alloc_extend_write(t, [0], cpu([2]), cpu([3]), one, free, 4, backend=backend)
+    with pytest.raises(ValueError, match="seq_lens_cpu is on"):
+        alloc_extend_write(t, [0], cpu([1]), torch.tensor([3], device="meta"), one, free, 4, backend=backend)
+    with pytest.raises(ValueError, match="req_to_token must be torch.int32"):
+        alloc_extend_write(t.long(), [0], cpu([1]), cpu([3]), one, free, 4, backend=backend)
+
+
+# ----------------------------------------------------------------------------- Launcher
+
+
+def _param(name, constexpr=False, dns=True, dnsa=True):
+    return SimpleNamespace(name=name, is_constexpr=constexpr, do_not_specialize=dns,
+                           do_not_specialize_on_alignment=dnsa)
+
+
+def test_launcher_goes_direct_only_for_unspecialised_kernels():
+    free = SimpleNamespace(params=[_param("x"), _param("n"), _param("B", constexpr=True)])
+    assert _unspecialised(free)
+    aligned = SimpleNamespace(params=[_param("x", dnsa=False), _param("B", constexpr=True)])
+    assert not _unspecialised(aligned)
+    valued = SimpleNamespace(params=[_param("n", dns=False)])
+    assert not _unspecialised(valued)
+    assert not _unspecialised(SimpleNamespace())  # no parameter metadata: keep to the JIT
+
+
+def test_launcher_key_covers_what_the_binary_depends_on():
+    launcher = Launcher.__new__(Launcher)
+    launcher._constexpr = [False, False, True]
+    x32 = torch.zeros(2, dtype=torch.int32)
+    x64 = torch.zeros(2, dtype=torch.int64)
+    assert launcher._key((x64, 5, 16)) == launcher._key((x64.clone(), 7, 16))
+    assert launcher._key((x64, 5, 16)) != launcher._key((x32, 5, 16))  # dtype
+    assert launcher._key((x64, 5, 16)) != launcher._key((x64, 5, 32))  # constexpr value
+    assert launcher._key((x64, 5, 16)) != launcher._key((x64, 2**40, 16))  # int width
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the interpreter only runs without CUDA")
+def test_launcher_under_the_interpreter_calls_the_jit():
+    from memcli.kernels.alloc import _alloc_extend_write_launch
+
+    assert not _alloc_extend_write_launch.direct
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launches_match_reference():
+    from memcli.kernels.alloc import _alloc_extend_write_launch
+
+    gen = torch.Generator().manual_seed(5)
+    for page_size in (1, 16, 64):
+        for bs in (1, 33, 256, 7):  # repeated keys: every call after the first launches directly
+            case = random_extend_case(gen, bs, page_size, max_prefix_len=1500, max_extend_len=600, device=DEVICE)
+            rows = torch.randperm(bs + 2, generator=gen)[:bs].tolist()
+            kernel, t_kernel = write_case(case, rows, alloc_extend_write_triton)
+            ref, t_ref = write_case(case, rows, alloc_extend_write_torch)
+            assert torch.equal(kernel.out_cache_loc, ref.out_cache_loc) and torch.equal(t_kernel, t_ref)
+    assert _alloc_extend_write_launch.direct
