@@ -1,8 +1,15 @@
 """The one timing helper: CUDA events on a GPU, synchronized wall time on a CPU.
 
 `time_call(fn, setup=...)` runs `setup()` (untimed) before every call, warms up, then
-returns the median of the timed calls in microseconds. `count_syncs(fn)` counts host-device
-synchronisations with CUDA's sync debug mode (None on a CPU, where there is no device).
+returns the median of the timed calls in microseconds. On a GPU each call is timed twice:
+
+* latency: the device is idle (synchronised) when the start event is recorded, so the time
+  includes the host's work and launch latency, as a scheduler waiting on the call sees it;
+* device time: the call is queued behind a spin kernel that keeps the stream busy until the
+  host has issued all of it, so the events see only the GPU's execution of the call.
+
+`count_syncs(fn)` counts host-device synchronisations with CUDA's sync debug mode (None on
+a CPU, where there is no device).
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ class Timing:
     min_us: float
     samples: int
     method: str  # "cuda-events" or "wall-clock (cpu)"
+    device_us: float | None = None  # median device time (None on a CPU)
 
     def to_dict(self) -> dict:
-        return {"median_us": self.median_us, "min_us": self.min_us, "samples": self.samples, "method": self.method}
+        return {"median_us": self.median_us, "min_us": self.min_us, "samples": self.samples, "method": self.method,
+                "device_us": self.device_us}
 
 
 def _noop() -> None:
@@ -34,28 +43,62 @@ def _noop() -> None:
 
 def time_call(fn: Callable[[], object], device: torch.device, repeat: int = 20, warmup: int = 3,
               setup: Callable[[], object] = _noop) -> Timing:
-    """Median time of `fn()` over `repeat` calls, each after an untimed `setup()`."""
+    """Median time of `fn()` over `repeat` calls, each after an untimed `setup()`.
+
+    On a GPU also the median device time (see the module docstring) over as many calls.
+    """
     for _ in range(warmup):
         setup()
         fn()
-    samples = []
     cuda = device.type == "cuda"
-    for _ in range(repeat):
-        setup()
-        if cuda:
+    samples = [_sample(fn, setup, device, cuda, spin_us=0.0) for _ in range(repeat)]
+    median = statistics.median(samples)
+    device_us = None
+    if cuda and _spin_cycles_per_us(device) is not None:
+        # The spin outlasts the host's part of the call: twice the latency, plus a margin.
+        spin_us = 2 * median + 100.0
+        device_us = statistics.median(_sample(fn, setup, device, cuda, spin_us) for _ in range(repeat))
+    method = "cuda-events" if cuda else "wall-clock (cpu)"
+    return Timing(median, min(samples), len(samples), method, device_us)
+
+
+def _sample(fn, setup, device: torch.device, cuda: bool, spin_us: float) -> float:
+    """One timed call in microseconds; with `spin_us`, queued behind a spin of that length."""
+    setup()
+    if not cuda:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    if spin_us:
+        torch.cuda._sleep(int(spin_us * _spin_cycles_per_us(device)))
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+_CYCLES_PER_US: dict[torch.device, float | None] = {}
+
+
+def _spin_cycles_per_us(device: torch.device) -> float | None:
+    """Spin-kernel cycles per microsecond on `device`, measured once (None without a spin kernel)."""
+    if device not in _CYCLES_PER_US:
+        sleep = getattr(torch.cuda, "_sleep", None)
+        rate = None
+        if sleep is not None:
+            cycles = 2_000_000
+            sleep(cycles)  # the first launch loads the kernel
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
             start.record()
-            fn()
+            sleep(cycles)
             end.record()
             end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e6)
-    method = "cuda-events" if cuda else "wall-clock (cpu)"
-    return Timing(statistics.median(samples), min(samples), len(samples), method)
+            rate = cycles / (start.elapsed_time(end) * 1e3)
+        _CYCLES_PER_US[device] = rate
+    return _CYCLES_PER_US[device]
 
 
 def count_syncs(fn: Callable[[], object], device: torch.device) -> int | None:

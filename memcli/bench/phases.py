@@ -36,10 +36,12 @@ class PhaseTiming:
     method: str
     first_call_ms: float
     syncs: Optional[int]
+    device_us: Optional[float] = None  # median device time (the call queued behind a busy stream)
 
     def to_dict(self) -> dict:
-        return {"median_us": self.median_us, "min_us": self.min_us, "samples": self.samples,
-                "method": self.method, "first_call_ms": self.first_call_ms, "syncs": self.syncs}
+        return {"median_us": self.median_us, "min_us": self.min_us, "device_us": self.device_us,
+                "samples": self.samples, "method": self.method, "first_call_ms": self.first_call_ms,
+                "syncs": self.syncs}
 
 
 def measure(fn: Fn, device: torch.device, repeat: int, warmup: int, setup: Fn = _noop,
@@ -54,13 +56,15 @@ def measure(fn: Fn, device: torch.device, repeat: int, warmup: int, setup: Fn = 
     setup()
     syncs = count_syncs(fn, device)
     timing = time_call(fn, device, repeat=repeat, warmup=warmup, setup=setup)
-    return PhaseTiming(timing.median_us, timing.min_us, timing.samples, timing.method, first_call_s * 1e3, syncs)
+    return PhaseTiming(timing.median_us, timing.min_us, timing.samples, timing.method, first_call_s * 1e3, syncs,
+                       timing.device_us)
 
 
 def combine_steps(steps: Sequence[PhaseTiming]) -> PhaseTiming:
-    """One figure for a run of decode steps: the median of the per-step medians, the slowest
-    first call and the largest sync count of any step."""
+    """One figure for a run of decode steps: the median of the per-step medians (and device
+    times), the slowest first call and the largest sync count of any step."""
     syncs = [s.syncs for s in steps if s.syncs is not None]
+    device = [s.device_us for s in steps if s.device_us is not None]
     return PhaseTiming(
         median_us=statistics.median(s.median_us for s in steps),
         min_us=min(s.min_us for s in steps),
@@ -68,4 +72,5 @@ def combine_steps(steps: Sequence[PhaseTiming]) -> PhaseTiming:
         method=steps[0].method,
         first_call_ms=max(s.first_call_ms for s in steps),
         syncs=max(syncs) if syncs else None,
+        device_us=statistics.median(device) if device else None,
     )

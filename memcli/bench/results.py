@@ -135,6 +135,7 @@ class CaseResult:
             "prefill_memory_us": self.phases["prefill_memory"].median_us,
             "decode_memory_us": _median_us(self.phases.get("decode_memory")),
             "free_us": self.phases["free"].median_us,
+            "device_us": {name: self.phases[name].device_us for name in PHASES if name in self.phases},
             "syncs": self.syncs(),
             "phases": {name: self.phases[name].to_dict() for name in PHASES if name in self.phases},
             "decode_step_us": self.decode_step_us,

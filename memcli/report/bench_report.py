@@ -45,21 +45,24 @@ def header_line(result: BenchResult) -> str:
             f" after {opts['warmup']} warm-up calls per phase; tree cache {opts['tree_cache']}.\n"
             "prefill = prepare_for_extend + KV store of the new tokens; decode step = prepare_for_decode +"
             " KV store of one token per request; memory path = alloc_for_extend / alloc_for_decode alone;"
-            " free = release of every request; first call includes compilation.")
+            " free = release of every request; first call includes compilation.\n"
+            "median/min: the device idle when each call starts, so host work and launch latency count;"
+            " device: the same call queued behind a busy stream, so only the GPU's execution counts"
+            " ('-' on a CPU).")
 
 
 def case_table(r: CaseResult) -> Table:
     c = r.case
     table = Table(title=f"{c.label} tree_cache={r.tree_cache}", title_justify="left",
                   caption=_caption(r), caption_justify="left")
-    for name, justify in (("phase", "left"), ("median", "right"), ("min", "right"),
+    for name, justify in (("phase", "left"), ("median", "right"), ("min", "right"), ("device", "right"),
                           ("first call", "right"), ("host syncs", "right"), ("rate", "right")):
         table.add_column(name, justify=justify)
     _row(table, "prefill", r.phases["prefill"], fmt_rate(r.prefill_throughput, "tok/s"))
     step = r.phases.get("decode_step")
     if step is not None:
         _row(table, f"decode step (median of {c.output_len})", step, fmt_rate(r.median_decode_throughput, "tok/s"))
-    table.add_row(f"total (prefill + {c.output_len} steps)", fmt_us(r.total_latency * 1e6), "", "", "",
+    table.add_row(f"total (prefill + {c.output_len} steps)", fmt_us(r.total_latency * 1e6), "", "", "", "",
                   fmt_rate(r.overall_throughput, "tok/s"))
     table.add_section()
     kind = f"cached prefix {r.cached_prefix_len:,}" if r.cached_prefix_len else "new"
@@ -78,8 +81,8 @@ def _plural(n: int, word: str) -> str:
 
 
 def _row(table: Table, label: str, t: PhaseTiming, rate: str) -> None:
-    table.add_row(label, fmt_us(t.median_us), fmt_us(t.min_us), fmt_us(t.first_call_ms * 1e3), fmt_syncs(t.syncs),
-                  rate)
+    table.add_row(label, fmt_us(t.median_us), fmt_us(t.min_us), fmt_us(t.device_us), fmt_us(t.first_call_ms * 1e3),
+                  fmt_syncs(t.syncs), rate)
 
 
 def _kv_rows(table: Table, r: CaseResult) -> None:
