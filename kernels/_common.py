@@ -178,8 +178,18 @@ def _has_launch_attributes(binary) -> bool:
 
 
 def _launch_hooks_installed() -> bool:
-    try:
-        from triton import knobs
-    except ImportError:  # an older Triton: keep to the JIT
+    """True when a launch hook (a profiler) is installed: then every call goes through the JIT,
+    which passes the hooks their metadata. Newer Tritons keep hooks in an always-present
+    chain, empty when nothing is installed; older ones use None."""
+    if _knobs is None:  # a Triton without knobs: keep to the JIT
         return True
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    for hook in (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+try:
+    from triton import knobs as _knobs
+except ImportError:
+    _knobs = None

@@ -392,12 +392,12 @@ def alloc_decode_write_triton(
     req_to_token: torch.Tensor,
     free_pages: torch.Tensor,
     page_size: int,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Triton ``alloc_decode_write`` (one launch); see :func:`alloc_decode_write`."""
-    _check_alloc_decode_write(
-        seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size
-    )
-    check_triton_device(req_to_token.device, _alloc_decode_write_kernel)
+    if validate:
+        _check_alloc_decode_write(seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size)
+        check_triton_device(req_to_token.device, _alloc_decode_write_kernel)
     bs = seq_lens_before.shape[0]
     out = torch.empty(bs, dtype=torch.int64, device=req_to_token.device)
     if bs == 0:
@@ -415,11 +415,11 @@ def alloc_decode_write_torch(
     req_to_token: torch.Tensor,
     free_pages: torch.Tensor,
     page_size: int,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Torch reference of ``alloc_decode_write``; see :func:`alloc_decode_write`."""
-    _check_alloc_decode_write(
-        seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size
-    )
+    if validate:
+        _check_alloc_decode_write(seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size)
     if page_size == 1:  # every request takes the next free slot
         out = free_pages[: seq_lens_before.shape[0]].clone()
         req_to_token[req_pool_indices, seq_lens_before] = out.to(torch.int32)
@@ -439,6 +439,7 @@ def alloc_decode_write(
     free_pages: torch.Tensor,
     page_size: int,
     backend: str = "triton",
+    validate: bool = True,
 ) -> torch.Tensor:
     """Fused decode memory step: pick each request's new slot and record it in ``req_to_token``.
 
@@ -449,18 +450,19 @@ def alloc_decode_write(
     and returns the slots (int64, ``bs``); with ``ps == 1`` they are ``free_pages[:bs]``.
     ``free_pages`` is read, not advanced. The caller guarantees ``seq_before`` is a valid
     column and ``free_pages`` holds enough pages. No host sync; the triton backend is one
-    launch. Raises ``ValueError`` on bad input.
+    launch. Raises ``ValueError`` on bad input; ``validate=False`` skips the checks (for
+    callers whose inputs are right by construction).
     """
     check_backend(backend)
     fn = alloc_decode_write_triton if backend == "triton" else alloc_decode_write_torch
-    return fn(seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size)
+    return fn(seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size, validate)
 
 
 # ----------------------------------------------------------------------------- alloc_extend_write
 
-# Rows of the plan an extend batch uploads in one copy (int64 [_PLAN_ROWS, bs]).
-_PLAN_PRE, _PLAN_SEQ, _PLAN_OUT_START, _PLAN_PAGE_START, _PLAN_ROW, _PLAN_PREFIX_PTR = range(6)
-_PLAN_ROWS = 6
+# The plan an extend batch uploads in one copy: four rows of bs int64 values, flattened.
+_PLAN_PRE, _PLAN_SEQ, _PLAN_ROW, _PLAN_PREFIX_PTR = range(4)
+_PLAN_ROWS = 4
 
 
 class ExtendWrite(NamedTuple):
@@ -489,14 +491,23 @@ def _alloc_extend_write_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # Plan rows (see _PLAN_*): pre, seq, out_start, page_start, row, prefix address.
+    # Plan rows (see _PLAN_*): prefix length, sequence length, request row, prefix address.
     pid = tl.program_id(0)
     pre = tl.load(plan_ptr + pid)
     seq = tl.load(plan_ptr + bs + pid)
-    out_start = tl.load(plan_ptr + 2 * bs + pid)
-    page_start = tl.load(plan_ptr + 3 * bs + pid)
-    row_ptr = req_to_token_ptr + tl.load(plan_ptr + 4 * bs + pid) * row_stride
-    prefix_ptr = tl.load(plan_ptr + 5 * bs + pid).to(tl.pointer_type(tl.int64))
+    row_ptr = req_to_token_ptr + tl.load(plan_ptr + 2 * bs + pid) * row_stride
+    prefix_ptr = tl.load(plan_ptr + 3 * bs + pid).to(tl.pointer_type(tl.int64))
+
+    # Offsets of this request: new tokens and new pages of the requests before it.
+    out_start = tl.full([], 0, tl.int64)
+    page_start = tl.full([], 0, tl.int64)
+    for start in range(0, pid, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        before = j < pid
+        pre_j = tl.load(plan_ptr + j, mask=before, other=0)
+        seq_j = tl.load(plan_ptr + bs + j, mask=before, other=0)
+        out_start += tl.sum(seq_j - pre_j, axis=0)
+        page_start += tl.sum((seq_j + PAGE_SIZE - 1) // PAGE_SIZE - (pre_j + PAGE_SIZE - 1) // PAGE_SIZE, axis=0)
 
     # Columns [0, pre): the prefix slots, narrowed to int32.
     for start in range(0, pre, BLOCK):
@@ -525,7 +536,7 @@ _alloc_extend_write_launch = Launcher(_alloc_extend_write_kernel)
 
 
 def _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
-                              page_size, check_prefixes):
+                              page_size):
     check_tensor("req_to_token", req_to_token, dtype=torch.int32, ndim=2)
     if req_to_token.stride(1) != 1:
         raise ValueError("req_to_token rows must be contiguous (stride(1) == 1)")
@@ -537,19 +548,9 @@ def _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu,
         raise ValueError(f"rows ({len(rows)}) and prefixes ({len(prefixes)}) must have one entry per request ({bs})")
     check_tensor("free_pages", free_pages, device=device, contiguous=True)
     check_page_size(page_size)
-    if check_prefixes:
-        for i, (prefix, n) in enumerate(zip(prefixes, prefix_lens_cpu.tolist())):
-            check_tensor(f"prefixes[{i}]", prefix, device=device, length=n, contiguous=True,
-                         length_of="its prefix length")
-
-
-def _extend_offsets_host(prefix_lens_cpu, seq_lens_cpu, page_size):
-    """(pre, seq, out_start, page_start) as numpy arrays: the exclusive sums of the new tokens
-    and of the new pages, computed on the host from the CPU lengths."""
-    pre, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
-    new_tokens = seq - pre
-    new_pages = new_tokens if page_size == 1 else cdiv(seq, page_size) - cdiv(pre, page_size)
-    return pre, seq, np.cumsum(new_tokens) - new_tokens, np.cumsum(new_pages) - new_pages
+    for i, (prefix, n) in enumerate(zip(prefixes, prefix_lens_cpu.tolist())):
+        check_tensor(f"prefixes[{i}]", prefix, device=device, length=n, contiguous=True,
+                     length_of="its prefix length")
 
 
 def alloc_extend_write_triton(
@@ -560,28 +561,33 @@ def alloc_extend_write_triton(
     prefixes,
     free_pages: torch.Tensor,
     page_size: int,
-    check_prefixes: bool = True,
+    extend_num_tokens: int | None = None,
+    validate: bool = True,
 ) -> ExtendWrite:
-    """Triton ``alloc_extend_write``: one host-to-device copy and one launch; see
+    """Triton ``alloc_extend_write``: one device buffer, one copy and one launch; see
     :func:`alloc_extend_write`."""
-    _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
-                              page_size, check_prefixes)
-    check_triton_device(req_to_token.device, _alloc_extend_write_kernel)
-    device, bs = req_to_token.device, len(rows)
-    plan = np.empty((_PLAN_ROWS, bs), dtype=np.int64)
-    pre, seq, out_start, page_start = _extend_offsets_host(prefix_lens_cpu, seq_lens_cpu, page_size)
-    plan[_PLAN_PRE], plan[_PLAN_SEQ], plan[_PLAN_OUT_START], plan[_PLAN_PAGE_START] = pre, seq, out_start, page_start
-    plan[_PLAN_ROW] = rows
-    plan[_PLAN_PREFIX_PTR] = [p.data_ptr() for p in prefixes]
-    extend_num_tokens = int(seq.sum() - pre.sum()) if bs else 0
-    out = torch.empty(extend_num_tokens, dtype=torch.int64, device=device)
-    on_device = torch.from_numpy(plan).to(device, non_blocking=True)
-    if bs and extend_num_tokens + int(pre.sum()):
+    if validate:
+        _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
+                                  page_size)
+        check_triton_device(req_to_token.device, _alloc_extend_write_kernel)
+    bs = len(rows)
+    pre, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
+    if extend_num_tokens is None:
+        extend_num_tokens = int(seq.sum() - pre.sum())
+    plan = np.empty(_PLAN_ROWS * bs, dtype=np.int64)
+    plan[:bs], plan[bs : 2 * bs], plan[2 * bs : 3 * bs] = pre, seq, rows
+    plan[3 * bs :] = [p.data_ptr() for p in prefixes]
+    # The plan and the new slots share one allocation; the plan's part is filled by one copy.
+    buffer = torch.empty(_PLAN_ROWS * bs + extend_num_tokens, dtype=torch.int64, device=req_to_token.device)
+    on_device, out = buffer.split((_PLAN_ROWS * bs, extend_num_tokens))
+    on_device.copy_(torch.from_numpy(plan), non_blocking=True)
+    if bs:
         _alloc_extend_write_launch(
             (bs,), on_device, req_to_token, free_pages, out, bs, free_pages.shape[0], req_to_token.stride(0),
             page_size, _EXTEND_BLOCK,
         )
-    return ExtendWrite(out, on_device[_PLAN_ROW], on_device[_PLAN_PRE], on_device[_PLAN_SEQ])
+    pre_d, seq_d, rows_d, _ = on_device.split(bs) if bs else (on_device,) * _PLAN_ROWS
+    return ExtendWrite(out, rows_d, pre_d, seq_d)
 
 
 def alloc_extend_write_torch(
@@ -592,18 +598,21 @@ def alloc_extend_write_torch(
     prefixes,
     free_pages: torch.Tensor,
     page_size: int,
-    check_prefixes: bool = True,
+    extend_num_tokens: int | None = None,
+    validate: bool = True,
 ) -> ExtendWrite:
     """Torch reference of ``alloc_extend_write``: ``alloc_extend`` then ``write_cache_indices``."""
     from .cache_indices import write_cache_indices_torch
 
-    _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
-                              page_size, check_prefixes)
+    if validate:
+        _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
+                                  page_size)
     device = req_to_token.device
     prefix_lens = prefix_lens_cpu.to(device, non_blocking=True)
     seq_lens = seq_lens_cpu.to(device, non_blocking=True)
     rows_t = torch.as_tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-    extend_num_tokens = int(seq_lens_cpu.sum() - prefix_lens_cpu.sum())
+    if extend_num_tokens is None:
+        extend_num_tokens = int(seq_lens_cpu.sum() - prefix_lens_cpu.sum())
     prefix_flat = torch.cat([*prefixes, free_pages.new_full((1,), -1)])
     total_prefix = prefix_flat.shape[0] - 1
     if page_size == 1:
@@ -627,7 +636,8 @@ def alloc_extend_write(
     free_pages: torch.Tensor,
     page_size: int,
     backend: str = "triton",
-    check_prefixes: bool = True,
+    extend_num_tokens: int | None = None,
+    validate: bool = True,
 ) -> ExtendWrite:
     """Fused extend memory step: new slots for every request and its whole ``req_to_token`` row.
 
@@ -638,9 +648,12 @@ def alloc_extend_write(
     and rows are host values (CPU int64 tensors, a list of ints), so every offset is computed
     on the host and the triton backend makes one copy and one launch, with no sync.
     ``free_pages`` is read from its start, not advanced; it must hold the batch's new pages.
-    ``check_prefixes=False`` skips the per-request check of ``prefixes`` (for callers whose
-    prefixes are int64 device tensors by construction). Raises ``ValueError`` on bad input.
+    ``extend_num_tokens`` (``sum(seq - pre)``) may be passed when the caller has it.
+    ``validate=False`` skips every input check, the per-request ones included: for callers
+    whose inputs are right by construction (the allocator, outside its debug mode).
+    Raises ``ValueError`` on bad input.
     """
     check_backend(backend)
     fn = alloc_extend_write_triton if backend == "triton" else alloc_extend_write_torch
-    return fn(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages, page_size, check_prefixes)
+    return fn(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages, page_size, extend_num_tokens,
+              validate)

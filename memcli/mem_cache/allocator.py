@@ -165,17 +165,18 @@ class BaseAllocator:
         self._in_use_pages = state.in_use_pages
 
     def alloc_extend_write(self, req_to_token: torch.Tensor, rows: list[int], prefix_lens_cpu: torch.Tensor,
-                           seq_lens_cpu: torch.Tensor, prefixes: list[torch.Tensor],
-                           num_pages: int) -> kernels.ExtendWrite | None:
+                           seq_lens_cpu: torch.Tensor, prefixes: list[torch.Tensor], num_pages: int,
+                           extend_num_tokens: int | None = None) -> kernels.ExtendWrite | None:
         """Slots for an extend batch, written with each request's prefix into its row (one
         fused kernel; see `memcli.kernels.alloc_extend_write`). `num_pages` is the batch's
         new pages, counted by the caller from the same CPU lengths. None when they are not free.
+        The kernel's inputs are checked in debug mode only (the callers build them right).
         """
         if not self._ensure(num_pages):
             return None
         written = kernels.alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes,
                                              self._head_view(num_pages), self.page_size, backend=self.backend,
-                                             check_prefixes=self.debug)
+                                             extend_num_tokens=extend_num_tokens, validate=self.debug)
         self._advance(num_pages)
         self._commit_alloc(num_pages)
         return written
@@ -299,7 +300,7 @@ class TokenToKVPoolAllocator(BaseAllocator):
         if not self._ensure(bs):
             return None
         out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._head_view(bs), 1,
-                                         backend=self.backend)
+                                         backend=self.backend, validate=self.debug)
         self._advance(bs)
         self._commit_alloc(bs)
         return out
@@ -395,7 +396,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         if not self._ensure(num_pages):
             return None
         out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._head_view(num_pages),
-                                         self.page_size, backend=self.backend)
+                                         self.page_size, backend=self.backend, validate=self.debug)
         self._take(num_pages)
         self._commit_alloc(num_pages)
         return out

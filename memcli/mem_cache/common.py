@@ -96,9 +96,10 @@ def alloc_for_extend(batch) -> ExtendAllocation:
 
     Reads the fields `prepare_for_extend` set: `batch.req_rows` (row per request, None for
     a request without one), `batch.prefix_tensors` (each request's `prefix_indices`),
-    `batch.prefix_lens_cpu` and `batch.seq_lens_cpu`. Every count and offset comes from the
-    CPU lengths, so the capacity check happens on the host, and the device sees one copy
-    (the batch's plan) and one kernel (`alloc_extend_write`), with no sync.
+    `batch.prefix_lens_cpu`, `batch.seq_lens_cpu` and `batch.extend_num_tokens`. Every
+    count and offset comes from the CPU lengths, so the capacity check happens on the host,
+    and the device sees one copy (the batch's plan) and one kernel (`alloc_extend_write`),
+    with no sync.
     On failure raises `OutOfMemoryError` and returns the rows it took.
     """
     allocator, tree_cache, pool = batch.token_to_kv_pool_allocator, batch.tree_cache, batch.req_to_token_pool
@@ -109,7 +110,7 @@ def alloc_for_extend(batch) -> ExtendAllocation:
     if need > allocator.available_size():
         evict_if_needed(tree_cache, allocator, need)
     written = allocator.alloc_extend_write(pool.req_to_token, rows, batch.prefix_lens_cpu, batch.seq_lens_cpu,
-                                           batch.prefix_tensors, num_pages)
+                                           batch.prefix_tensors, num_pages, batch.extend_num_tokens)
     if written is None:
         if new_rows:
             pool.free(new_rows)

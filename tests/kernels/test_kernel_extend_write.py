@@ -92,6 +92,17 @@ def test_random_batches_match_reference_and_spec(page_size):
             offset += seq - pre
 
 
+def test_offsets_sum_over_more_requests_than_one_block():
+    from memcli.kernels.alloc import _EXTEND_BLOCK
+
+    gen = torch.Generator().manual_seed(11)
+    case = random_extend_case(gen, _EXTEND_BLOCK + 3, 2, max_prefix_len=3, max_extend_len=3, device=DEVICE)
+    rows = list(range(_EXTEND_BLOCK + 3))
+    kernel, t_kernel = write_case(case, rows, alloc_extend_write_triton)
+    ref, t_ref = write_case(case, rows, alloc_extend_write_torch)
+    assert torch.equal(kernel.out_cache_loc, ref.out_cache_loc) and torch.equal(t_kernel, t_ref)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_input_is_rejected(backend):
     t = table(2, 8)
@@ -107,6 +118,18 @@ def test_bad_input_is_rejected(backend):
         alloc_extend_write(t, [0], cpu([1]), torch.tensor([3], device="meta"), one, free, 4, backend=backend)
     with pytest.raises(ValueError, match="req_to_token must be torch.int32"):
         alloc_extend_write(t.long(), [0], cpu([1]), cpu([3]), one, free, 4, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unvalidated_call_with_the_token_count_matches(backend):
+    prefixes = [torch.tensor([20, 21, 22, 23, 40], device=DEVICE), torch.empty(0, dtype=torch.int64, device=DEVICE)]
+    free = torch.arange(1, 9, device=DEVICE)
+    args = ([0, 1], cpu([5, 0]), cpu([11, 3]), prefixes, free, 4)
+    t1, t2 = table(2, 12), table(2, 12)
+    checked = alloc_extend_write(t1, *args, backend=backend)
+    trusted = alloc_extend_write(t2, *args, backend=backend, extend_num_tokens=9, validate=False)
+    assert trusted.out_cache_loc.tolist() == checked.out_cache_loc.tolist() == [41, 42, 43, 4, 5, 6, 8, 9, 10]
+    assert torch.equal(t1, t2)
 
 
 # ----------------------------------------------------------------------------- Launcher
@@ -151,7 +174,7 @@ def test_gpu_direct_launches_match_reference():
 
     gen = torch.Generator().manual_seed(5)
     for page_size in (1, 16, 64):
-        for bs in (1, 33, 256, 7):  # repeated keys: every call after the first launches directly
+        for bs in (1, 33, 256, 7, 600):  # repeated keys: every call after the first launches directly
             case = random_extend_case(gen, bs, page_size, max_prefix_len=1500, max_extend_len=600, device=DEVICE)
             rows = torch.randperm(bs + 2, generator=gen)[:bs].tolist()
             kernel, t_kernel = write_case(case, rows, alloc_extend_write_triton)
