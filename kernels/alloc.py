@@ -578,15 +578,16 @@ def alloc_extend_write_triton(
     plan[:bs], plan[bs : 2 * bs], plan[2 * bs : 3 * bs] = pre, seq, rows
     plan[3 * bs :] = [p.data_ptr() for p in prefixes]
     # The plan and the new slots share one allocation; the plan's part is filled by one copy.
+    # (split_with_sizes: one call for every view, where Tensor.split goes through Python.)
     buffer = torch.empty(_PLAN_ROWS * bs + extend_num_tokens, dtype=torch.int64, device=req_to_token.device)
-    on_device, out = buffer.split((_PLAN_ROWS * bs, extend_num_tokens))
+    on_device, out = buffer.split_with_sizes((_PLAN_ROWS * bs, extend_num_tokens))
     on_device.copy_(torch.from_numpy(plan), non_blocking=True)
     if bs:
         _alloc_extend_write_launch(
             (bs,), on_device, req_to_token, free_pages, out, bs, free_pages.shape[0], req_to_token.stride(0),
             page_size, _EXTEND_BLOCK,
         )
-    pre_d, seq_d, rows_d, _ = on_device.split(bs) if bs else (on_device,) * _PLAN_ROWS
+    pre_d, seq_d, rows_d, _ = on_device.split_with_sizes((bs,) * _PLAN_ROWS)
     return ExtendWrite(out, rows_d, pre_d, seq_d)
 
 

@@ -66,7 +66,9 @@ def _release_rows(batch, rows: _Rows) -> None:
     allocator, pool = batch.token_to_kv_pool_allocator, batch.req_to_token_pool
     if rows.length:
         table, ps = pool.req_to_token, allocator.page_size
-        if rows.consecutive:
+        if len(rows.rows) == 1:
+            page_starts = table[rows.rows[0], 0 : rows.length : ps]
+        elif rows.consecutive:
             first = rows.rows[0]
             page_starts = table[first : first + len(rows.rows), 0 : rows.length : ps]
         else:

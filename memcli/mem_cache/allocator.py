@@ -270,7 +270,8 @@ class TokenToKVPoolAllocator(BaseAllocator):
             raise ValueError(f"double free: {self._num_free} free + {n} freed > size {cap}")
         tail = (self._head + self._num_free) % cap
         if tail + n <= cap:  # one copy, whatever the shape, strides and dtype of `pages`
-            self._buf[tail : tail + n].view(pages.shape).copy_(pages)
+            dest = self._buf[tail : tail + n]
+            (dest if pages.dim() == 1 else dest.view(pages.shape)).copy_(pages)
         else:
             flat, first = pages.reshape(-1), cap - tail
             self._buf[tail:] = flat[:first]
@@ -340,9 +341,11 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
 
     def _slots_to_pages(self, slots: torch.Tensor, distinct: bool = False) -> torch.Tensor:
         # Sorted and de-duplicated, like the reference; `unique` synchronises with the device,
-        # `sort` (enough when the caller knows the pages are distinct) does not.
-        pages = slots.reshape(-1) // self.page_size
-        return torch.sort(pages).values if distinct else torch.unique(pages)
+        # `sort` (enough when the caller knows the pages are distinct) does not. Slots on
+        # distinct pages sort in page order, so they are sorted before the division.
+        if distinct:
+            return torch.sort(slots.reshape(-1)).values // self.page_size
+        return torch.unique(slots.reshape(-1) // self.page_size)
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """Whole pages only: `n` must be a multiple of the page size."""

@@ -43,9 +43,13 @@ def assert_same_page_size(allocator, tree_cache) -> None:
         )
 
 
-def extend_pages_needed(page_size: int, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor) -> int:
+def extend_pages_needed(page_size: int, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor,
+                        extend_num_tokens: int | None = None) -> int:
     """Pages an extend batch opens (new tokens when page_size is 1): exact per request, not one
-    page per request. Counted with numpy on the CPU lengths: no device work, no sync."""
+    page per request. Counted with numpy on the CPU lengths: no device work, no sync.
+    `extend_num_tokens` (the batch's new tokens, when known) answers page size 1 at once."""
+    if page_size == 1 and extend_num_tokens is not None:
+        return extend_num_tokens
     pre, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
     if page_size == 1:
         return int(seq.sum() - pre.sum())
@@ -105,7 +109,8 @@ def alloc_for_extend(batch) -> ExtendAllocation:
     allocator, tree_cache, pool = batch.token_to_kv_pool_allocator, batch.tree_cache, batch.req_to_token_pool
     assert_same_page_size(allocator, tree_cache)
     rows, new_rows = _rows_for(pool, batch.req_rows)
-    num_pages = extend_pages_needed(allocator.page_size, batch.prefix_lens_cpu, batch.seq_lens_cpu)
+    num_pages = extend_pages_needed(allocator.page_size, batch.prefix_lens_cpu, batch.seq_lens_cpu,
+                                    batch.extend_num_tokens)
     need = num_pages * allocator.page_size
     if need > allocator.available_size():
         evict_if_needed(tree_cache, allocator, need)
