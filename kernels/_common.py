@@ -102,14 +102,15 @@ class Launcher:
 
     A call through the JIT binds and specialises every argument before the launch, several
     microseconds of host time that the memory path pays on every step. When the binary can
-    only depend on the constexpr values, the tensors' dtypes and the integers' widths, the
-    launcher keeps the binary the JIT returned under that key and afterwards calls its launch
-    function directly. That holds when every runtime parameter is listed in both
-    ``do_not_specialize`` and ``do_not_specialize_on_alignment``. Otherwise, under the
-    interpreter, while launch hooks (profilers) are installed, or with a Triton whose
+    only depend on the constexpr values, the tensors' dtypes and devices, and the integers'
+    widths, the launcher keeps the binary the JIT returned under that key and afterwards
+    calls its launch function directly. That holds when every runtime parameter is listed
+    in both ``do_not_specialize`` and ``do_not_specialize_on_alignment``. Otherwise, under
+    the interpreter, while launch hooks (profilers) are installed, or with a Triton whose
     compiled kernels lack the launch attributes, every call goes through the JIT.
 
     Arguments are passed positionally, constexprs included, in the kernel's parameter order.
+    A call whose arguments change kind (a tensor where an int was) goes through the JIT.
     """
 
     def __init__(self, kernel):
@@ -117,6 +118,9 @@ class Launcher:
         self._binaries: dict[tuple, object] = {}
         self._direct = not is_interpreted(kernel) and _unspecialised(kernel)
         self._constexpr = [p.is_constexpr for p in kernel.params] if self._direct else []
+        self._tensors: tuple[int, ...] = ()  # positions of tensor arguments (set by the first call)
+        self._ints: tuple[int, ...] = ()  # positions of runtime int arguments
+        self._constexprs = tuple(i for i, c in enumerate(self._constexpr) if c)
 
     @property
     def direct(self) -> bool:
@@ -127,40 +131,41 @@ class Launcher:
         if not self._direct:
             self.kernel[grid](*args)
             return
-        key = self._key(args)
-        binary = self._binaries.get(key)
+        if not self._tensors:
+            self._classify(args)
+        try:
+            key = self._key(args)
+        except (AttributeError, IndexError, TypeError):  # an argument changed kind: the JIT decides
+            key = None
+        binary = self._binaries.get(key) if key is not None else None
         if binary is None or _launch_hooks_installed():
             binary = self.kernel[grid](*args)
-            if _has_launch_attributes(binary):
-                self._binaries[key] = binary
-            else:
+            if not _has_launch_attributes(binary):
                 self._direct = False
+            elif key is not None:
+                self._binaries[key] = binary
             return
         gx, gy, gz = (*grid, 1, 1)[:3]
-        binary.run(gx, gy, gz, _current_stream(key), binary.function, binary.packed_metadata, None, None, None,
+        binary.run(gx, gy, gz, _current_stream(key[0]), binary.function, binary.packed_metadata, None, None, None,
                    *args)
 
+    def _classify(self, args) -> None:
+        runtime = [i for i, c in enumerate(self._constexpr) if not c]
+        self._tensors = tuple(i for i in runtime if isinstance(args[i], torch.Tensor))
+        self._ints = tuple(i for i in runtime if i not in self._tensors)
+
     def _key(self, args) -> tuple:
-        """What the binary depends on: constexpr values, tensor dtypes and devices, int widths.
-
-        The key starts with the first tensor's device (the launch stream's device).
-        """
-        key: list = [None]
-        for is_constexpr, arg in zip(self._constexpr, args):
-            if is_constexpr:
-                key.append(arg)
-            elif isinstance(arg, torch.Tensor):
-                if key[0] is None:
-                    key[0] = arg.device
-                key.append(arg.dtype)
-            else:  # an unannotated int is i32 or i64 by its value
-                key.append(-(2**31) <= arg < 2**31 if isinstance(arg, int) else type(arg))
-        return tuple(key)
+        """What the binary depends on: the first tensor's device (the launch stream's), the
+        tensors' dtypes, each int's width (an unannotated int is i32 or i64 by its value) and
+        the constexpr values."""
+        tensors = [args[i] for i in self._tensors]
+        return (tensors[0].device, *[t.dtype for t in tensors],
+                *[-(2**31) <= args[i] < 2**31 for i in self._ints],
+                *[args[i] for i in self._constexprs])
 
 
-def _current_stream(key: tuple) -> int:
-    device = key[0]
-    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+def _current_stream(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
     return torch._C._cuda_getCurrentRawStream(index)
 
 

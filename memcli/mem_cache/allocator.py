@@ -374,7 +374,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
             return None
         out = kernels.alloc_extend(prefix_lens, seq_lens, last_loc, self._head_view(num_pages), ps,
                                    extend_num_tokens, backend=self.backend, running_sums=running_sums)
-        self._take(num_pages)
+        self._advance(num_pages)
         self._commit_alloc(num_pages)
         return out
 
@@ -385,7 +385,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
             return None
         out = kernels.alloc_decode(seq_lens, last_loc, self._head_view(num_pages), self.page_size,
                                    backend=self.backend)
-        self._take(num_pages)
+        self._advance(num_pages)
         self._commit_alloc(num_pages)
         return out
 
@@ -400,7 +400,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
             return None
         out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._head_view(num_pages),
                                          self.page_size, backend=self.backend, validate=self.debug)
-        self._take(num_pages)
+        self._advance(num_pages)
         self._commit_alloc(num_pages)
         return out
 

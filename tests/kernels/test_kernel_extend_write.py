@@ -153,12 +153,18 @@ def test_launcher_goes_direct_only_for_unspecialised_kernels():
 def test_launcher_key_covers_what_the_binary_depends_on():
     launcher = Launcher.__new__(Launcher)
     launcher._constexpr = [False, False, True]
+    launcher._constexprs = (2,)
     x32 = torch.zeros(2, dtype=torch.int32)
     x64 = torch.zeros(2, dtype=torch.int64)
+    launcher._classify((x64, 5, 16))
+    assert launcher._tensors == (0,) and launcher._ints == (1,)
     assert launcher._key((x64, 5, 16)) == launcher._key((x64.clone(), 7, 16))
     assert launcher._key((x64, 5, 16)) != launcher._key((x32, 5, 16))  # dtype
     assert launcher._key((x64, 5, 16)) != launcher._key((x64, 5, 32))  # constexpr value
     assert launcher._key((x64, 5, 16)) != launcher._key((x64, 2**40, 16))  # int width
+    assert launcher._key((x64, 5, 16)) != launcher._key((x64.to("meta"), 5, 16))  # device
+    with pytest.raises(AttributeError):  # a changed kind of argument: the call goes to the JIT
+        launcher._key((5, 5, 16))
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the interpreter only runs without CUDA")
