@@ -178,13 +178,18 @@ def alloc_extend_torch(
     return torch.where(on_new_page, page * page_size + pos % page_size, last_loc[req] + 1 + k)
 
 
-def _gather_or_minus_one(values: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``values[idx]`` where ``0 <= idx < len(values)``, else -1 (matches the kernels' masks)."""
-    n = values.shape[0]
-    if n == 0:
+def _gather_or_minus_one(values: torch.Tensor, idx: torch.Tensor, start: int = 0,
+                         count: int | None = None) -> torch.Tensor:
+    """Entry ``idx`` of the ring of ``count`` entries (default: all) that starts at ``values[start]``
+    where ``0 <= idx < count``, else -1 (matches the kernels' masks)."""
+    cap = values.shape[0]
+    count = cap if count is None else count
+    if cap == 0 or count == 0:
         return torch.full_like(idx, -1)
-    in_range = (idx >= 0) & (idx < n)
-    return torch.where(in_range, values[idx.clamp(0, n - 1)], -1)
+    in_range = (idx >= 0) & (idx < count)
+    ring = idx.clamp(0, count - 1) + start
+    ring = torch.where(ring >= cap, ring - cap, ring)
+    return torch.where(in_range, values[ring], -1)
 
 
 def alloc_extend(
@@ -224,12 +229,20 @@ def alloc_extend(
 
 
 @triton.jit
+def _ring(index, cap):
+    """``index`` wrapped once into ``[0, cap)`` (free lists are read as rings)."""
+    return tl.where(index >= cap, index - cap, index)
+
+
+@triton.jit
 def _decode_slots(
     mask,
     needs_page,
     last_loc,
     pages_before,
     free_pages_ptr,
+    free_start,
+    free_cap,
     num_free_pages,
     PAGE_SIZE: tl.constexpr,
 ):
@@ -237,7 +250,8 @@ def _decode_slots(
     needs = needs_page & mask
     needs_i64 = needs.to(tl.int64)
     page_idx = pages_before + tl.cumsum(needs_i64, axis=0) - needs_i64
-    page = tl.load(free_pages_ptr + page_idx, mask=needs & (page_idx < num_free_pages), other=-1)
+    page = tl.load(free_pages_ptr + _ring(free_start + page_idx, free_cap),
+                   mask=needs & (page_idx < num_free_pages), other=-1)
     slot = tl.where(needs, page * PAGE_SIZE, last_loc + 1)
     return slot, tl.sum(needs_i64, axis=0)
 
@@ -265,7 +279,8 @@ def _alloc_decode_kernel(
         needs_page = (seq - 1) % PAGE_SIZE == 0
         last_loc = tl.load(last_loc_ptr + i, mask=mask & ~needs_page, other=0)
         slot, taken = _decode_slots(
-            mask, needs_page, last_loc, pages_before, free_pages_ptr, num_free_pages, PAGE_SIZE
+            mask, needs_page, last_loc, pages_before, free_pages_ptr, 0, num_free_pages, num_free_pages,
+            PAGE_SIZE,
         )
         tl.store(out_ptr + i, slot, mask=mask)
         pages_before += taken
@@ -296,9 +311,9 @@ def alloc_decode_triton(
     return out
 
 
-def _decode_slots_torch(needs_page, last_loc, free_pages, page_size):
+def _decode_slots_torch(needs_page, last_loc, free_pages, page_size, free_start=0, num_free=None):
     needs = needs_page.to(torch.int64)
-    page = _gather_or_minus_one(free_pages, exclusive_cumsum(needs))
+    page = _gather_or_minus_one(free_pages, exclusive_cumsum(needs), free_start, num_free)
     return torch.where(needs_page, page * page_size, last_loc + 1)
 
 
@@ -336,7 +351,7 @@ def alloc_decode(
 
 
 _DECODE_WRITE_RUNTIME = ["seq_lens_before_ptr", "req_pool_indices_ptr", "req_to_token_ptr", "free_pages_ptr",
-                         "out_ptr", "bs", "num_free_pages", "row_stride"]
+                         "out_ptr", "bs", "free_start", "free_cap", "num_free_pages", "row_stride"]
 
 
 @triton.jit(do_not_specialize=_DECODE_WRITE_RUNTIME, do_not_specialize_on_alignment=_DECODE_WRITE_RUNTIME)
@@ -347,6 +362,8 @@ def _alloc_decode_write_kernel(
     free_pages_ptr,
     out_ptr,
     bs: tl.int64,
+    free_start: tl.int64,
+    free_cap: tl.int64,
     num_free_pages: tl.int64,
     row_stride: tl.int64,
     PAGE_SIZE: tl.constexpr,
@@ -362,7 +379,8 @@ def _alloc_decode_write_kernel(
         # Column seq - 1 is only read when the new token shares its page (so seq >= 1).
         last_loc = tl.load(row + seq - 1, mask=mask & ~needs_page, other=0).to(tl.int64)
         slot, taken = _decode_slots(
-            mask, needs_page, last_loc, pages_before, free_pages_ptr, num_free_pages, PAGE_SIZE
+            mask, needs_page, last_loc, pages_before, free_pages_ptr, free_start, free_cap, num_free_pages,
+            PAGE_SIZE,
         )
         tl.store(out_ptr + i, slot, mask=mask)
         tl.store(row + seq, slot.to(tl.int32), mask=mask)
@@ -372,8 +390,26 @@ def _alloc_decode_write_kernel(
 _alloc_decode_write_launch = Launcher(_alloc_decode_write_kernel)
 
 
+def _check_free_ring(free_pages, free_start, num_free, device):
+    """The free list: ``num_free`` entries of ``free_pages`` read as a ring from ``free_start``."""
+    check_tensor("free_pages", free_pages, device=device, contiguous=True)
+    cap = free_pages.shape[0]
+    check_count("free_start", free_start)
+    check_count("num_free", num_free)
+    if (cap and free_start >= cap) or (not cap and free_start) or num_free > cap:
+        raise ValueError(f"free_start {free_start} and num_free {num_free} do not fit a free list of {cap} entries")
+
+
+def _ring_slice(free_pages, free_start, n):
+    """The first ``n`` entries of the ring from ``free_start`` (a view unless they wrap)."""
+    end = free_start + n
+    if end <= free_pages.shape[0]:
+        return free_pages[free_start:end]
+    return torch.cat([free_pages[free_start:], free_pages[: end - free_pages.shape[0]]])
+
+
 def _check_alloc_decode_write(
-    seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size
+    seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size, free_start, num_free
 ):
     check_tensor("req_to_token", req_to_token, dtype=torch.int32, ndim=2)
     device = req_to_token.device
@@ -382,7 +418,7 @@ def _check_alloc_decode_write(
     check_tensor("seq_lens_before", seq_lens_before, device=device, contiguous=True)
     bs = seq_lens_before.shape[0]
     check_tensor("req_pool_indices", req_pool_indices, device=device, length=bs, contiguous=True)
-    check_tensor("free_pages", free_pages, device=device, contiguous=True)
+    _check_free_ring(free_pages, free_start, num_free, device)
     check_page_size(page_size)
 
 
@@ -393,10 +429,15 @@ def alloc_decode_write_triton(
     free_pages: torch.Tensor,
     page_size: int,
     validate: bool = True,
+    free_start: int = 0,
+    num_free: int | None = None,
 ) -> torch.Tensor:
     """Triton ``alloc_decode_write`` (one launch); see :func:`alloc_decode_write`."""
+    cap = free_pages.shape[0]
+    num_free = cap if num_free is None else num_free
     if validate:
-        _check_alloc_decode_write(seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size)
+        _check_alloc_decode_write(seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size,
+                                  free_start, num_free)
         check_triton_device(req_to_token.device, _alloc_decode_write_kernel)
     bs = seq_lens_before.shape[0]
     out = torch.empty(bs, dtype=torch.int64, device=req_to_token.device)
@@ -404,7 +445,7 @@ def alloc_decode_write_triton(
         return out
     _alloc_decode_write_launch(
         (1,), seq_lens_before, req_pool_indices, req_to_token, free_pages, out,
-        bs, free_pages.shape[0], req_to_token.stride(0), page_size, _DECODE_BLOCK,
+        bs, free_start, cap, num_free, req_to_token.stride(0), page_size, _DECODE_BLOCK,
     )
     return out
 
@@ -416,18 +457,23 @@ def alloc_decode_write_torch(
     free_pages: torch.Tensor,
     page_size: int,
     validate: bool = True,
+    free_start: int = 0,
+    num_free: int | None = None,
 ) -> torch.Tensor:
     """Torch reference of ``alloc_decode_write``; see :func:`alloc_decode_write`."""
+    num_free = free_pages.shape[0] if num_free is None else num_free
     if validate:
-        _check_alloc_decode_write(seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size)
-    if page_size == 1:  # every request takes the next free slot
-        out = free_pages[: seq_lens_before.shape[0]].clone()
+        _check_alloc_decode_write(seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size,
+                                  free_start, num_free)
+    bs = seq_lens_before.shape[0]
+    if page_size == 1 and bs <= num_free:  # every request takes the next free slot
+        out = _ring_slice(free_pages, free_start, bs).clone()
         req_to_token[req_pool_indices, seq_lens_before] = out.to(torch.int32)
         return out
     needs_page = seq_lens_before % page_size == 0
     prev_col = (seq_lens_before - 1).clamp(min=0)
     last_loc = req_to_token[req_pool_indices, prev_col].to(torch.int64)
-    out = _decode_slots_torch(needs_page, last_loc, free_pages, page_size)
+    out = _decode_slots_torch(needs_page, last_loc, free_pages, page_size, free_start, num_free)
     req_to_token[req_pool_indices, seq_lens_before] = out.to(torch.int32)
     return out
 
@@ -440,6 +486,8 @@ def alloc_decode_write(
     page_size: int,
     backend: str = "triton",
     validate: bool = True,
+    free_start: int = 0,
+    num_free: int | None = None,
 ) -> torch.Tensor:
     """Fused decode memory step: pick each request's new slot and record it in ``req_to_token``.
 
@@ -447,15 +495,18 @@ def alloc_decode_write(
     ``seq_lens_before[i]`` of row ``req_pool_indices[i]``. The slot follows
     :func:`alloc_decode` with ``last_loc = req_to_token[row, seq - 1]`` (new page iff
     ``seq_before % ps == 0``). Mutates ``req_to_token`` (that one column per request, int32)
-    and returns the slots (int64, ``bs``); with ``ps == 1`` they are ``free_pages[:bs]``.
-    ``free_pages`` is read, not advanced. The caller guarantees ``seq_before`` is a valid
-    column and ``free_pages`` holds enough pages. No host sync; the triton backend is one
-    launch. Raises ``ValueError`` on bad input; ``validate=False`` skips the checks (for
-    callers whose inputs are right by construction).
+    and returns the slots (int64, ``bs``); with ``ps == 1`` they are the first ``bs`` free
+    entries. The free list is read, not advanced: ``num_free`` entries (default: all) of
+    ``free_pages`` read as a ring from ``free_start`` (wrapping to index 0), so an allocator
+    passes its whole buffer and its head instead of slicing it. The caller guarantees
+    ``seq_before`` is a valid column and the free list holds enough pages (entries past
+    ``num_free`` read as page -1). No host sync; the triton backend is one launch. Raises
+    ``ValueError`` on bad input; ``validate=False`` skips the checks (for callers whose
+    inputs are right by construction).
     """
     check_backend(backend)
     fn = alloc_decode_write_triton if backend == "triton" else alloc_decode_write_torch
-    return fn(seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size, validate)
+    return fn(seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size, validate, free_start, num_free)
 
 
 # ----------------------------------------------------------------------------- alloc_extend_write
@@ -475,8 +526,8 @@ class ExtendWrite(NamedTuple):
     seq_lens: torch.Tensor
 
 
-_EXTEND_WRITE_RUNTIME = ["plan_ptr", "req_to_token_ptr", "free_pages_ptr", "out_ptr", "bs", "num_free_pages",
-                         "row_stride"]
+_EXTEND_WRITE_RUNTIME = ["plan_ptr", "req_to_token_ptr", "free_pages_ptr", "out_ptr", "bs", "free_start", "free_cap",
+                         "num_free_pages", "row_stride"]
 
 
 @triton.jit(do_not_specialize=_EXTEND_WRITE_RUNTIME, do_not_specialize_on_alignment=_EXTEND_WRITE_RUNTIME)
@@ -486,6 +537,8 @@ def _alloc_extend_write_kernel(
     free_pages_ptr,
     out_ptr,
     bs: tl.int64,
+    free_start: tl.int64,
+    free_cap: tl.int64,
     num_free_pages: tl.int64,
     row_stride: tl.int64,
     PAGE_SIZE: tl.constexpr,
@@ -526,7 +579,8 @@ def _alloc_extend_write_kernel(
         pos = pre + k
         on_new_page = pos >= first_new_pos
         page_idx = page_start + pos // PAGE_SIZE - first_new_page
-        page = tl.load(free_pages_ptr + page_idx, mask=mask & on_new_page & (page_idx < num_free_pages), other=-1)
+        page = tl.load(free_pages_ptr + _ring(free_start + page_idx, free_cap),
+                       mask=mask & on_new_page & (page_idx < num_free_pages), other=-1)
         slot = tl.where(on_new_page, page * PAGE_SIZE + pos % PAGE_SIZE, last_loc + 1 + k)
         tl.store(out_ptr + out_start + k, slot, mask=mask)
         tl.store(row_ptr + pos, slot.to(tl.int32), mask=mask)
@@ -536,7 +590,7 @@ _alloc_extend_write_launch = Launcher(_alloc_extend_write_kernel)
 
 
 def _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
-                              page_size):
+                              page_size, free_start, num_free):
     check_tensor("req_to_token", req_to_token, dtype=torch.int32, ndim=2)
     if req_to_token.stride(1) != 1:
         raise ValueError("req_to_token rows must be contiguous (stride(1) == 1)")
@@ -546,7 +600,7 @@ def _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu,
     check_tensor("seq_lens_cpu", seq_lens_cpu, device=torch.device("cpu"), length=bs, contiguous=True)
     if len(rows) != bs or len(prefixes) != bs:
         raise ValueError(f"rows ({len(rows)}) and prefixes ({len(prefixes)}) must have one entry per request ({bs})")
-    check_tensor("free_pages", free_pages, device=device, contiguous=True)
+    _check_free_ring(free_pages, free_start, num_free, device)
     check_page_size(page_size)
     for i, (prefix, n) in enumerate(zip(prefixes, prefix_lens_cpu.tolist())):
         check_tensor(f"prefixes[{i}]", prefix, device=device, length=n, contiguous=True,
@@ -563,12 +617,16 @@ def alloc_extend_write_triton(
     page_size: int,
     extend_num_tokens: int | None = None,
     validate: bool = True,
+    free_start: int = 0,
+    num_free: int | None = None,
 ) -> ExtendWrite:
     """Triton ``alloc_extend_write``: one device buffer, one copy and one launch; see
     :func:`alloc_extend_write`."""
+    cap = free_pages.shape[0]
+    num_free = cap if num_free is None else num_free
     if validate:
         _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
-                                  page_size)
+                                  page_size, free_start, num_free)
         check_triton_device(req_to_token.device, _alloc_extend_write_kernel)
     bs = len(rows)
     pre, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
@@ -584,7 +642,7 @@ def alloc_extend_write_triton(
     on_device.copy_(torch.from_numpy(plan), non_blocking=True)
     if bs:
         _alloc_extend_write_launch(
-            (bs,), on_device, req_to_token, free_pages, out, bs, free_pages.shape[0], req_to_token.stride(0),
+            (bs,), on_device, req_to_token, free_pages, out, bs, free_start, cap, num_free, req_to_token.stride(0),
             page_size, _EXTEND_BLOCK,
         )
     pre_d, seq_d, rows_d, _ = on_device.split_with_sizes((bs,) * _PLAN_ROWS)
@@ -601,13 +659,16 @@ def alloc_extend_write_torch(
     page_size: int,
     extend_num_tokens: int | None = None,
     validate: bool = True,
+    free_start: int = 0,
+    num_free: int | None = None,
 ) -> ExtendWrite:
     """Torch reference of ``alloc_extend_write``: ``alloc_extend`` then ``write_cache_indices``."""
     from .cache_indices import write_cache_indices_torch
 
+    num_free = free_pages.shape[0] if num_free is None else num_free
     if validate:
         _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
-                                  page_size)
+                                  page_size, free_start, num_free)
     device = req_to_token.device
     prefix_lens = prefix_lens_cpu.to(device, non_blocking=True)
     seq_lens = seq_lens_cpu.to(device, non_blocking=True)
@@ -616,13 +677,15 @@ def alloc_extend_write_torch(
         extend_num_tokens = int(seq_lens_cpu.sum() - prefix_lens_cpu.sum())
     prefix_flat = torch.cat([*prefixes, free_pages.new_full((1,), -1)])
     total_prefix = prefix_flat.shape[0] - 1
+    pre = prefix_lens_cpu.numpy()
+    new_pages = extend_num_tokens if page_size == 1 else int((cdiv(seq_lens_cpu.numpy(), page_size) - cdiv(pre, page_size)).sum())
+    head = _ring_slice(free_pages, free_start, min(new_pages, num_free))  # past num_free: page -1
     if page_size == 1:
-        out = free_pages[:extend_num_tokens].clone()
+        out = torch.cat([head, head.new_full((extend_num_tokens - head.shape[0],), -1)])
     else:
         # last_loc: the slot before each request's new tokens, -1 (the sentinel) without a prefix.
-        pre = prefix_lens_cpu.numpy()
         last_index = torch.from_numpy(np.where(pre > 0, np.cumsum(pre) - 1, total_prefix)).to(device)
-        out = alloc_extend_torch(prefix_lens, seq_lens, prefix_flat[last_index], free_pages, page_size,
+        out = alloc_extend_torch(prefix_lens, seq_lens, prefix_flat[last_index], head, page_size,
                                  extend_num_tokens)
     write_cache_indices_torch(req_to_token, rows_t, prefix_lens, seq_lens, out, prefix_flat[:total_prefix])
     return ExtendWrite(out, rows_t, prefix_lens, seq_lens)
@@ -639,6 +702,8 @@ def alloc_extend_write(
     backend: str = "triton",
     extend_num_tokens: int | None = None,
     validate: bool = True,
+    free_start: int = 0,
+    num_free: int | None = None,
 ) -> ExtendWrite:
     """Fused extend memory step: new slots for every request and its whole ``req_to_token`` row.
 
@@ -648,7 +713,9 @@ def alloc_extend_write(
     prefix), to columns ``[pre_i, seq_i)`` and to ``out_cache_loc`` in batch order. Lengths
     and rows are host values (CPU int64 tensors, a list of ints), so every offset is computed
     on the host and the triton backend makes one copy and one launch, with no sync.
-    ``free_pages`` is read from its start, not advanced; it must hold the batch's new pages.
+    The free list is read, not advanced: ``num_free`` entries (default: all) of ``free_pages``
+    read as a ring from ``free_start``, as in :func:`alloc_decode_write`; it must hold the
+    batch's new pages (entries past ``num_free`` read as page -1).
     ``extend_num_tokens`` (``sum(seq - pre)``) may be passed when the caller has it.
     ``validate=False`` skips every input check, the per-request ones included: for callers
     whose inputs are right by construction (the allocator, outside its debug mode).
@@ -657,4 +724,4 @@ def alloc_extend_write(
     check_backend(backend)
     fn = alloc_extend_write_triton if backend == "triton" else alloc_extend_write_torch
     return fn(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages, page_size, extend_num_tokens,
-              validate)
+              validate, free_start, num_free)

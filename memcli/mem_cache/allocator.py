@@ -75,7 +75,8 @@ class BaseAllocator:
         raise NotImplementedError
 
     def _head_view(self, n: int) -> torch.Tensor:
-        """The first `n` free entries, without removing them (for kernels)."""
+        """The first `n` free entries, without removing them (for kernels). The fused kernels
+        read the buffer itself from `_head` instead (a ring of `_num_free` entries)."""
         raise NotImplementedError
 
     def _advance(self, n: int) -> None:
@@ -174,9 +175,10 @@ class BaseAllocator:
         """
         if not self._ensure(num_pages):
             return None
-        written = kernels.alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes,
-                                             self._head_view(num_pages), self.page_size, backend=self.backend,
-                                             extend_num_tokens=extend_num_tokens, validate=self.debug)
+        written = kernels.alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, self._buf,
+                                             self.page_size, backend=self.backend,
+                                             extend_num_tokens=extend_num_tokens, validate=self.debug,
+                                             free_start=self._head, num_free=self._num_free)
         self._advance(num_pages)
         self._commit_alloc(num_pages)
         return written
@@ -300,8 +302,9 @@ class TokenToKVPoolAllocator(BaseAllocator):
         bs = seq_lens.numel()
         if not self._ensure(bs):
             return None
-        out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._head_view(bs), 1,
-                                         backend=self.backend, validate=self.debug)
+        out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._buf, 1,
+                                         backend=self.backend, validate=self.debug, free_start=self._head,
+                                         num_free=self._num_free)
         self._advance(bs)
         self._commit_alloc(bs)
         return out
@@ -398,8 +401,9 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
             num_pages = int((seq_lens_cpu % self.page_size == 0).sum())
         if not self._ensure(num_pages):
             return None
-        out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._head_view(num_pages),
-                                         self.page_size, backend=self.backend, validate=self.debug)
+        out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._buf, self.page_size,
+                                         backend=self.backend, validate=self.debug, free_start=self._head,
+                                         num_free=self._num_free)
         self._advance(num_pages)
         self._commit_alloc(num_pages)
         return out

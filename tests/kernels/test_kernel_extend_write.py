@@ -187,3 +187,45 @@ def test_gpu_direct_launches_match_reference():
             ref, t_ref = write_case(case, rows, alloc_extend_write_torch)
             assert torch.equal(kernel.out_cache_loc, ref.out_cache_loc) and torch.equal(t_kernel, t_ref)
     assert _alloc_extend_write_launch.direct
+
+
+# ----------------------------------------------------------------------------- free list as a ring
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_ops_read_the_free_list_as_a_ring(backend):
+    from memcli.kernels import alloc_decode_write
+
+    ring = torch.tensor([11, 12, 13, 14, 15, 16], device=DEVICE)  # free list from index 4: 15, 16, 11, 12
+    empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    t = table(2, 8)
+    got = alloc_extend_write(t, [0], cpu([0]), cpu([3]), [empty], ring, 1, backend=backend, free_start=4, num_free=4)
+    assert got.out_cache_loc.tolist() == [15, 16, 11] == t[0, :3].tolist()
+    short = alloc_extend_write(t, [1], cpu([0]), cpu([3]), [empty], ring, 1, backend=backend, free_start=4,
+                               num_free=2)
+    assert short.out_cache_loc.tolist() == [15, 16, -1]  # past num_free: -1, nothing else read
+    paged = alloc_extend_write(t, [1], cpu([0]), cpu([5]), [empty], ring, 2, backend=backend, free_start=5,
+                               num_free=3)
+    assert paged.out_cache_loc.tolist() == [32, 33, 22, 23, 24]  # pages 16, 11, 12
+    t2 = table(2, 8)
+    out = alloc_decode_write(torch.tensor([0, 2], device=DEVICE), torch.tensor([1, 0], device=DEVICE), t2, ring, 2,
+                             backend=backend, free_start=5, num_free=2)
+    assert out.tolist() == [32, 22] and t2[1, 0] == 32 and t2[0, 2] == 22
+    out = alloc_decode_write(torch.tensor([3, 4], device=DEVICE), torch.tensor([0, 1], device=DEVICE), t2, ring, 1,
+                             backend=backend, free_start=5, num_free=3)
+    assert out.tolist() == [16, 11]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ring_arguments_out_of_range_are_rejected(backend):
+    from memcli.kernels import alloc_decode_write
+
+    ring = torch.arange(1, 5, device=DEVICE)
+    t = table(1, 4)
+    one = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="do not fit a free list of 4 entries"):
+        alloc_decode_write(one, one, t, ring, 1, backend=backend, free_start=4)
+    with pytest.raises(ValueError, match="do not fit"):
+        alloc_extend_write(t, [0], cpu([0]), cpu([1]), [one[:0]], ring, 1, backend=backend, num_free=5)
+    with pytest.raises(ValueError, match="free_start must be a non-negative int"):
+        alloc_decode_write(one, one, t, ring, 1, backend=backend, free_start=-1)

@@ -608,3 +608,16 @@ def test_alloc_extend_write_takes_the_head_or_changes_nothing(monkeypatch, page_
     assert got.req_pool_indices.tolist() == [1]
     assert free_list(allocator)[0] == 4 and allocator.in_use_tokens == 3 * page_size
     assert allocator.check_integrity().ok
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_fused_allocations_read_across_the_ring_wrap(backend):
+    allocator = token(4, backend=backend)
+    assert allocator.alloc(3).tolist() == [1, 2, 3]
+    allocator.free(i64([2, 3]))  # free list 4, 2, 3: the last two sit at the buffer's start
+    table = torch.zeros(3, 8, dtype=torch.int32)
+    seq = i64([0, 5])
+    assert allocator.alloc_decode_write(seq, seq.clone(), i64([0, 2]), table).tolist() == [4, 2]
+    got = allocator.alloc_extend_write(table, [1], i64([0]), i64([1]), [i64([])], num_pages=1)
+    assert got.out_cache_loc.tolist() == [3] and table[1, 0] == 3 and table[0, 0] == 4 and table[2, 5] == 2
+    assert free_list(allocator) == [] and allocator.check_integrity().ok
