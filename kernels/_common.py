@@ -64,14 +64,6 @@ def check_tensor(
         raise ValueError(f"{name} must be contiguous")
 
 
-def check_running_sums(running_sums, rows: int, bs: int, device: torch.device) -> None:
-    """Precomputed prefix sums: int64 ``[rows, bs]`` on ``device``, rows contiguous."""
-    check_tensor("running_sums", running_sums, ndim=2, device=device)
-    if tuple(running_sums.shape) != (rows, bs) or running_sums.stride() != (bs, 1):
-        raise ValueError(f"running_sums must be a contiguous [{rows}, {bs}] tensor, got shape"
-                         f" {tuple(running_sums.shape)} with strides {running_sums.stride()}")
-
-
 def check_triton_device(device: torch.device, kernel) -> None:
     """Compiled Triton kernels need CUDA tensors; the interpreter runs on any device."""
     if device.type != "cuda" and not is_interpreted(kernel):

@@ -31,7 +31,6 @@ from ._common import (
     check_backend,
     check_count,
     check_page_size,
-    check_running_sums,
     check_tensor,
     check_triton_device,
     exclusive_cumsum,
@@ -130,7 +129,6 @@ def alloc_extend_triton(
     free_pages: torch.Tensor,
     page_size: int,
     extend_num_tokens: int,
-    running_sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton ``alloc_extend``; see :func:`alloc_extend`."""
     _check_alloc_extend(prefix_lens, seq_lens, last_loc, free_pages, page_size, extend_num_tokens)
@@ -139,10 +137,7 @@ def alloc_extend_triton(
     bs = prefix_lens.shape[0]
     if bs == 0 or extend_num_tokens == 0:
         return out
-    if running_sums is None:
-        running_sums = _running_sums(prefix_lens, seq_lens, page_size)
-    else:
-        check_running_sums(running_sums, 4, bs, prefix_lens.device)
+    running_sums = _running_sums(prefix_lens, seq_lens, page_size)
     _alloc_extend_kernel[(bs,)](
         prefix_lens, seq_lens, last_loc, running_sums,
         free_pages, out, bs, free_pages.shape[0], extend_num_tokens,
@@ -158,9 +153,8 @@ def alloc_extend_torch(
     free_pages: torch.Tensor,
     page_size: int,
     extend_num_tokens: int,
-    running_sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference of ``alloc_extend``; see :func:`alloc_extend` (computes its own offsets)."""
+    """Torch reference of ``alloc_extend``; see :func:`alloc_extend`."""
     _check_alloc_extend(prefix_lens, seq_lens, last_loc, free_pages, page_size, extend_num_tokens)
     device, bs = prefix_lens.device, prefix_lens.shape[0]
     if bs == 0 or extend_num_tokens == 0:
@@ -200,7 +194,6 @@ def alloc_extend(
     page_size: int,
     extend_num_tokens: int,
     backend: str = "triton",
-    running_sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Slots for the new tokens of an extend batch; returns ``out`` (int64, ``extend_num_tokens``).
 
@@ -215,14 +208,10 @@ def alloc_extend(
 
     Example (ps 4, free_pages [1, 2, 3, 4, ...]; (pre, seq, last_loc) = (0, 6, -1),
     (5, 11, 40), (8, 9, 47)): ``[4, 5, 6, 7, 8, 9, 41, 42, 43, 12, 13, 14, 16]``.
-
-    ``running_sums`` (optional, int64 ``[4, bs]`` on the device): the inclusive prefix sums of
-    ``seq``, ``pre``, ``cdiv(seq, ps)``, ``cdiv(pre, ps)`` when the caller already has them
-    (computed on the host from the CPU lengths, they save the launcher five small launches).
     """
     check_backend(backend)
     fn = alloc_extend_triton if backend == "triton" else alloc_extend_torch
-    return fn(prefix_lens, seq_lens, last_loc, free_pages, page_size, extend_num_tokens, running_sums)
+    return fn(prefix_lens, seq_lens, last_loc, free_pages, page_size, extend_num_tokens)
 
 
 # ----------------------------------------------------------------------------- alloc_decode

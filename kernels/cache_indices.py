@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_backend, check_running_sums, check_tensor, check_triton_device, exclusive_cumsum
+from ._common import check_backend, check_tensor, check_triton_device, exclusive_cumsum
 
 _WRITE_BLOCK = 512
 _LAST_LOC_BLOCK = 256
@@ -91,7 +91,6 @@ def write_cache_indices_triton(
     seq_lens: torch.Tensor,
     out_cache_loc: torch.Tensor,
     prefix_flat: torch.Tensor,
-    running_sums: torch.Tensor | None = None,
 ) -> None:
     """Triton ``write_cache_indices``; see :func:`write_cache_indices`."""
     _check_write_cache_indices(
@@ -102,10 +101,7 @@ def write_cache_indices_triton(
     if bs == 0:
         return
     # One cumsum for both offsets: off_i = sum(seq_j - pre_j, j < i) = seq sum - pre sum.
-    if running_sums is None:
-        running_sums = torch.cumsum(torch.stack((prefix_lens, seq_lens)), dim=1)
-    else:
-        check_running_sums(running_sums, 2, bs, req_to_token.device)
+    running_sums = torch.cumsum(torch.stack((prefix_lens, seq_lens)), dim=1)
     _write_cache_indices_kernel[(bs,)](
         req_to_token, req_pool_indices, prefix_lens, seq_lens, running_sums,
         out_cache_loc, prefix_flat, bs, req_to_token.stride(0),
@@ -120,10 +116,8 @@ def write_cache_indices_torch(
     seq_lens: torch.Tensor,
     out_cache_loc: torch.Tensor,
     prefix_flat: torch.Tensor,
-    running_sums: torch.Tensor | None = None,
 ) -> None:
-    """Torch reference of ``write_cache_indices``; see :func:`write_cache_indices` (computes
-    its own offsets)."""
+    """Torch reference of ``write_cache_indices``; see :func:`write_cache_indices`."""
     _check_write_cache_indices(
         req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc, prefix_flat
     )
@@ -172,7 +166,6 @@ def write_cache_indices(
     out_cache_loc: torch.Tensor,
     prefix_flat: torch.Tensor,
     backend: str = "triton",
-    running_sums: torch.Tensor | None = None,
 ) -> None:
     """Write each request's prefix slots and new slots into its ``req_to_token`` row.
 
@@ -184,12 +177,10 @@ def write_cache_indices(
     ``len(prefix_flat) == sum(prefix_lens)`` and ``len(out_cache_loc) == sum(seq_lens -
     prefix_lens)`` (not checked: that would need a host sync).
     Raises ``ValueError`` on bad input, including an int32 ``prefix_flat``.
-    ``running_sums`` (optional, int64 ``[2, bs]`` on the device): inclusive prefix sums of
-    ``prefix_lens`` and ``seq_lens`` when the caller already has them.
     """
     check_backend(backend)
     fn = write_cache_indices_triton if backend == "triton" else write_cache_indices_torch
-    fn(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc, prefix_flat, running_sums)
+    fn(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc, prefix_flat)
 
 
 # ----------------------------------------------------------------------------- get_last_loc

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
 
 from memcli.errors import IntegrityError
 from memcli.mem_cache import common

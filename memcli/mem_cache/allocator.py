@@ -289,7 +289,7 @@ class TokenToKVPoolAllocator(BaseAllocator):
         return out
 
     def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
-                     extend_num_tokens: int, running_sums=None, num_pages: int | None = None) -> torch.Tensor | None:
+                     extend_num_tokens: int, num_pages: int | None = None) -> torch.Tensor | None:
         """With page size 1 an extend is a plain `alloc` of its new tokens."""
         return self.alloc(extend_num_tokens)
 
@@ -363,12 +363,12 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         return (pages[:, None] * self.page_size + offsets).reshape(-1)
 
     def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
-                     extend_num_tokens: int, running_sums=None, num_pages: int | None = None) -> torch.Tensor | None:
+                     extend_num_tokens: int, num_pages: int | None = None) -> torch.Tensor | None:
         """Slots for the new tokens of every request, page layout of the reference (3.3.2).
 
         The page count comes from the CPU lengths (or `num_pages`, when the caller counted
         them), so the capacity check happens before the kernel is launched; on None nothing
-        changed. `running_sums` are passed to the kernel (see `memcli.kernels.alloc_extend`).
+        changed.
         """
         ps = self.page_size
         if num_pages is None:
@@ -376,7 +376,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         if not self._ensure(num_pages):
             return None
         out = kernels.alloc_extend(prefix_lens, seq_lens, last_loc, self._head_view(num_pages), ps,
-                                   extend_num_tokens, backend=self.backend, running_sums=running_sums)
+                                   extend_num_tokens, backend=self.backend)
         self._advance(num_pages)
         self._commit_alloc(num_pages)
         return out

@@ -276,16 +276,3 @@ def test_random_cases_are_valid(page_size):
     assert not prefix_pages & set(free_pages)
     for slots, last in zip(case.prefix_slots, case.last_loc.tolist()):
         assert len(slots) == 0 or slots[-1] == last
-
-
-def test_alloc_extend_with_precomputed_running_sums_matches():
-    pre, seq = i64([0, 5, 8]), i64([6, 11, 9])
-    last, free = i64([-1, 40, 47]), i64(list(range(1, 10)))
-    ps = 4
-    lens = torch.stack((seq, pre))
-    sums = torch.cumsum(torch.cat((lens, (lens + ps - 1) // ps)), dim=1)
-    plain = alloc_extend(pre, seq, last, free, ps, 13, backend="triton")
-    given = alloc_extend(pre, seq, last, free, ps, 13, backend="triton", running_sums=sums)
-    assert given.tolist() == plain.tolist() == [4, 5, 6, 7, 8, 9, 41, 42, 43, 12, 13, 14, 16]
-    with pytest.raises(ValueError, match="running_sums"):
-        alloc_extend(pre, seq, last, free, ps, 13, backend="triton", running_sums=sums[:2])
