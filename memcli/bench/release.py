@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-
 from memcli.errors import IntegrityError
 from memcli.mem_cache import common
 from memcli.mem_cache.null_cache import NullCache
