@@ -1,0 +1,37 @@
+"""memcli.timing: the one timing helper, the sync counter and its message filter."""
+
+import pytest
+import torch
+
+from memcli.timing import count_syncs, is_sync_warning, time_call, wall_time
+
+CPU = torch.device("cpu")
+
+
+def test_sync_warnings_are_told_from_the_prototype_notice():
+    assert is_sync_warning("called a synchronizing CUDA operation")
+    assert not is_sync_warning("Synchronization debug mode is a prototype feature and does not yet detect all"
+                               " synchronizing operations (Triggered internally at Module.cpp:1003.)")
+    assert not is_sync_warning("some other warning")
+
+
+def test_time_call_on_a_cpu_runs_setup_before_every_call():
+    order = []
+    timing = time_call(lambda: order.append("call"), CPU, repeat=4, warmup=2, setup=lambda: order.append("setup"))
+    assert order == ["setup", "call"] * 6
+    assert timing.samples == 4 and timing.method == "wall-clock (cpu)"
+    assert 0 <= timing.min_us <= timing.median_us
+    assert timing.device_us is None  # no device to queue on
+    assert count_syncs(lambda: None, CPU) is None
+    assert wall_time(lambda: None, CPU) >= 0
+
+
+@pytest.mark.gpu
+def test_gpu_sync_count_and_device_time():
+    cuda = torch.device("cuda")
+    x = torch.zeros(1, device=cuda)
+    assert count_syncs(lambda: x.add_(1), cuda) == 0  # the prototype notice, if it comes now, is not a sync
+    assert count_syncs(lambda: x.item(), cuda) == 1
+    assert count_syncs(lambda: x.add_(1), cuda) == 0
+    timing = time_call(lambda: x.add_(1), cuda, repeat=5, warmup=1)
+    assert timing.method == "cuda-events" and timing.device_us is not None and timing.device_us > 0
