@@ -45,10 +45,10 @@ def header_line(result: BenchResult) -> str:
             f" after {opts['warmup']} warm-up calls per phase; tree cache {opts['tree_cache']}.\n"
             "prefill = prepare_for_extend + KV store of the new tokens; decode step = prepare_for_decode +"
             " KV store of one token per request; memory path = alloc_for_extend / alloc_for_decode alone;"
-            " free = release of every request; first call includes compilation.\n"
-            "median/min: the device idle when each call starts, so host work and launch latency count;"
-            " device: the same call queued behind a busy stream, so only the GPU's execution counts"
-            " ('-' on a CPU).")
+            " free = release of every request; first call includes compilation."
+            + ("\nmedian/min: the device idle when each call starts, so host work and launch latency count;"
+               " device: the same call queued behind a busy stream, so only the GPU's execution counts."
+               if result.timing_method == "cuda-events" else ""))
 
 
 def case_table(r: CaseResult) -> Table:

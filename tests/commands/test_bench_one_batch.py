@@ -75,7 +75,8 @@ def test_json_is_one_document_with_every_figure():
                  "copy_prefill", "kv_store_decode"):
         phase = case["phases"][name]
         assert phase["median_us"] > 0 and phase["first_call_ms"] > 0 and phase["syncs"] is None, name
-    assert set(case["syncs"]) == set(case["phases"])
+        assert phase["device_us"] is None, name  # no device time on a CPU
+    assert set(case["syncs"]) == set(case["phases"]) == set(case["device_us"])
     kv = case["kv_store_prefill"]
     assert kv["tokens"] == 80 and kv["bytes"] == 80 * 4 * 2 * 64 * 2 * 2 and kv["copy_ratio"] > 0
     assert case["prefill_allocated_tokens"] == 80 and case["decode_allocated_tokens"] == 6
@@ -237,3 +238,16 @@ def test_bad_input_exits_2_with_error_and_hint(args, words):
 def test_result_file_in_a_missing_folder(tmp_path):
     result = invoke("--result-file", tmp_path / "no" / "r.jsonl")
     assert result.exit_code == 2 and "error: --result-file" in result.stderr
+
+
+def test_header_explains_the_device_column_only_on_a_gpu():
+    from types import SimpleNamespace
+
+    from memcli.report.bench_report import header_line
+
+    def header(method):
+        return header_line(SimpleNamespace(options={"repeat": 3, "warmup": 1, "tree_cache": "none"},
+                                           timing_method=method, device="cuda (H200)"))
+
+    assert "queued behind a busy stream" in header("cuda-events")
+    assert "queued" not in header("wall-clock (cpu)") and "synchronized wall clock" in header("wall-clock (cpu)")
