@@ -667,7 +667,10 @@ def alloc_extend_write_torch(
     prefix_flat = torch.cat([*prefixes, free_pages.new_full((1,), -1)])
     total_prefix = prefix_flat.shape[0] - 1
     pre = prefix_lens_cpu.numpy()
-    new_pages = extend_num_tokens if page_size == 1 else int((cdiv(seq_lens_cpu.numpy(), page_size) - cdiv(pre, page_size)).sum())
+    if page_size == 1:
+        new_pages = extend_num_tokens
+    else:
+        new_pages = int((cdiv(seq_lens_cpu.numpy(), page_size) - cdiv(pre, page_size)).sum())
     head = _ring_slice(free_pages, free_start, min(new_pages, num_free))  # past num_free: page -1
     if page_size == 1:
         out = torch.cat([head, head.new_full((extend_num_tokens - head.shape[0],), -1)])
