@@ -110,6 +110,37 @@ def check_alloc_decode_write(gen, device) -> OpCheck:
     return check
 
 
+def _as_ring(gen, free_pages: torch.Tensor, spare: int):
+    """The free list stored as a ring of ``len + spare`` entries from a random start (the rest
+    junk): (ring, free_start, num_free)."""
+    n = free_pages.shape[0]
+    cap = n + spare
+    start = int(torch.randint(cap, (1,), generator=gen))
+    ring = torch.full((cap,), -5, dtype=torch.int64, device=free_pages.device)
+    ring[(start + torch.arange(n, device=free_pages.device)) % cap] = free_pages
+    return ring, start, n
+
+
+def check_alloc_extend_write(gen, device) -> OpCheck:
+    check = OpCheck("alloc_extend_write", alloc._alloc_extend_write_kernel, device)
+    for ps in PAGE_SIZES:
+        for bs in BATCH_SIZES + (300, 600):  # past 256 requests the offsets take several blocks
+            for max_len in MAX_LENS:
+                c = random_extend_case(gen, bs, ps, max_len, max_len, device=device)
+                rows = torch.randperm(bs + 7, generator=gen)[:bs].tolist()
+                table = torch.full((bs + 7, 2 * max_len + 3), -7, dtype=torch.int32, device=device)
+                ref_table = table.clone()
+                ring, start, num_free = _as_ring(gen, c.free_pages, spare=5)
+                head = (rows, c.prefix_lens.cpu(), c.seq_lens.cpu(), c.prefix_slots, ring, ps)
+                ring_args = {"free_start": start, "num_free": num_free}
+                expected = alloc.alloc_extend_write_torch(ref_table, *head, **ring_args)
+                got = check.call(f"ps{ps}", lambda: alloc.alloc_extend_write_triton(table, *head, **ring_args))
+                label = f"ps={ps} bs={bs} len<={max_len}"
+                check.compare(label + " out", got.out_cache_loc, expected.out_cache_loc)
+                check.compare(label + " req_to_token", table, ref_table)
+    return check
+
+
 def check_write_cache_indices(gen, device) -> OpCheck:
     check = OpCheck("write_cache_indices", cache_indices._write_cache_indices_kernel, device)
     for ps in PAGE_SIZES:
@@ -166,6 +197,7 @@ CHECKS = (
     check_alloc_extend,
     check_alloc_decode,
     check_alloc_decode_write,
+    check_alloc_extend_write,
     check_write_cache_indices,
     check_get_last_loc,
     check_store_kv,
