@@ -70,8 +70,8 @@ class BaseAllocator:
         """Remove and return the first `n` free entries (caller checked the length)."""
         raise NotImplementedError
 
-    def _put(self, pages: torch.Tensor) -> None:
-        """Return entries to the free list in this allocator's order."""
+    def _put(self, pages: torch.Tensor, divisor: int = 1) -> None:
+        """Return `pages // divisor` to the free list in this allocator's order."""
         raise NotImplementedError
 
     def _head_view(self, n: int) -> torch.Tensor:
@@ -129,8 +129,8 @@ class BaseAllocator:
         if self._group is not None:
             self._group.append(indices.reshape(-1))
             return
-        pages = self._slots_to_pages(indices, distinct_pages)
-        n = pages.numel()
+        entries, divisor = self._freed_entries(indices, distinct_pages)
+        n = entries.numel()
         if self._in_use_pages - n < 0:
             raise ValueError(
                 f"double free: freeing {n} pages but only {self._in_use_pages} are allocated"
@@ -139,11 +139,12 @@ class BaseAllocator:
         self.num_frees += 1
         self.freed_tokens += n * self.page_size
         if self.need_sort:
-            # A copy: with page size 1, `pages` can be the caller's own tensor.
-            self._release.append(pages.reshape(-1).to(torch.int64, copy=True))
+            # An own copy: with page size 1 the entries can be the caller's tensor.
+            pages = entries // divisor if divisor > 1 else entries.clone()
+            self._release.append(pages.reshape(-1).to(torch.int64))
             self._num_release += n
         else:
-            self._put(pages)
+            self._put(entries, divisor)
         if self.debug:
             self.check_integrity().raise_if_failed()
 
@@ -188,9 +189,11 @@ class BaseAllocator:
         if self.debug:
             self.check_integrity().raise_if_failed()
 
-    def _slots_to_pages(self, slots: torch.Tensor, distinct: bool = False) -> torch.Tensor:
-        """Page size 1: the slots themselves (`_put` converts their dtype as it copies)."""
-        return slots
+    def _freed_entries(self, slots: torch.Tensor, distinct: bool) -> tuple[torch.Tensor, int]:
+        """What a free puts back, as (entries, divisor): the freed pages are `entries // divisor`,
+        one entry per page, in the order they go back. Page size 1: the slots themselves
+        (`_put` converts their dtype as it copies)."""
+        return slots, 1
 
     # -- introspection ----------------------------------------------------------------------
     def free_page_ids(self) -> torch.Tensor:
@@ -266,7 +269,7 @@ class TokenToKVPoolAllocator(BaseAllocator):
         self._advance(n)
         return out
 
-    def _put(self, pages: torch.Tensor) -> None:
+    def _put(self, pages: torch.Tensor, divisor: int = 1) -> None:
         cap, n = self.num_pages, pages.numel()
         if self._num_free + n > cap:
             raise ValueError(f"double free: {self._num_free} free + {n} freed > size {cap}")
@@ -334,21 +337,26 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         self._advance(n)
         return out
 
-    def _put(self, pages: torch.Tensor) -> None:
+    def _put(self, pages: torch.Tensor, divisor: int = 1) -> None:
         n = pages.numel()
         if n > self._head:
             raise ValueError(f"double free: {self._num_free} free + {n} freed pages > {self.num_pages}")
         self._head -= n
-        self._buf[self._head : self._head + n] = pages  # converts the dtype as it copies
+        dest = self._buf[self._head : self._head + n]
+        if divisor == 1:
+            dest.copy_(pages)  # converts the dtype as it copies
+        else:  # the division writes straight into the free list
+            torch.floor_divide(pages, divisor, out=dest)
         self._num_free += n
 
-    def _slots_to_pages(self, slots: torch.Tensor, distinct: bool = False) -> torch.Tensor:
-        # Sorted and de-duplicated, like the reference; `unique` synchronises with the device,
-        # `sort` (enough when the caller knows the pages are distinct) does not. Slots on
-        # distinct pages sort in page order, so they are sorted before the division.
+    def _freed_entries(self, slots: torch.Tensor, distinct: bool) -> tuple[torch.Tensor, int]:
+        # Sorted and de-duplicated pages, like the reference; `unique` synchronises with the
+        # device, `sort` (enough when the caller knows the pages are distinct) does not.
+        # Slots on distinct pages sort in page order, so they are sorted as slots and divided
+        # as they are written into the free list.
         if distinct:
-            return torch.sort(slots.reshape(-1)).values // self.page_size
-        return torch.unique(slots.reshape(-1) // self.page_size)
+            return torch.sort(slots.reshape(-1)).values, self.page_size
+        return torch.unique(slots.reshape(-1) // self.page_size), 1
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """Whole pages only: `n` must be a multiple of the page size."""

@@ -621,3 +621,13 @@ def test_token_fused_allocations_read_across_the_ring_wrap(backend):
     got = allocator.alloc_extend_write(table, [1], i64([0]), i64([1]), [i64([])], num_pages=1)
     assert got.out_cache_loc.tolist() == [3] and table[1, 0] == 3 and table[0, 0] == 4 and table[2, 5] == 2
     assert free_list(allocator) == [] and allocator.check_integrity().ok
+
+
+def test_paged_need_sort_release_of_distinct_pages_holds_pages():
+    allocator = paged(48, need_sort=True)
+    allocator.alloc(48)
+    allocator.free(torch.tensor([[36, 8], [28, 17]], dtype=torch.int32), distinct_pages=True)
+    assert allocator.available_size() == 4 * 4
+    allocator.merge_and_sort_free()
+    assert free_list(allocator) == [2, 4, 7, 9]
+    assert allocator.check_integrity().ok
