@@ -1,11 +1,12 @@
 """GPU self-check: every Triton op against its torch reference over a sweep of sizes.
 
-Run ``python -m memcli.kernels.selfcheck`` on a CUDA host. Prints one line per op: PASS or
-FAIL, the number of cases, the wall time of the first Triton call per compile key (page size
-or dtype; it includes compilation unless Triton's on-disk cache already held the binary; the
-torch reference runs first on the same inputs, so CUDA start-up is not counted), and how many
-binaries the JIT cache holds afterwards (one per page size for the index kernels). Exits 0
-when every op matches, 1 on any mismatch, 2 without CUDA.
+Run ``python -m memcli.kernels.selfcheck`` on a CUDA host. Prints Triton's start-up time (the
+first launch of a one-line kernel), then one line per op: PASS or FAIL, the number of cases,
+the wall time of the first Triton call per compile key (page size or dtype; it includes
+compilation unless Triton's on-disk cache already held the binary; the torch reference runs
+first on the same inputs, so CUDA start-up is not counted), and how many binaries the JIT
+cache holds afterwards (one per page size for the index kernels). Exits 0 when every op
+matches, 1 on any mismatch, 2 without CUDA.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import time
 from typing import Callable, Dict, List, Optional
 
 import torch
+import triton
+import triton.language as tl
 
 from . import alloc, cache_indices, kv_store
 from ._common import num_compiled_variants
@@ -204,6 +207,23 @@ CHECKS = (
 )
 
 
+@triton.jit
+def _touch_kernel(x_ptr):
+    tl.store(x_ptr, tl.load(x_ptr) + 1)
+
+
+def triton_start_up_ms(device: torch.device) -> float:
+    """Wall time of the first launch of a one-line kernel: Triton's one-time start-up in this
+    process (its driver and launcher modules, built and cached on disk when the cache is
+    empty) plus that kernel's compile, so the ops' first calls below are their own compiles."""
+    x = torch.zeros(1, dtype=torch.int64, device=device)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    _touch_kernel[(1,)](x)
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("error: the self-check needs a CUDA device", file=sys.stderr)
@@ -211,7 +231,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"triton start-up (first launch of a one-line kernel): {triton_start_up_ms(device):.0f}ms")
     ok = True
     for run_check in CHECKS:
         check = run_check(gen, device)
