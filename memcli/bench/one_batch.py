@@ -118,11 +118,14 @@ def run_case(stack: MemoryStack, case: Case, options: BenchOptions) -> CaseResul
 def _measure_prefill(runner: CaseRunner, timed) -> tuple[dict[str, PhaseTiming], Optional[KVStoreFigures]]:
     """The memory path, the KV store alone, a plain copy, then the whole prefill.
 
-    The first prefill (untimed, its wall time reported as the memory path's first call)
-    compiles the memory path's kernels, and the first KV store compiles the store, so each
-    phase's first call shows its own compilation. Leaves the batch after one prefill.
+    The case's first prefill (its wall time reported as the memory path's first call: the
+    prefix warm-up's prefill when there is a prefix, else the batch's first) compiles the
+    memory path's kernels, and the first KV store compiles the store, so each phase's first
+    call shows its own compilation. Leaves the batch after one prefill.
     """
     first_s = wall_time(runner.batch.prepare_for_extend, runner.device)
+    if runner.warm_prefill_s is not None:  # the prefix warm-up made the case's first prefill
+        first_s = runner.warm_prefill_s
     kv = None
     if runner.store_kv:
         tokens = runner.new_tokens

@@ -36,6 +36,7 @@ from memcli.mem_cache.radix_cache import RadixCache
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.req import Req
 from memcli.stack import MemoryStack
+from memcli.timing import wall_time
 
 VOCAB_SIZE = 10_000
 
@@ -71,6 +72,7 @@ class CaseRunner:
         self._before_finish: Optional[AllocatorState] = None
         self._k_new = self._v_new = None
         self._k_decode = self._v_decode = None
+        self.warm_prefill_s: Optional[float] = None  # wall time of the prefix warm-up's prefill
 
     @property
     def reqs(self) -> list[Req]:
@@ -104,7 +106,7 @@ class CaseRunner:
         warm = [Req(f"warm-{i}", self.prompts[i, :n], 0, self.device) for i in range(bs)]
         for req in warm:
             req.init_next_round_input(None)
-        ScheduleBatch(warm, self.stack).prepare_for_extend()
+        self.warm_prefill_s = wall_time(ScheduleBatch(warm, self.stack).prepare_for_extend, self.device)
         if isinstance(self.tree_cache, RadixCache):
             for req in warm:
                 req.kv_committed_len = n

@@ -251,3 +251,18 @@ def test_header_explains_the_device_column_only_on_a_gpu():
 
     assert "queued behind a busy stream" in header("cuda-events")
     assert "queued" not in header("wall-clock (cpu)") and "synchronized wall clock" in header("wall-clock (cpu)")
+
+
+def test_first_prefill_of_a_case_is_the_prefix_warm_up_when_there_is_one():
+    from memcli.bench.cases import Case
+    from memcli.bench.runner import CaseRunner
+    from memcli.config import load_config
+    from memcli.stack import build_stack
+
+    stack = build_stack(load_config(None))
+    with_prefix = CaseRunner(stack, Case(2, 64, 2, 32, stack.allocator.page_size))
+    with_prefix.start()
+    assert with_prefix.warm_prefill_s is not None and with_prefix.warm_prefill_s > 0
+    without = CaseRunner(stack, Case(2, 64, 2, 0, stack.allocator.page_size))
+    without.start()
+    assert without.warm_prefill_s is None
