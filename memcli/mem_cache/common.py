@@ -140,13 +140,15 @@ def _rows_for(pool, req_rows: list) -> tuple[list[int], list[int]]:
 def alloc_for_decode(batch, token_per_req: int = 1) -> torch.Tensor:
     """One slot per request written at column `batch.seq_lens` (the old lengths).
 
-    Evicts the exact shortfall first. The caller increments `seq_lens` afterwards.
+    The pages the step opens come from `batch.decode_pages_needed(page_size)` (O(1) per step
+    on a `ScheduleBatch`). Evicts the exact shortfall first. The caller increments
+    `seq_lens` afterwards.
     """
     if token_per_req != 1:
         raise ValueError("alloc_for_decode supports one token per request")
     allocator, tree_cache, pool = batch.token_to_kv_pool_allocator, batch.tree_cache, batch.req_to_token_pool
     assert_same_page_size(allocator, tree_cache)
-    num_pages = decode_pages_needed(allocator.page_size, batch.seq_lens_cpu)
+    num_pages = batch.decode_pages_needed(allocator.page_size)
     need = num_pages * allocator.page_size
     if need > allocator.available_size():
         evict_if_needed(tree_cache, allocator, need)
@@ -160,8 +162,10 @@ def alloc_for_decode(batch, token_per_req: int = 1) -> torch.Tensor:
 def check_decode_mem(batch, seq_lens_cpu: torch.Tensor | None = None) -> bool:
     """True when the next decode step of these requests fits, after evicting the shortfall."""
     allocator = batch.token_to_kv_pool_allocator
-    lens = batch.seq_lens_cpu if seq_lens_cpu is None else seq_lens_cpu
-    need = decode_tokens_needed(allocator, lens)
+    if seq_lens_cpu is None:
+        need = batch.decode_pages_needed(allocator.page_size) * allocator.page_size
+    else:
+        need = decode_tokens_needed(allocator, seq_lens_cpu)
     evict_if_needed(batch.tree_cache, allocator, need)
     return allocator.available_size() >= need
 

@@ -6,6 +6,7 @@ allocator as opaque references to pass along.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from memcli.mem_cache import common
@@ -29,6 +30,7 @@ class ScheduleBatch:
         self.extend_lens_cpu = torch.empty(0, dtype=torch.int64)
         self.extend_num_tokens = 0
         self.out_cache_loc: torch.Tensor | None = None
+        self._page_hist: _PageHistogram | None = None
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -67,9 +69,27 @@ class ScheduleBatch:
         self.forward_mode = "decode"
         self.out_cache_loc = common.alloc_for_decode(self, token_per_req=1)
         self.seq_lens = self.seq_lens + 1
-        self.seq_lens_cpu = self.seq_lens_cpu + 1
+        before, self.seq_lens_cpu = self.seq_lens_cpu, self.seq_lens_cpu + 1
+        hist = self._page_hist
+        if hist is not None and hist.lengths is before:
+            hist.lengths, hist.steps = self.seq_lens_cpu, hist.steps + 1
         for req in self.reqs:
             req.kv_allocated_len += 1
+
+    def decode_pages_needed(self, page_size: int) -> int:
+        """Pages the next decode step opens: requests whose next position starts a page.
+
+        O(1) per step: a histogram of the lengths modulo the page size is built whenever the
+        lengths change other than by a decode step (a new batch, a filter, a merge, a restore),
+        and read at the offset of the decode steps taken since.
+        """
+        if page_size == 1:
+            return self.seq_lens_cpu.shape[0]
+        hist = self._page_hist
+        if hist is None or hist.lengths is not self.seq_lens_cpu or hist.page_size != page_size:
+            counts = np.bincount(self.seq_lens_cpu.numpy() % page_size, minlength=page_size)
+            hist = self._page_hist = _PageHistogram(self.seq_lens_cpu, page_size, counts)
+        return int(hist.counts[-hist.steps % page_size])
 
     def filter_batch(self, keep_indices: list[int] | None = None) -> None:
         """Keep the unfinished requests (or exactly `keep_indices`). Frees nothing."""
@@ -132,3 +152,13 @@ class ScheduleBatch:
         total_max = sum(r.max_new_tokens for r in self.reqs)
         ratio = min(1.0, (total_out + retract_decode_steps * len(self.reqs)) / (total_max + 1))
         return retracted, ratio
+
+
+class _PageHistogram:
+    """Requests per length modulo the page size, for the lengths `lengths`, `steps` decode
+    steps ago. The requests opening a page now are those with (length + steps) % ps == 0."""
+
+    __slots__ = ("lengths", "page_size", "counts", "steps")
+
+    def __init__(self, lengths: torch.Tensor, page_size: int, counts: np.ndarray):
+        self.lengths, self.page_size, self.counts, self.steps = lengths, page_size, counts, 0
