@@ -94,9 +94,10 @@ class Launcher:
 
     A call through the JIT binds and specialises every argument before the launch, several
     microseconds of host time that the memory path pays on every step. When the binary can
-    only depend on the constexpr values, the tensors' dtypes and devices, and the integers'
-    widths, the launcher keeps the binary the JIT returned under that key and afterwards
-    calls its launch function directly. That holds when every runtime parameter is listed
+    only depend on the current device, the constexpr values, the tensors' dtypes and the
+    integers' widths, the launcher keeps the binary the JIT returned under that key and
+    afterwards calls its launch function directly, on the current device's current stream
+    (as the JIT does). That holds when every runtime parameter is listed
     in both ``do_not_specialize`` and ``do_not_specialize_on_alignment``. Otherwise, under
     the interpreter, while launch hooks (profilers) are installed, or with a Triton whose
     compiled kernels lack the launch attributes, every call goes through the JIT.
@@ -125,9 +126,11 @@ class Launcher:
             return
         if not self._tensors:
             self._classify(args)
+        # Like the JIT, launch on the current device's current stream.
+        device = torch._C._cuda_getDevice()
         try:
-            key = self._key(args)
-        except (AttributeError, IndexError, TypeError):  # an argument changed kind: the JIT decides
+            key = (device, *self._key(args))
+        except (AttributeError, TypeError):  # an argument changed kind: the JIT decides
             key = None
         binary = self._binaries.get(key) if key is not None else None
         if binary is None or _launch_hooks_installed():
@@ -138,8 +141,8 @@ class Launcher:
                 self._binaries[key] = binary
             return
         gx, gy, gz = (*grid, 1, 1)[:3]
-        binary.run(gx, gy, gz, _current_stream(key[0]), binary.function, binary.packed_metadata, None, None, None,
-                   *args)
+        binary.run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(device), binary.function, binary.packed_metadata,
+                   None, None, None, *args)
 
     def _classify(self, args) -> None:
         runtime = [i for i, c in enumerate(self._constexpr) if not c]
@@ -147,18 +150,11 @@ class Launcher:
         self._ints = tuple(i for i in runtime if i not in self._tensors)
 
     def _key(self, args) -> tuple:
-        """What the binary depends on: the first tensor's device (the launch stream's), the
-        tensors' dtypes, each int's width (an unannotated int is i32 or i64 by its value) and
-        the constexpr values."""
-        tensors = [args[i] for i in self._tensors]
-        return (tensors[0].device, *[t.dtype for t in tensors],
+        """What the binary depends on besides the device: the tensors' dtypes, each int's width
+        (an unannotated int is i32 or i64 by its value) and the constexpr values."""
+        return (*[args[i].dtype for i in self._tensors],
                 *[-(2**31) <= args[i] < 2**31 for i in self._ints],
                 *[args[i] for i in self._constexprs])
-
-
-def _current_stream(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch._C._cuda_getCurrentRawStream(index)
 
 
 def _unspecialised(kernel) -> bool:
