@@ -73,7 +73,12 @@ class ChunkCache(BasePrefixCache):
         """Nothing cached, nothing to forget."""
 
     def check_integrity(self) -> IntegrityReport:
-        return IntegrityReport("chunk cache", [Check("owns nothing", True, "no cached tokens; requests hold their own slots")])
+        """The cache holds no tokens; what it can get wrong is the page size it frees rows by."""
+        ps, allocator_ps = self.page_size, self.allocator.page_size
+        return IntegrityReport("chunk cache", [
+            Check("page size agrees with the allocator", ps == allocator_ps,
+                  f"cache {ps}, allocator {allocator_ps}"),
+        ])
 
     def pretty_print(self) -> Tree:
         return Tree(Text(f"chunk cache (no prefix sharing)  page_size={self.page_size}"))

@@ -72,3 +72,13 @@ def test_pretty_print():
     console = Console(no_color=True, record=True, width=100, file=open("/dev/null", "w"))
     console.print(h.cache.pretty_print())
     assert "chunk cache (no prefix sharing)  page_size=4" in console.export_text()
+
+
+def test_integrity_check_catches_a_page_size_the_allocator_does_not_have():
+    from memcli.mem_cache.chunk_cache import ChunkCache
+    from tests.mem_cache.fakes import FakeAllocator
+
+    allocator = FakeAllocator(64, page_size=4)
+    assert ChunkCache(None, allocator, page_size=4).check_integrity().ok
+    report = ChunkCache(None, allocator, page_size=1).check_integrity()
+    assert not report.ok and "cache 1, allocator 4" in report.failures[0].detail
