@@ -130,7 +130,7 @@ class Launcher:
         device = torch._C._cuda_getDevice()
         try:
             key = (device, *self._key(args))
-        except (AttributeError, TypeError):  # an argument changed kind: the JIT decides
+        except (AttributeError, RuntimeError, TypeError):  # an argument changed kind: the JIT decides
             key = None
         binary = self._binaries.get(key) if key is not None else None
         if binary is None or _launch_hooks_installed():

@@ -385,7 +385,8 @@ def _check_free_ring(free_pages, free_start, num_free, device):
     cap = free_pages.shape[0]
     check_count("free_start", free_start)
     check_count("num_free", num_free)
-    if (cap and free_start >= cap) or (not cap and free_start) or num_free > cap:
+    # free_start == cap is a ring starting at its end (an allocator whose stack is empty).
+    if free_start > cap or num_free > cap:
         raise ValueError(f"free_start {free_start} and num_free {num_free} do not fit a free list of {cap} entries")
 
 
@@ -516,7 +517,7 @@ class ExtendWrite(NamedTuple):
 
 
 _EXTEND_WRITE_RUNTIME = ["plan_ptr", "req_to_token_ptr", "free_pages_ptr", "out_ptr", "bs", "free_start", "free_cap",
-                         "num_free_pages", "row_stride"]
+                         "num_free_pages", "row_stride", "out_numel"]
 
 
 @triton.jit(do_not_specialize=_EXTEND_WRITE_RUNTIME, do_not_specialize_on_alignment=_EXTEND_WRITE_RUNTIME)
@@ -530,6 +531,7 @@ def _alloc_extend_write_kernel(
     free_cap: tl.int64,
     num_free_pages: tl.int64,
     row_stride: tl.int64,
+    out_numel: tl.int64,
     PAGE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -564,7 +566,7 @@ def _alloc_extend_write_kernel(
     extend_len = seq - pre
     for start in range(0, extend_len, BLOCK):
         k = start + tl.arange(0, BLOCK)
-        mask = k < extend_len
+        mask = (k < extend_len) & (out_start + k < out_numel)  # never past `out`, whatever the plan says
         pos = pre + k
         on_new_page = pos >= first_new_pos
         page_idx = page_start + pos // PAGE_SIZE - first_new_page
@@ -579,7 +581,7 @@ _alloc_extend_write_launch = Launcher(_alloc_extend_write_kernel)
 
 
 def _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
-                              page_size, free_start, num_free):
+                              page_size, free_start, num_free, extend_num_tokens):
     check_tensor("req_to_token", req_to_token, dtype=torch.int32, ndim=2)
     if req_to_token.stride(1) != 1:
         raise ValueError("req_to_token rows must be contiguous (stride(1) == 1)")
@@ -594,6 +596,12 @@ def _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu,
     for i, (prefix, n) in enumerate(zip(prefixes, prefix_lens_cpu.tolist())):
         check_tensor(f"prefixes[{i}]", prefix, device=device, length=n, contiguous=True,
                      length_of="its prefix length")
+    new_tokens = seq_lens_cpu - prefix_lens_cpu
+    if bs and int(new_tokens.min()) < 0:
+        i = int(new_tokens.argmin())
+        raise ValueError(f"request {i}: seq_len {int(seq_lens_cpu[i])} < prefix_len {int(prefix_lens_cpu[i])}")
+    if extend_num_tokens is not None and extend_num_tokens != int(new_tokens.sum()):
+        raise ValueError(f"extend_num_tokens {extend_num_tokens} != sum(seq_lens - prefix_lens) {int(new_tokens.sum())}")
 
 
 def alloc_extend_write_triton(
@@ -615,7 +623,7 @@ def alloc_extend_write_triton(
     num_free = cap if num_free is None else num_free
     if validate:
         _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
-                                  page_size, free_start, num_free)
+                                  page_size, free_start, num_free, extend_num_tokens)
         check_triton_device(req_to_token.device, _alloc_extend_write_kernel)
     bs = len(rows)
     pre, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
@@ -632,7 +640,7 @@ def alloc_extend_write_triton(
     if bs:
         _alloc_extend_write_launch(
             (bs,), on_device, req_to_token, free_pages, out, bs, free_start, cap, num_free, req_to_token.stride(0),
-            page_size, _EXTEND_BLOCK,
+            extend_num_tokens, page_size, _EXTEND_BLOCK,
         )
     pre_d, seq_d, rows_d, _ = on_device.split_with_sizes((bs,) * _PLAN_ROWS)
     return ExtendWrite(out, rows_d, pre_d, seq_d)
@@ -657,7 +665,7 @@ def alloc_extend_write_torch(
     num_free = free_pages.shape[0] if num_free is None else num_free
     if validate:
         _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
-                                  page_size, free_start, num_free)
+                                  page_size, free_start, num_free, extend_num_tokens)
     device = req_to_token.device
     prefix_lens = prefix_lens_cpu.to(device, non_blocking=True)
     seq_lens = seq_lens_cpu.to(device, non_blocking=True)

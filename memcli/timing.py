@@ -6,7 +6,8 @@ returns the median of the timed calls in microseconds. On a GPU each call is tim
 * latency: the device is idle (synchronised) when the start event is recorded, so the time
   includes the host's work and launch latency, as a scheduler waiting on the call sees it;
 * device time: the call is queued behind a spin kernel that keeps the stream busy until the
-  host has issued all of it, so the events see only the GPU's execution of the call.
+  host has issued all of it, so the events see only the GPU's execution of the call (a
+  sample whose spin ran out first is taken again behind a longer one).
 
 `count_syncs(fn)` counts host-device synchronisations with CUDA's sync debug mode (None on
 a CPU, where there is no device).
@@ -57,27 +58,45 @@ def time_call(fn: Callable[[], object], device: torch.device, repeat: int = 20, 
     if cuda and _spin_cycles_per_us(device) is not None:
         # The spin outlasts the host's part of the call: twice the latency, plus a margin.
         spin_us = 2 * median + 100.0
-        device_us = statistics.median(_sample(fn, setup, device, cuda, spin_us) for _ in range(repeat))
+        device_us = statistics.median(_queued_sample(fn, setup, device, spin_us) for _ in range(repeat))
     method = "cuda-events" if cuda else "wall-clock (cpu)"
     return Timing(median, min(samples), len(samples), method, device_us)
 
 
 def _sample(fn, setup, device: torch.device, cuda: bool, spin_us: float) -> float:
     """One timed call in microseconds; with `spin_us`, queued behind a spin of that length."""
+    return _timed(fn, setup, device, cuda, spin_us)[0]
+
+
+def _queued_sample(fn, setup, device: torch.device, spin_us: float, tries: int = 4) -> float:
+    """One device-time sample. When the stream reached the start event before the host had
+    issued the whole call (the spin ran out: a slow host, or a faster clock than calibrated),
+    the sample would include host time; it is taken again behind a spin twice as long."""
+    for _ in range(tries):
+        elapsed_us, spin_outlasted_host = _timed(fn, setup, device, True, spin_us)
+        if spin_outlasted_host:
+            break
+        spin_us *= 2
+    return elapsed_us
+
+
+def _timed(fn, setup, device: torch.device, cuda: bool, spin_us: float) -> tuple[float, bool]:
+    """(µs, whether the start event was still queued when the host returned from `fn`)."""
     setup()
     if not cuda:
         t0 = time.perf_counter()
         fn()
-        return (time.perf_counter() - t0) * 1e6
+        return (time.perf_counter() - t0) * 1e6, False
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize(device)
     if spin_us:
         torch.cuda._sleep(int(spin_us * _spin_cycles_per_us(device)))
     start.record()
     fn()
+    still_queued = not start.query()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) * 1e3
+    return start.elapsed_time(end) * 1e3, still_queued
 
 
 _CYCLES_PER_US: dict[torch.device, float | None] = {}

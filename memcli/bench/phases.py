@@ -56,8 +56,10 @@ def measure(fn: Fn, device: torch.device, repeat: int, warmup: int, setup: Fn = 
     setup()
     syncs = count_syncs(fn, device)
     timing = time_call(fn, device, repeat=repeat, warmup=warmup, setup=setup)
+    # A call that syncs waits for the spin ahead of it: its device time would count host time.
+    device_us = timing.device_us if not syncs else None
     return PhaseTiming(timing.median_us, timing.min_us, timing.samples, timing.method, first_call_s * 1e3, syncs,
-                       timing.device_us)
+                       device_us)
 
 
 def combine_steps(steps: Sequence[PhaseTiming]) -> PhaseTiming:

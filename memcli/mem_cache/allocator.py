@@ -127,7 +127,9 @@ class BaseAllocator:
         if indices.numel() == 0:
             return
         if self._group is not None:
-            self._group.append(indices.reshape(-1))
+            # Kept until the group ends: an int32 view of a request row (which may be reused
+            # before then) is copied, as the int64 conversion the group's cat needs anyway.
+            self._group.append(indices.reshape(-1).to(torch.int64))
             return
         entries, divisor = self._freed_entries(indices, distinct_pages)
         n = entries.numel()
@@ -172,14 +174,16 @@ class BaseAllocator:
         """Slots for an extend batch, written with each request's prefix into its row (one
         fused kernel; see `memcli.kernels.alloc_extend_write`). `num_pages` is the batch's
         new pages, counted by the caller from the same CPU lengths. None when they are not free.
-        The kernel's inputs are checked in debug mode only (the callers build them right).
+        The kernel's inputs are checked in debug mode only (the callers build them right), and
+        it may read exactly `num_pages` free entries: a miscount shows as slot -1, never as a
+        page handed out twice.
         """
         if not self._ensure(num_pages):
             return None
         written = kernels.alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, self._buf,
                                              self.page_size, backend=self.backend,
                                              extend_num_tokens=extend_num_tokens, validate=self.debug,
-                                             free_start=self._head, num_free=self._num_free)
+                                             free_start=self._head, num_free=num_pages)
         self._advance(num_pages)
         self._commit_alloc(num_pages)
         return written
@@ -307,7 +311,7 @@ class TokenToKVPoolAllocator(BaseAllocator):
             return None
         out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._buf, 1,
                                          backend=self.backend, validate=self.debug, free_start=self._head,
-                                         num_free=self._num_free)
+                                         num_free=bs)
         self._advance(bs)
         self._commit_alloc(bs)
         return out
@@ -411,7 +415,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
             return None
         out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._buf, self.page_size,
                                          backend=self.backend, validate=self.debug, free_start=self._head,
-                                         num_free=self._num_free)
+                                         num_free=num_pages)
         self._advance(num_pages)
         self._commit_alloc(num_pages)
         return out

@@ -25,7 +25,8 @@ class NullCache(ChunkCache):
         super().__init__(req_to_token_pool, allocator, page_size)
 
     def check_integrity(self) -> IntegrityReport:
-        return IntegrityReport("null cache", [])
+        report = super().check_integrity()  # the page size it frees rows by
+        return IntegrityReport("null cache", report.checks)
 
     def pretty_print(self) -> Tree:
         return Tree(Text(f"null cache (caches nothing)  page_size={self.page_size}"))

@@ -118,6 +118,19 @@ def test_bad_input_is_rejected(backend):
         alloc_extend_write(t, [0], cpu([1]), torch.tensor([3], device="meta"), one, free, 4, backend=backend)
     with pytest.raises(ValueError, match="req_to_token must be torch.int32"):
         alloc_extend_write(t.long(), [0], cpu([1]), cpu([3]), one, free, 4, backend=backend)
+    with pytest.raises(ValueError, match="request 0: seq_len 0 < prefix_len 1"):
+        alloc_extend_write(t, [0], cpu([1]), cpu([0]), one, free, 4, backend=backend)
+    with pytest.raises(ValueError, match=r"extend_num_tokens 1 != sum\(seq_lens - prefix_lens\) 2"):
+        alloc_extend_write(t, [0], cpu([1]), cpu([3]), one, free, 4, backend=backend, extend_num_tokens=1)
+
+
+def test_unvalidated_kernel_never_writes_past_its_output():
+    empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    t = table(1, 8)
+    # The caller claims 2 new tokens where the lengths give 6: only the 2 it has room for are written.
+    got = alloc_extend_write_triton(t, [0], cpu([0]), cpu([6]), [empty], torch.arange(1, 5, device=DEVICE), 4,
+                                    extend_num_tokens=2, validate=False)
+    assert got.out_cache_loc.tolist() == [4, 5]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -223,7 +236,10 @@ def test_ring_arguments_out_of_range_are_rejected(backend):
     t = table(1, 4)
     one = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="do not fit a free list of 4 entries"):
-        alloc_decode_write(one, one, t, ring, 1, backend=backend, free_start=4)
+        alloc_decode_write(one, one, t, ring, 1, backend=backend, free_start=5)
+    # A ring starting at its end with nothing in it: an allocator whose stack is empty.
+    assert alloc_decode_write(one + 1, one, t, ring, 4, backend=backend, free_start=4, num_free=0).tolist() == [
+        int(t[0, 0]) + 1]
     with pytest.raises(ValueError, match="do not fit"):
         alloc_extend_write(t, [0], cpu([0]), cpu([1]), [one[:0]], ring, 1, backend=backend, num_free=5)
     with pytest.raises(ValueError, match="free_start must be a non-negative int"):

@@ -631,3 +631,21 @@ def test_paged_need_sort_release_of_distinct_pages_holds_pages():
     allocator.merge_and_sort_free()
     assert free_list(allocator) == [2, 4, 7, 9]
     assert allocator.check_integrity().ok
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_debug_mode_allocates_with_an_empty_paged_free_list(backend):
+    allocator = make_allocator(8, 4, CPU, backend, debug=True)
+    table = torch.zeros(2, 8, dtype=torch.int32)
+    got = allocator.alloc_extend_write(table, [0], i64([0]), i64([6]), [i64([])], num_pages=2)
+    assert got.out_cache_loc.tolist() == [4, 5, 6, 7, 8, 9] and allocator.num_free_pages == 0
+    seq = i64([6])  # the new token stays on its page: no page needed from the empty list
+    assert allocator.alloc_decode_write(seq, seq.clone(), i64([0]), table).tolist() == [10]
+
+
+def test_a_miscounted_allocation_reads_minus_one_not_a_second_page():
+    allocator = paged(16)  # free pages 1..4
+    table = torch.zeros(1, 16, dtype=torch.int32)
+    seq = i64([0])  # opens a page, but the caller says none
+    out = allocator.alloc_decode_write(seq, seq.clone(), i64([0]), table, num_pages=0)
+    assert out.tolist() == [-4] and free_list(allocator) == [1, 2, 3, 4]
