@@ -31,6 +31,15 @@ def cdiv(a, b):
     return -(-a // b)
 
 
+def count_new_pages(page_size: int, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor) -> int:
+    """Pages an extend batch opens: exact per request (`cdiv(seq) - cdiv(pre)`), not one page
+    per request; new tokens when page_size is 1. Numpy on the CPU lengths: no device work."""
+    pre, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
+    if page_size == 1:
+        return int(seq.sum() - pre.sum())
+    return int(cdiv(seq, page_size).sum() - cdiv(pre, page_size).sum())
+
+
 class AllocatorState(NamedTuple):
     """Snapshot taken by `backup_state` (a copy of the free list: O(free pages))."""
 
@@ -421,7 +430,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         return out
 
     def get_num_new_pages(self, prefix_lens_cpu, seq_lens_cpu) -> int:
-        return int((cdiv(seq_lens_cpu, self.page_size) - cdiv(prefix_lens_cpu, self.page_size)).sum())
+        return count_new_pages(self.page_size, prefix_lens_cpu, seq_lens_cpu)
 
 
 def make_allocator(size: int, page_size: int, device: torch.device, backend: str,

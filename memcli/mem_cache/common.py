@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from memcli.errors import IntegrityError, OutOfMemoryError, RequestSlotsExhausted
-from memcli.mem_cache.allocator import cdiv
+from memcli.mem_cache.allocator import count_new_pages
 
 
 class PageSizeMismatch(IntegrityError):
@@ -45,15 +45,11 @@ def assert_same_page_size(allocator, tree_cache) -> None:
 
 def extend_pages_needed(page_size: int, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor,
                         extend_num_tokens: int | None = None) -> int:
-    """Pages an extend batch opens (new tokens when page_size is 1): exact per request, not one
-    page per request. Counted with numpy on the CPU lengths: no device work, no sync.
-    `extend_num_tokens` (the batch's new tokens, when known) answers page size 1 at once."""
+    """Pages an extend batch opens (`allocator.count_new_pages`); `extend_num_tokens` (the
+    batch's new tokens, when known) answers page size 1 at once."""
     if page_size == 1 and extend_num_tokens is not None:
         return extend_num_tokens
-    pre, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
-    if page_size == 1:
-        return int(seq.sum() - pre.sum())
-    return int(cdiv(seq, page_size).sum() - cdiv(pre, page_size).sum())
+    return count_new_pages(page_size, prefix_lens_cpu, seq_lens_cpu)
 
 
 def decode_pages_needed(page_size: int, seq_lens_cpu: torch.Tensor) -> int:
