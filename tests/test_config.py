@@ -9,7 +9,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from memcli.cli import app
+from memcli.cli.app import app
 from memcli.config import (
     GIB,
     Config,

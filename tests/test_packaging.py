@@ -7,7 +7,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 import memcli.kernels
-from memcli.cli import app
+from memcli.cli.app import app
 from memcli.config import builtin_config_text
 
 REPO = Path(__file__).resolve().parents[1]

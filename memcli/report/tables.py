@@ -1,12 +1,10 @@
-"""Small rich-table builders shared by the commands."""
+"""Small rich-table builders shared by the tools' reports."""
 
 from __future__ import annotations
 
 from typing import Any, Iterable
 
 from rich.table import Table
-
-from memcli.config import Config
 
 
 def kv_table(title: str, rows: Iterable[tuple[str, Any]], key_header: str = "key", value_header: str = "value") -> Table:
@@ -26,11 +24,3 @@ def fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:,.4g}" if abs(value) < 1000 else f"{value:,.1f}"
     return str(value)
-
-
-def config_tables(cfg: Config, derived: dict[str, Any]) -> list[Table]:
-    tables = []
-    for section, values in cfg.to_dict().items():
-        tables.append(kv_table(section, ((f"{section}.{k}", v) for k, v in values.items())))
-    tables.append(kv_table("derived sizes", derived.items()))
-    return tables

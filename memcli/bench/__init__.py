@@ -1,1 +1,0 @@
-"""Benchmarks that drive the real memory stack: `bench-one-batch` (static batches)."""

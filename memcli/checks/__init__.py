@@ -1,1 +1,0 @@
-"""Checks that drive the whole stack through the scheduler (above `sched` in the layering)."""

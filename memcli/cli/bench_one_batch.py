@@ -1,0 +1,109 @@
+"""`memcli bench-one-batch`: static batches through the real stack, timed phase by phase.
+
+Options that take several values accept `--batch-size 1 8 32`, `--batch-size 1,8,32` or a
+repeated flag (see `memcli.cli.options`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from memcli.tools.bench_one_batch.cases import Case, plan_cases
+from memcli.tools.bench_one_batch.run import BenchOptions, run_bench_one_batch
+from memcli.tools.bench_one_batch.results import BenchResult
+from memcli.cli.options import LIST_METAVAR, ConfigOpt, JsonOpt, SetOpt, parse_ints
+from memcli.config import load_config
+from memcli.errors import MemcliError
+from memcli.tools.bench_one_batch.report import render
+from memcli.report.console import print_json, stdout_console
+from memcli.stack import resolve_device
+
+NAME = "bench-one-batch"
+LIST_FLAGS = ("--batch-size", "-b", "--input-len", "--output-len", "--prefix-len", "--page-size")
+TREE_CACHES = ("none", "chunk", "radix")
+# Defaults that fit the built-in config (16,384-token pool, 64 request rows) and run in a
+# few seconds on a CPU. SGLang's own defaults (bs 1, input 1024, output 16) fit too.
+DEFAULT_BATCH_SIZES = [1, 8]
+DEFAULT_INPUT_LEN = 512
+DEFAULT_OUTPUT_LEN = 16
+DEFAULT_REPEAT = {"cuda": 10, "cpu": 5}
+
+
+def bench_one_batch(
+    config: Optional[Path] = ConfigOpt,
+    set_: List[str] = SetOpt,
+    batch_size: Optional[List[str]] = typer.Option(
+        None, "--batch-size", "-b", metavar=LIST_METAVAR, help="Batch sizes, e.g. 1 8 32 or 1,8,32 (default 1 8)"),
+    input_len: Optional[List[str]] = typer.Option(
+        None, "--input-len", metavar=LIST_METAVAR, help=f"Prompt tokens per request (default {DEFAULT_INPUT_LEN})"),
+    output_len: Optional[List[str]] = typer.Option(
+        None, "--output-len", metavar=LIST_METAVAR, help=f"Decode steps per request (default {DEFAULT_OUTPUT_LEN})"),
+    prefix_len: Optional[List[str]] = typer.Option(
+        None, "--prefix-len", metavar=LIST_METAVAR, help="Prompt tokens per request already cached (default 0)"),
+    page_size: Optional[List[str]] = typer.Option(
+        None, "--page-size", metavar=LIST_METAVAR, help="Page sizes to compare (default: the config's memory.page_size)"),
+    tree_cache: str = typer.Option("none", "--tree-cache", help="Prefix cache: none, chunk or radix"),
+    repeat: Optional[int] = typer.Option(
+        None, "--repeat", help="Timed calls per phase; the median is reported (default 10 on a GPU, 5 on a CPU)"),
+    warmup: int = typer.Option(2, "--warmup", help="Untimed calls per phase before the timed ones"),
+    run_name: str = typer.Option("default", "--run-name", help="run_name field of every result"),
+    result_file: Optional[Path] = typer.Option(None, "--result-file", help="Append one JSON line per case"),
+    json_out: bool = JsonOpt,
+) -> None:
+    """One static batch through the real stack: prefill, decode steps, finish, timed per phase."""
+    cfg = load_config(config, set_)
+    cases = plan_cases(
+        parse_ints("--batch-size", batch_size, DEFAULT_BATCH_SIZES),
+        parse_ints("--input-len", input_len, [DEFAULT_INPUT_LEN]),
+        parse_ints("--output-len", output_len, [DEFAULT_OUTPUT_LEN]),
+        parse_ints("--prefix-len", prefix_len, [0]),
+        parse_ints("--page-size", page_size, [cfg.page_size]),
+    )
+    options = _options(tree_cache, repeat, warmup, run_name, cfg)
+    _check_result_file(result_file)
+    result = run_bench_one_batch(cfg, cases, options, progress=_progress)
+    if result_file is not None:
+        _append_results(result_file, result)
+    if json_out:
+        print_json(result.to_dict())
+    else:
+        render(result, stdout_console())
+    failed = [r.case.label for r in result.cases if not r.idle.get("ok")]
+    if failed:
+        print(f"idle check failed after: {'; '.join(failed)} (memory not accounted for)", file=sys.stderr)
+        raise typer.Exit(1)
+
+
+def _options(tree_cache: str, repeat: Optional[int], warmup: int, run_name: str, cfg) -> BenchOptions:
+    if tree_cache not in TREE_CACHES:
+        raise MemcliError(f"--tree-cache {tree_cache!r}: unknown", hint=f"use one of {', '.join(TREE_CACHES)}")
+    if repeat is None:
+        repeat = DEFAULT_REPEAT[resolve_device(cfg).type]
+    if repeat < 1 or warmup < 0:
+        raise MemcliError(f"--repeat {repeat} / --warmup {warmup}: out of range",
+                          hint="--repeat must be at least 1 and --warmup at least 0")
+    return BenchOptions(tree_cache=tree_cache, repeat=repeat, warmup=warmup, run_name=run_name,
+                        seed=cfg.runtime.seed)
+
+
+def _check_result_file(path: Optional[Path]) -> None:
+    if path is None:
+        return
+    if path.is_dir() or not path.parent.is_dir():
+        raise MemcliError(f"--result-file {path}: cannot append to it",
+                          hint="give a file path in an existing folder (it is created if missing)")
+
+
+def _append_results(path: Path, result: BenchResult) -> None:
+    with path.open("a") as f:
+        for case in result.cases:
+            f.write(json.dumps(case.to_dict()) + "\n")
+
+
+def _progress(done: int, total: int, case: Case) -> None:
+    print(f"{NAME}: case {done}/{total}: {case.label}", file=sys.stderr, flush=True)

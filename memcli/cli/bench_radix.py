@@ -1,0 +1,34 @@
+"""`memcli bench-radix`: time the radix cache against a token-by-token baseline tree."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from memcli.report.console import print_json, stdout_console
+from memcli.tools.bench_radix.report import render
+from memcli.tools.bench_radix.run import DEFAULT_CAPACITY_TOKENS, run_bench_radix
+
+
+def _stderr_progress(name: str, done: int, total: int) -> None:
+    print(f"{name}: {done}/{total} requests", file=sys.stderr, flush=True)
+
+
+def bench_radix(
+    trace: Path = typer.Option(..., "--trace", help="Mooncake or memcli JSONL trace, e.g. tests/data/conversation_head300.jsonl"),
+    requests: int = typer.Option(2000, "--requests", "-n", help="Replay the first N requests"),
+    page_size: int = typer.Option(1, "--page-size", help="Page size of both trees (tokens)"),
+    capacity: int = typer.Option(DEFAULT_CAPACITY_TOKENS, "--capacity", help="Tokens kept in the tree; evict above"),
+    threads: int = typer.Option(1, "--threads", help="torch intra-op threads during the replay (0: keep torch's)"),
+    repeat: int = typer.Option(3, "--repeat", help="Replays per implementation; the median is reported"),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON document"),
+) -> None:
+    """Time match + insert + evict of the radix cache against a token-by-token baseline."""
+    result = run_bench_radix(trace, requests, page_size, capacity, progress=_stderr_progress,
+                             torch_threads=threads or None, repeat=repeat)
+    if json_out:
+        print_json(result.to_dict())
+        return
+    render(result, stdout_console())

@@ -1,0 +1,103 @@
+"""`memcli replay TRACE`: continuous batching over a trace, on the config's stack and device."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Iterator, List, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from memcli.cli.options import JsonOpt, SetOpt
+from memcli.config import load_config
+from memcli.errors import MemcliError
+from memcli.tools.replay.ceiling import shared_prefix_lens
+from memcli.tools.replay.plot import check_plot_path, plot_replay, plot_sweep, require_matplotlib
+from memcli.tools.replay.runner import ARRIVALS, ReplayOptions, check_options, default_arrivals, replay
+from memcli.tools.replay.sweep import parse_sweep, run_sweep
+from memcli.report.console import print_json, stderr_console, stdout_console
+from memcli.tools.replay.report import render_replay, render_sweep, replay_document, sweep_document
+from memcli.workload.readers import FORMATS, read_trace
+
+
+def replay_command(
+    trace_path: Path = typer.Argument(..., metavar="TRACE", help="Trace file: memcli or Mooncake JSONL"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (default: the built-in replay config)"),
+    set_: List[str] = SetOpt,
+    trace_format: str = typer.Option("auto", "--format", help=f"Trace format: {', '.join(FORMATS)}"),
+    block_size: int = typer.Option(512, "--block-size", help="Tokens per hash block (Mooncake 512, Qwen-Bailian 16)"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Replay only the first N requests"),
+    arrivals: Optional[str] = typer.Option(
+        None, "--arrivals", help="timestamp (trace times on the simulated clock; default when the trace has times),"
+        " burst (all at t=0; default otherwise) or sequential (one request at a time)"),
+    check: bool = typer.Option(False, "--check", help="Run the integrity check after every step"),
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="KEY=v1,v2,...: one replay per value, one row each"),
+    json_out: bool = JsonOpt,
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write occupancy and running requests over time (PNG)"),
+    events: Optional[Path] = typer.Option(None, "--events", help="Write the KV events stream (JSON lines)"),
+    progress: bool = typer.Option(False, "--progress", help="Show progress on stderr (always on when it is a terminal)"),
+) -> None:
+    """Replay a trace through the memory stack and the scheduler; report hits, allocation,
+    eviction, scheduling and the integrity checks."""
+    if arrivals is not None and arrivals not in ARRIVALS:
+        raise MemcliError(f'unknown --arrivals "{arrivals}"', f"use one of: {', '.join(ARRIVALS)}")
+    if plot is not None:
+        check_plot_path(plot)
+        require_matplotlib()
+    spec = parse_sweep(sweep) if sweep is not None else None
+    if spec is not None and events is not None:
+        raise MemcliError("--events writes the stream of one replay; it cannot be combined with --sweep",
+                          "leave out --sweep, or --events")
+    cfg = load_config(config, set_, builtin="replay")
+    trace = read_trace(trace_path, format=trace_format, block_size=block_size, limit=limit)
+    options = ReplayOptions(arrivals or default_arrivals(trace), check, events)
+    check_options(trace, cfg, options)
+    show = progress or sys.stderr.isatty()
+    with _progress(show) as progress_for:
+        shared = shared_prefix_lens(trace)
+        if spec is not None:
+            result = run_sweep(spec, lambda extra: load_config(config, [*set_, *extra], builtin="replay"), trace, options,
+                               shared, progress_for)
+            failed = any(not row.result.integrity.ok for row in result.rows)
+            _emit(json_out, sweep_document(result), lambda console: render_sweep(result, console))
+            if plot is not None:
+                plot_sweep(result, plot)
+        else:
+            result = replay(cfg, trace, options, progress_for("replay"), shared)
+            failed = not result.integrity.ok
+            _emit(json_out, replay_document(result), lambda console: render_replay(result, console))
+            if plot is not None:
+                plot_replay(result, plot)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _emit(json_out: bool, document: dict, render) -> None:
+    if json_out:
+        print_json(document)
+    else:
+        render(stdout_console())
+
+
+@contextlib.contextmanager
+def _progress(show: bool) -> Iterator:
+    """Yields `progress_for(label)`: a callback for one replay's progress (None when hidden)."""
+    if not show:
+        yield lambda label: None
+        return
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.fields[status]}"), console=stderr_console(), transient=False)
+
+    def progress_for(label: str):
+        task = bar.add_task(label, total=None, status="")
+
+        def update(p) -> None:
+            bar.update(task, total=p.total, completed=p.finished,
+                       status=f"sim {p.simulated_ms / 1e3:,.0f} s, {p.steps:,} steps")
+
+        return update
+
+    with bar:
+        yield progress_for

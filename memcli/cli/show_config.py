@@ -1,0 +1,25 @@
+"""`memcli show-config`: the resolved config and the pool sizes derived from it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+from memcli.cli.options import ConfigOpt, JsonOpt, SetOpt
+from memcli.config import load_config
+from memcli.report.console import stdout_console
+from memcli.tools.show_config.report import render, show_config_document
+
+
+def show_config(
+    config: Optional[Path] = ConfigOpt,
+    set_: List[str] = SetOpt,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Print the resolved config and the sizes derived from it."""
+    cfg = load_config(config, set_)
+    if json_out:
+        print(json.dumps(show_config_document(cfg), indent=2))
+        return
+    render(cfg, stdout_console())

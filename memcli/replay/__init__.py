@@ -1,1 +1,0 @@
-"""Trace replay: the runner, its metrics, capacity sweeps and plots."""

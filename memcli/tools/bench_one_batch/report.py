@@ -1,0 +1,171 @@
+"""Rich tables for bench-one-batch: one table per case, and a page-size comparison.
+
+Every table reads without colour; times carry their unit, and syncs read "n/a (no device)"
+on a CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from rich.table import Table
+
+from memcli.tools.bench_one_batch.phases import PhaseTiming
+from memcli.tools.bench_one_batch.results import BenchResult, CaseResult, KVStoreFigures
+
+
+def fmt_us(us: Optional[float]) -> str:
+    if us is None:
+        return "-"
+    if us < 1_000:
+        return f"{us:,.1f} µs"
+    if us < 1_000_000:
+        return f"{us / 1e3:,.2f} ms"
+    return f"{us / 1e6:,.3f} s"
+
+
+def fmt_rate(per_s: Optional[float], unit: str) -> str:
+    if per_s is None:
+        return "-"
+    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if per_s >= scale:
+            return f"{per_s / scale:,.2f} {prefix}{unit}"
+    return f"{per_s:,.1f} {unit}"
+
+
+def fmt_syncs(syncs: Optional[int]) -> str:
+    return "n/a (no device)" if syncs is None else str(syncs)
+
+
+def header_line(result: BenchResult) -> str:
+    opts = result.options
+    how = ("CUDA events" if result.timing_method == "cuda-events"
+           else "synchronized wall clock (no device events on a CPU)")
+    return (f"bench-one-batch on {result.device}: timing by {how}; median of {opts['repeat']} timed calls"
+            f" after {opts['warmup']} warm-up calls per phase; tree cache {opts['tree_cache']}.\n"
+            "prefill = prepare_for_extend + KV store of the new tokens; decode step = prepare_for_decode +"
+            " KV store of one token per request; memory path = alloc_for_extend / alloc_for_decode alone;"
+            " free = release of every request; first call includes compilation."
+            + ("\nmedian/min: the device idle when each call starts, so host work and launch latency count;"
+               " device: the same call queued behind a busy stream, so only the GPU's execution counts."
+               if result.timing_method == "cuda-events" else ""))
+
+
+def case_table(r: CaseResult) -> Table:
+    c = r.case
+    table = Table(title=f"{c.label} tree_cache={r.tree_cache}", title_justify="left",
+                  caption=_caption(r), caption_justify="left")
+    for name, justify in (("phase", "left"), ("median", "right"), ("min", "right"), ("device", "right"),
+                          ("first call", "right"), ("host syncs", "right"), ("rate", "right")):
+        table.add_column(name, justify=justify)
+    _row(table, "prefill", r.phases["prefill"], fmt_rate(r.prefill_throughput, "tok/s"))
+    step = r.phases.get("decode_step")
+    if step is not None:
+        _row(table, f"decode step (median of {c.output_len})", step, fmt_rate(r.median_decode_throughput, "tok/s"))
+    table.add_row(f"total (prefill + {c.output_len} steps)", fmt_us(r.total_latency * 1e6), "", "", "", "",
+                  fmt_rate(r.overall_throughput, "tok/s"))
+    table.add_section()
+    kind = f"cached prefix {r.cached_prefix_len:,}" if r.cached_prefix_len else "new"
+    _row(table, f"prefill memory path ({kind})", r.phases["prefill_memory"],
+         fmt_rate(_per_s(r.prefill_new_tokens, r.phases["prefill_memory"]), "tok/s"))
+    if "decode_memory" in r.phases:
+        _row(table, "decode memory path", r.phases["decode_memory"],
+             fmt_rate(_per_s(c.batch_size, r.phases["decode_memory"]), "tok/s"))
+    _row(table, f"free on finish ({_plural(c.batch_size, 'request')})", r.phases["free"], "")
+    _kv_rows(table, r)
+    return table
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def _row(table: Table, label: str, t: PhaseTiming, rate: str) -> None:
+    table.add_row(label, fmt_us(t.median_us), fmt_us(t.min_us), fmt_us(t.device_us), fmt_us(t.first_call_ms * 1e3),
+                  fmt_syncs(t.syncs), rate)
+
+
+def _kv_rows(table: Table, r: CaseResult) -> None:
+    kv = r.kv_store_prefill
+    if kv is None:
+        return
+    table.add_section()
+    ratio = f" ({kv.copy_ratio:.0%} of copy)" if kv.copy_ratio is not None else ""
+    _row(table, f"KV store, prefill ({_plural(kv.tokens, 'token')}, {_mb(kv)})", kv.store,
+         _bandwidth(kv.gbps) + ratio)
+    if kv.copy is not None:
+        _row(table, "device copy, same bytes", kv.copy, _bandwidth(kv.copy_gbps))
+    if r.kv_store_decode is not None:
+        d = r.kv_store_decode
+        _row(table, f"KV store, decode ({_plural(d.tokens, 'token')})", d.store, _bandwidth(d.gbps))
+
+
+def _bandwidth(gbps: Optional[float]) -> str:
+    return fmt_rate(gbps * 1e9 if gbps is not None else None, "B/s")
+
+
+def _mb(kv: KVStoreFigures) -> str:
+    return f"{kv.bytes / 1e6:,.1f} MB"
+
+
+def _per_s(amount: int, t: PhaseTiming) -> Optional[float]:
+    return amount / (t.median_us / 1e6) if t.median_us > 0 else None
+
+
+def _caption(r: CaseResult) -> str:
+    idle = r.idle
+    verdict = "ok" if idle.get("ok") else "FAILED"
+    lines = [
+        f"KV slots: prefill {r.prefill_allocated_tokens:,} for {r.prefill_new_tokens:,} new tokens"
+        f" (cached prefix {r.cached_prefix_len:,} per request), decode {r.decode_allocated_tokens:,},"
+        f" freed on finish {r.freed_tokens:,}",
+        f"idle check {verdict}: available {idle.get('available', 0):,} + evictable {idle.get('evictable', 0):,}"
+        f" vs size {idle.get('size', 0):,}, protected {idle.get('protected', 0):,},"
+        f" rows free {idle.get('rows_free', 0)}/{idle.get('rows', 0)}",
+    ]
+    if r.kv_store_note:
+        lines.append(r.kv_store_note)
+    return "\n".join(lines)
+
+
+COMPARED = (
+    ("prefill memory path", lambda r: r.phases["prefill_memory"].median_us),
+    ("decode memory path", lambda r: _phase_us(r, "decode_memory")),
+    ("free on finish", lambda r: r.phases["free"].median_us),
+    ("prefill latency", lambda r: r.prefill_latency * 1e6),
+    ("median decode step", lambda r: _phase_us(r, "decode_step")),
+    ("total latency", lambda r: r.total_latency * 1e6),
+)
+
+
+def _phase_us(r: CaseResult, name: str) -> Optional[float]:
+    phase = r.phases.get(name)
+    return phase.median_us if phase else None
+
+
+def comparison_table(result: BenchResult) -> Table:
+    """Median times of the same case at every page size (one column per page size)."""
+    page_sizes = result.page_sizes
+    table = Table(title="page sizes compared (medians)", title_justify="left")
+    for name in ("bs", "input", "output", "prefix", "phase"):
+        table.add_column(name, justify="left" if name == "phase" else "right")
+    for ps in page_sizes:
+        table.add_column(f"page_size={ps}", justify="right")
+    by_key: dict[tuple, dict[int, CaseResult]] = {}
+    for r in result.cases:
+        c = r.case
+        by_key.setdefault((c.batch_size, c.input_len, c.output_len, c.prefix_len), {})[c.page_size] = r
+    for key, row in by_key.items():
+        for i, (label, figure) in enumerate(COMPARED):
+            head = [f"{v:,}" for v in key] if i == 0 else ["", "", "", ""]
+            table.add_row(*head, label, *(fmt_us(figure(row[ps])) if ps in row else "-" for ps in page_sizes))
+        table.add_section()
+    return table
+
+
+def render(result: BenchResult, console) -> None:
+    console.print(header_line(result))
+    for case in result.cases:
+        console.print(case_table(case))
+    if len(result.page_sizes) > 1:
+        console.print(comparison_table(result))

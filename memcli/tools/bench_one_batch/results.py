@@ -1,0 +1,175 @@
+"""Results of bench-one-batch: one `CaseResult` per case, in the reference's terms and memcli's.
+
+Reference terms (SGLang's bench_one_batch, seconds and tokens/s):
+
+    prefill_latency          median time of one prefill (prepare_for_extend + KV store)
+    prefill_throughput       batch_size * input_len / prefill_latency
+    median_decode_latency    median over the decode steps of each step's median time
+    median_decode_throughput batch_size / median_decode_latency
+    total_latency            prefill_latency + the sum of every decode step's median time
+    overall_throughput       batch_size * (input_len + output_len) / total_latency
+
+memcli runs `output_len` decode steps (the reference runs output_len - 1, its prefill samples
+the first token), so every request ends with input_len + output_len KV slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from memcli.tools.bench_one_batch.cases import Case
+from memcli.tools.bench_one_batch.phases import PhaseTiming
+
+# Every timed phase, in report order, with what one call of it does.
+PHASES = {
+    "prefill": "prefill: prepare_for_extend + KV store of the new tokens (store only with real K/V buffers)",
+    "decode_step": "decode step: prepare_for_decode + KV store of one token per request (median over steps)",
+    "prefill_memory": "prefill memory path: alloc_for_extend (rows, KV slots, write_cache_indices)",
+    "decode_memory": "decode memory path: alloc_for_decode (one slot per request + req_to_token write)",
+    "free": "free on finish: release of every request",
+    "kv_store_prefill": "KV store of the prefill's new tokens, every layer",
+    "copy_prefill": "plain device copy of as many bytes, K into V then V into K (bandwidth baseline)",
+    "kv_store_decode": "KV store of one decode step, every layer",
+}
+
+
+@dataclass(frozen=True)
+class KVStoreFigures:
+    """Bytes of K and V written for every layer, and the bandwidth achieved."""
+
+    tokens: int
+    bytes: int
+    store: PhaseTiming
+    copy: Optional[PhaseTiming] = None
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / (self.store.median_us * 1e3) if self.store.median_us > 0 else 0.0
+
+    @property
+    def copy_gbps(self) -> Optional[float]:
+        if self.copy is None or self.copy.median_us <= 0:
+            return None
+        return self.bytes / (self.copy.median_us * 1e3)
+
+    @property
+    def copy_ratio(self) -> Optional[float]:
+        """Store bandwidth / copy bandwidth (1.0 = as fast as a plain copy)."""
+        copy = self.copy_gbps
+        return self.gbps / copy if copy else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "bytes": self.bytes, "store_us": self.store.median_us, "gbps": self.gbps,
+                "copy_us": self.copy.median_us if self.copy else None, "copy_gbps": self.copy_gbps,
+                "copy_ratio": self.copy_ratio}
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    run_name: str
+    case: Case
+    tree_cache: str
+    device: str
+    backend: str
+    timing_method: str
+    cached_prefix_len: int
+    prefill_new_tokens: int
+    prefill_allocated_tokens: int
+    decode_allocated_tokens: int
+    freed_tokens: int
+    page_sizes: dict[str, int]
+    phases: dict[str, PhaseTiming]
+    decode_step_us: list[float] = field(default_factory=list)
+    kv_store_prefill: Optional[KVStoreFigures] = None
+    kv_store_decode: Optional[KVStoreFigures] = None
+    kv_store_note: Optional[str] = None
+    idle: dict[str, Any] = field(default_factory=dict)
+
+    # -- the reference's figures (seconds, tokens/s) -------------------------------------------
+    @property
+    def prefill_latency(self) -> float:
+        return self.phases["prefill"].median_us / 1e6
+
+    @property
+    def prefill_throughput(self) -> float:
+        return _per_second(self.case.batch_size * self.case.input_len, self.prefill_latency)
+
+    @property
+    def median_decode_latency(self) -> Optional[float]:
+        step = self.phases.get("decode_step")
+        return step.median_us / 1e6 if step else None
+
+    @property
+    def median_decode_throughput(self) -> Optional[float]:
+        latency = self.median_decode_latency
+        return _per_second(self.case.batch_size, latency) if latency is not None else None
+
+    @property
+    def total_latency(self) -> float:
+        return self.prefill_latency + sum(self.decode_step_us) / 1e6
+
+    @property
+    def overall_throughput(self) -> float:
+        return _per_second(self.case.batch_size * self.case.seq_len, self.total_latency)
+
+    def syncs(self) -> dict[str, Optional[int]]:
+        """Host-device syncs per call of each phase (None on a CPU)."""
+        return {name: self.phases[name].syncs for name in PHASES if name in self.phases}
+
+    def to_dict(self) -> dict[str, Any]:
+        """One flat record (the reference's keys first), as written to --result-file."""
+        c = self.case
+        return {
+            "run_name": self.run_name, "batch_size": c.batch_size, "input_len": c.input_len,
+            "output_len": c.output_len, "prefill_latency": self.prefill_latency,
+            "prefill_throughput": self.prefill_throughput, "median_decode_latency": self.median_decode_latency,
+            "median_decode_throughput": self.median_decode_throughput, "total_latency": self.total_latency,
+            "overall_throughput": self.overall_throughput,
+            "prefix_len": c.prefix_len, "page_size": c.page_size, "tree_cache": self.tree_cache,
+            "device": self.device, "backend": self.backend, "timing_method": self.timing_method,
+            "cached_prefix_len": self.cached_prefix_len, "prefill_new_tokens": self.prefill_new_tokens,
+            "prefill_allocated_tokens": self.prefill_allocated_tokens,
+            "decode_allocated_tokens": self.decode_allocated_tokens, "freed_tokens": self.freed_tokens,
+            "kv_tokens_needed": c.kv_tokens_needed,
+            "prefill_memory_us": self.phases["prefill_memory"].median_us,
+            "decode_memory_us": _median_us(self.phases.get("decode_memory")),
+            "free_us": self.phases["free"].median_us,
+            "device_us": {name: self.phases[name].device_us for name in PHASES if name in self.phases},
+            "syncs": self.syncs(),
+            "phases": {name: self.phases[name].to_dict() for name in PHASES if name in self.phases},
+            "decode_step_us": self.decode_step_us,
+            "kv_store_prefill": self.kv_store_prefill.to_dict() if self.kv_store_prefill else None,
+            "kv_store_decode": self.kv_store_decode.to_dict() if self.kv_store_decode else None,
+            "kv_store_note": self.kv_store_note,
+            "page_sizes": self.page_sizes,
+            "idle": self.idle,
+        }
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """Every case of one invocation, with the config and options used."""
+
+    config: dict[str, Any]
+    options: dict[str, Any]
+    device: str
+    timing_method: str
+    cases: list[CaseResult]
+
+    @property
+    def page_sizes(self) -> list[int]:
+        return list(dict.fromkeys(r.case.page_size for r in self.cases))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"command": "bench-one-batch", "device": self.device, "timing_method": self.timing_method,
+                "options": self.options, "config": self.config, "phase_descriptions": PHASES,
+                "cases": [r.to_dict() for r in self.cases]}
+
+
+def _per_second(amount: float, seconds: Optional[float]) -> float:
+    return amount / seconds if seconds else 0.0
+
+
+def _median_us(phase: Optional[PhaseTiming]) -> Optional[float]:
+    return phase.median_us if phase else None

@@ -1,0 +1,183 @@
+"""bench-one-batch: static batches through the real memory stack, timed phase by phase.
+
+`run_bench_one_batch` checks that every case fits before running any, builds one stack per
+page size (the config's, with the chosen tree cache), and runs each case with `run_case`:
+
+1. prefill: `prepare_for_extend` + KV store, then the memory path alone (`alloc_for_extend`),
+   then the KV store alone and a plain device copy of the same bytes;
+2. `output_len` decode steps, each timed as `prepare_for_decode` + KV store and as the memory
+   path alone (`alloc_for_decode`), from the same state;
+3. finish: every request released (one free), then the idle stack is checked.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from memcli.tools.bench_one_batch.cases import Case, check_capacity
+from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_steps, measure
+from memcli.tools.bench_one_batch.results import BenchResult, CaseResult, KVStoreFigures
+from memcli.tools.bench_one_batch.runner import CaseRunner
+from memcli.config import GIB, Config, replace
+from memcli.stack import MemoryStack, build_stack, resolve_device
+from memcli.timing import torch_threads, wall_time
+
+Progress = Callable[[int, int, Case], None]
+
+# Share of the free device memory the K/V sources of the store may take.
+SOURCE_MEMORY_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """How to run the cases. `repeat` timed calls per phase after `warmup` untimed ones."""
+
+    tree_cache: str = "none"
+    repeat: int = 5
+    warmup: int = 2
+    run_name: str = "default"
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def case_configs(config: Config, cases: Sequence[Case], tree_cache: str) -> dict[int, Config]:
+    """The config of each page size: `config` with that page size and the chosen tree cache."""
+    page_sizes = dict.fromkeys(c.page_size for c in cases)
+    return {ps: replace(config, memory={"page_size": ps}, cache={"kind": tree_cache}) for ps in page_sizes}
+
+
+def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOptions,
+                        progress: Optional[Progress] = None) -> BenchResult:
+    """Run every case; raises `CapacityError` before running anything if one cannot fit."""
+    configs = case_configs(config, cases, options.tree_cache)
+    for case in cases:
+        check_capacity(case, configs[case.page_size])
+    device = resolve_device(config)
+    results = []
+    with torch_threads(device):
+        for ps, cfg in configs.items():
+            stack = build_stack(cfg)
+            for case in (c for c in cases if c.page_size == ps):
+                if progress is not None:
+                    progress(len(results) + 1, len(cases), case)
+                results.append(run_case(stack, case, options))
+            del stack
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    method = results[0].timing_method if results else ""
+    shown = replace(config, cache={"kind": options.tree_cache})
+    return BenchResult(shown.to_dict(), options.to_dict(), describe_device(device), method, results)
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return "cpu (one torch thread)"
+
+
+def run_case(stack: MemoryStack, case: Case, options: BenchOptions) -> CaseResult:
+    """One case on `stack` (built with the case's page size); leaves the stack idle."""
+    runner = CaseRunner(stack, case, seed=options.seed)
+    timed = functools.partial(measure, device=stack.device, repeat=options.repeat, warmup=options.warmup)
+    runner.start()
+    note = _kv_store_note(runner)
+    if note is None:
+        runner.alloc_kv_sources()
+    phases, kv_prefill = _measure_prefill(runner, timed)
+    allocated = stack.allocator.in_use_tokens - runner.in_use_before_prefill
+    steps, decode_allocated = _measure_decode(runner, timed)
+    kv_decode = _measure_decode_store(runner, timed)
+    runner.free_kv_sources()
+    in_use = stack.allocator.in_use_tokens
+    phases["free"] = timed(runner.finish, setup=runner.before_finish)
+    if steps:
+        phases["decode_step"] = combine_steps([s for s, _ in steps])
+        phases["decode_memory"] = combine_steps([m for _, m in steps])
+    for name, figures in (("kv_store_prefill", kv_prefill), ("kv_store_decode", kv_decode)):
+        if figures is not None:
+            phases[name] = figures.store
+    if kv_prefill is not None:
+        phases["copy_prefill"] = kv_prefill.copy
+    return CaseResult(
+        run_name=options.run_name, case=case, tree_cache=options.tree_cache, device=str(stack.device),
+        backend=stack.backend, timing_method=phases["prefill"].method,
+        cached_prefix_len=len(runner.reqs[0].prefix_indices), prefill_new_tokens=runner.new_tokens,
+        prefill_allocated_tokens=allocated, decode_allocated_tokens=decode_allocated,
+        freed_tokens=in_use - stack.allocator.in_use_tokens, page_sizes=stack.page_sizes(), phases=phases,
+        decode_step_us=[s.median_us for s, _ in steps], kv_store_prefill=kv_prefill, kv_store_decode=kv_decode,
+        kv_store_note=note, idle=idle_state(stack),
+    )
+
+
+def _measure_prefill(runner: CaseRunner, timed) -> tuple[dict[str, PhaseTiming], Optional[KVStoreFigures]]:
+    """The memory path, the KV store alone, a plain copy, then the whole prefill.
+
+    The case's first prefill (its wall time reported as the memory path's first call: the
+    prefix warm-up's prefill when there is a prefix, else the batch's first) compiles the
+    memory path's kernels, and the first KV store compiles the store, so each phase's first
+    call shows its own compilation. Leaves the batch after one prefill.
+    """
+    first_s = wall_time(runner.batch.prepare_for_extend, runner.device)
+    if runner.warm_prefill_s is not None:  # the prefix warm-up made the case's first prefill
+        first_s = runner.warm_prefill_s
+    kv = None
+    if runner.store_kv:
+        tokens = runner.new_tokens
+        kv = KVStoreFigures(tokens, tokens * runner.stack.kv_pool.bytes_per_token,
+                            timed(runner.store_prefill_kv), timed(runner.copy_prefill_kv))
+    phases = {
+        "prefill_memory": timed(runner.prefill_memory, setup=runner.restore_prefill, first_call_s=first_s),
+        "prefill": timed(runner.prefill, setup=runner.restore_prefill),
+    }
+    return phases, kv
+
+
+def _measure_decode(runner: CaseRunner, timed) -> tuple[list[tuple[PhaseTiming, PhaseTiming]], int]:
+    """(step, memory path) timings of every decode step, each from the state before it."""
+    steps = []
+    before = runner.allocator.in_use_tokens
+    for _ in range(runner.case.output_len):
+        restore = functools.partial(runner.restore_decode, runner.snapshot_decode())
+        memory = timed(runner.decode_memory, setup=restore)
+        steps.append((timed(runner.decode_step, setup=restore), memory))
+    return steps, runner.allocator.in_use_tokens - before
+
+
+def _measure_decode_store(runner: CaseRunner, timed) -> Optional[KVStoreFigures]:
+    """The KV store of the last decode step alone (None without decode steps or store)."""
+    if not runner.store_kv or runner.case.output_len == 0:
+        return None
+    tokens = runner.case.batch_size
+    return KVStoreFigures(tokens, tokens * runner.stack.kv_pool.bytes_per_token, timed(runner.store_decode_kv))
+
+
+def _kv_store_note(runner: CaseRunner) -> Optional[str]:
+    """Why the KV store cannot be measured, or None when it can."""
+    kv = runner.stack.kv_pool
+    if not kv.materialized:
+        return "KV store not measured: memory.kv_pool is 'indices' (no K/V buffers)"
+    need = (runner.new_tokens + runner.case.batch_size) * kv.bytes_per_token
+    if runner.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(runner.device)
+        if need > SOURCE_MEMORY_SHARE * free:
+            return (f"KV store not measured: the K/V of the new tokens take {need / GIB:.1f} GiB,"
+                    f" {free / GIB:.1f} GiB of device memory is free")
+    return None
+
+
+def idle_state(stack: MemoryStack) -> dict:
+    """Invariant 6 after the finish: every row free, available + evictable == size."""
+    allocator, tree, pool = stack.allocator, stack.tree_cache, stack.req_to_token_pool
+    available, evictable, protected = allocator.available_size(), tree.evictable_size(), tree.protected_size()
+    integrity = allocator.check_integrity()
+    ok = (available + evictable == allocator.size and protected == 0 and pool.available_size() == pool.size
+          and integrity.ok)
+    return {"ok": ok, "size": allocator.size, "available": available, "evictable": evictable,
+            "protected": protected, "rows_free": pool.available_size(), "rows": pool.size,
+            "allocator_integrity": [str(c) for c in integrity.failures]}

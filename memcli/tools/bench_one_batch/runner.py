@@ -1,0 +1,250 @@
+"""`CaseRunner`: one static batch driven through the real stack, phase by phase.
+
+The life of a case, and the state each phase starts from:
+
+    start()            reset the stack, warm the prefix, build the requests    -> before prefill
+    prefill()          prepare_for_extend (+ KV store of the new tokens)       -> after prefill
+    decode_step()      prepare_for_decode (+ KV store of one token each)       -> one step later
+    finish()           release every request                                   -> idle
+
+Timed phases are repeated from the same state: `restore_prefill()` and `restore_decode()` put
+back a snapshot (allocator free list, request rows, request and batch fields); `finish` is
+repeated from a snapshot too with the null cache, and after `replay_to_finish()` (the case
+run again from an idle stack) with the radix and chunk caches, whose finish cannot be undone.
+
+Prefix: with the radix cache, a warm-up prefill of each request's first `prefix_len` tokens
+is inserted into the tree, and the measured requests match it. With the chunk or null cache
+nothing is shared, so the measured requests receive the slots of that warm-up prefill as
+their `prefix_indices` (a prior allocation) and own them from then on.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from memcli import kernels
+from memcli.tools.bench_one_batch.cases import Case
+from memcli.tools.bench_one_batch.release import release_batch
+from memcli.errors import IntegrityError
+from memcli.mem_cache import common
+from memcli.mem_cache.allocator import AllocatorState
+from memcli.mem_cache.null_cache import NullCache
+from memcli.mem_cache.radix_cache import RadixCache
+from memcli.sched.batch import ScheduleBatch
+from memcli.sched.req import Req
+from memcli.stack import MemoryStack
+from memcli.timing import wall_time
+
+VOCAB_SIZE = 10_000
+
+
+class DecodeSnapshot(NamedTuple):
+    """What a decode step changes: the free list, the batch's lengths, each request's slots."""
+
+    allocator: AllocatorState
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    kv_allocated_lens: list[int]
+
+
+class CaseRunner:
+    """Drives `case` on `stack` (built with the case's page size). Mutates the stack."""
+
+    def __init__(self, stack: MemoryStack, case: Case, seed: int = 0):
+        self.stack = stack
+        self.case = case
+        self.device = stack.device
+        self.allocator = stack.allocator
+        self.pool = stack.req_to_token_pool
+        self.tree_cache = stack.tree_cache
+        self.store_kv = False  # set by alloc_kv_sources()
+        tokens = np.random.default_rng(seed).integers(0, VOCAB_SIZE, (case.batch_size, case.seq_len), dtype=np.int64)
+        tokens[:, 0] = np.arange(case.batch_size)  # a distinct first token: requests share no prefix
+        self.prompts = tokens[:, : case.input_len]
+        self.outputs = tokens[:, case.input_len :]
+        self.batch: Optional[ScheduleBatch] = None
+        self._before_prefill: Optional[AllocatorState] = None
+        self.in_use_before_prefill = 0  # allocator tokens in use when the prefill starts
+        self._released = False
+        self._before_finish: Optional[AllocatorState] = None
+        self._k_new = self._v_new = None
+        self._k_decode = self._v_decode = None
+        self.warm_prefill_s: Optional[float] = None  # wall time of the prefix warm-up's prefill
+
+    @property
+    def reqs(self) -> list[Req]:
+        return self.batch.reqs
+
+    # -- start: idle stack -> before prefill ------------------------------------------------
+    def start(self) -> None:
+        """Reset the stack (no request may hold memory), warm the prefix, build the batch."""
+        self.stack.reset()
+        prefixes = self._warm_prefix()
+        reqs = [Req(str(i), self.prompts[i], self.case.output_len, self.device) for i in range(self.case.batch_size)]
+        for req, prefix in zip(reqs, prefixes):
+            req.init_next_round_input(self.tree_cache)
+            if prefix is not None:
+                req.prefix_indices = prefix
+                req.extend_input_len = len(req.fill_ids) - len(prefix)
+            self.tree_cache.inc_lock_ref(req.last_node)
+        # The warm-up rows are all free again: start from the table's initial row order, so
+        # that every prefill (first, timed or replayed) gets the same rows.
+        self.pool.clear()
+        self.batch = ScheduleBatch(reqs, self.stack)
+        self._released = False
+        self._before_prefill = self.allocator.backup_state()
+        self.in_use_before_prefill = self.allocator.in_use_tokens
+
+    def _warm_prefix(self) -> list[Optional[torch.Tensor]]:
+        """Prefill every request's prefix once; return the prefix slots to hand over (or Nones)."""
+        n, bs = self.case.prefix_len, self.case.batch_size
+        if n == 0:
+            return [None] * bs
+        warm = [Req(f"warm-{i}", self.prompts[i, :n], 0, self.device) for i in range(bs)]
+        for req in warm:
+            req.init_next_round_input(None)
+        self.warm_prefill_s = wall_time(ScheduleBatch(warm, self.stack).prepare_for_extend, self.device)
+        if isinstance(self.tree_cache, RadixCache):
+            for req in warm:
+                req.kv_committed_len = n
+            with common.free_group(self.allocator):
+                for req in warm:
+                    common.release_req(self.tree_cache, req, is_insert=True)
+            return [None] * bs
+        for req in warm:
+            common.cache_unfinished(self.tree_cache, req)
+        self.pool.free([req.req_pool_idx for req in warm])
+        return [req.prefix_indices for req in warm]
+
+    # -- prefill ----------------------------------------------------------------------------
+    def prefill(self) -> None:
+        """prepare_for_extend, then the KV store of every new token (when the pool is real)."""
+        self.batch.prepare_for_extend()
+        if self.store_kv:
+            self.store_prefill_kv()
+
+    def prefill_memory(self) -> None:
+        """The memory path alone: request rows, KV slots, write_cache_indices.
+
+        Needs the batch lengths of an earlier `prefill()`; leaves the request fields unset.
+        """
+        common.alloc_for_extend(self.batch)
+
+    def restore_prefill(self) -> None:
+        """Back to the state `start()` left: rows and slots of the prefill given back."""
+        self.allocator.restore_state(self._before_prefill)
+        self.pool.clear()
+        for req in self.reqs:
+            req.req_pool_idx = None
+            req.kv_allocated_len = 0
+
+    def store_prefill_kv(self) -> None:
+        kv = self.stack.kv_pool
+        kernels.store_kv(kv.k_buffer, kv.v_buffer, self.batch.out_cache_loc, self._k_new, self._v_new,
+                         backend=self.stack.backend)
+
+    def copy_prefill_kv(self) -> None:
+        """A plain device copy of as many bytes as `store_prefill_kv` writes (the bandwidth
+        baseline): K into V, then V into K, both contiguous, so each is one memcpy."""
+        self._v_new.copy_(self._k_new)
+        self._k_new.copy_(self._v_new)
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens the prefill computes (and stores), over the batch."""
+        return sum(len(r.fill_ids) - len(r.prefix_indices) for r in self.reqs)
+
+    def alloc_kv_sources(self) -> None:
+        """K/V of the new tokens for every layer (prefill) and of one token per request (decode);
+        from now on `prefill` and `decode_step` store them. Needs a materialized pool."""
+        kv = self.stack.kv_pool
+        if not kv.materialized:
+            raise ValueError("the KV pool is not materialized (memory.kv_pool: indices): nothing to store into")
+        self.store_kv = True
+        shape = (kv.num_layers, self.new_tokens, kv.num_kv_heads, kv.head_dim)
+        self._k_new = torch.empty(shape, dtype=kv.dtype, device=self.device)
+        self._v_new = torch.empty(shape, dtype=kv.dtype, device=self.device)
+        shape = (kv.num_layers, self.case.batch_size, kv.num_kv_heads, kv.head_dim)
+        self._k_decode = torch.empty(shape, dtype=kv.dtype, device=self.device)
+        self._v_decode = torch.empty(shape, dtype=kv.dtype, device=self.device)
+
+    def free_kv_sources(self) -> None:
+        self.store_kv = False
+        self._k_new = self._v_new = self._k_decode = self._v_decode = None
+
+    # -- decode -----------------------------------------------------------------------------
+    def decode_step(self) -> None:
+        """prepare_for_decode, then the KV store of the new token of every request."""
+        self.batch.prepare_for_decode()
+        if self.store_kv:
+            self.store_decode_kv()
+
+    def decode_memory(self) -> None:
+        """The memory path alone: one slot per request, written into req_to_token."""
+        common.alloc_for_decode(self.batch)
+
+    def store_decode_kv(self) -> None:
+        kv = self.stack.kv_pool
+        kernels.store_kv(kv.k_buffer, kv.v_buffer, self.batch.out_cache_loc, self._k_decode, self._v_decode,
+                         backend=self.stack.backend)
+
+    def snapshot_decode(self) -> DecodeSnapshot:
+        b = self.batch
+        return DecodeSnapshot(self.allocator.backup_state(), b.seq_lens, b.seq_lens_cpu,
+                              [r.kv_allocated_len for r in self.reqs])
+
+    def restore_decode(self, snap: DecodeSnapshot) -> None:
+        self.allocator.restore_state(snap.allocator)
+        self.batch.seq_lens, self.batch.seq_lens_cpu = snap.seq_lens, snap.seq_lens_cpu
+        for req, n in zip(self.reqs, snap.kv_allocated_lens):
+            req.kv_allocated_len = n
+
+    # -- finish -----------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Release every request (their K/V counts as computed: the tree caches it)."""
+        release_batch(self.batch)
+        self._released = True
+
+    def before_finish(self) -> None:
+        """Setup of `finish`: the running batch the first time, the same batch again after.
+
+        The null cache keeps no state per request, so a snapshot (free list, rows, request
+        flags) restores the batch; the other caches record the finish (tree insertion,
+        held-token counts), so the case is replayed from an idle stack.
+        """
+        if not self._released:
+            self.ready_to_finish()
+            null = isinstance(self.tree_cache, NullCache)
+            self._before_finish = self.allocator.backup_state() if null else None
+        elif self._before_finish is not None:
+            self._restore_finish(self._before_finish)
+        else:
+            self.replay_to_finish()
+
+    def _restore_finish(self, state: AllocatorState) -> None:
+        self.allocator.restore_state(state)
+        # The prefill took its rows right after a clear(); taking them again gives the same ones.
+        self.pool.clear()
+        rows = self.pool.alloc(len(self.reqs))
+        if rows != [req.req_pool_idx for req in self.reqs]:
+            raise IntegrityError(f"restoring the finish took rows {rows[:8]}..., not the batch's rows")
+        for req in self.reqs:
+            req.kv_freed = False
+        self._released = False
+
+    def ready_to_finish(self) -> None:
+        """Mark every allocated token as computed and give each request its output tokens."""
+        for req, out in zip(self.reqs, self.outputs):
+            req.output_ids = out.tolist()
+            req.kv_committed_len = req.kv_allocated_len
+
+    def replay_to_finish(self) -> None:
+        """From an idle stack, run the case's memory path up to the finish (untimed setup)."""
+        self.start()
+        self.batch.prepare_for_extend()
+        for _ in range(self.case.output_len):
+            self.batch.prepare_for_decode()
+        self.ready_to_finish()

@@ -1,0 +1,239 @@
+"""`check-page-size` as a function: static checks, cost of the page size, and a checked paged
+workload, for one or several page sizes, with optional page-size injection.
+
+    result = run_check_page_size(config, page_sizes=[1, 16], injections={"tree_cache": 1})
+    result.exit_code   # 0 consistent, 1 some check failed
+
+Injection (`COMPONENT.page_size=N`) is a debugging switch: it gives one component another page
+size than the config's through `build_stack(page_size_overrides=...)`, so the run shows which
+invariant such a bug breaks first. Bad input raises `MemcliError` (exit 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Optional, Sequence
+
+from memcli.tools.check_page_size.dynamic import FaultHook, PhaseResult, run_phase
+from memcli.tools.check_page_size.static import PageCost, StaticResult, page_cost, static_checks
+from memcli.tools.check_page_size.workload import (
+    TRACE_DEFAULT_REQUESTS, Adjustment, Workload, bench_workload, builtin_config, builtin_workload, check_fits,
+    indices_only, trace_workload,
+)
+from memcli.config import Config, replace
+from memcli.errors import MemcliError
+from memcli.stack import COMPONENTS, build_stack
+
+DEFAULT_STEPS = 3000
+BUILTIN = "default"
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class PageSizeRun:
+    """Everything checked at one page size."""
+
+    page_size: int
+    static: StaticResult
+    cost: PageCost
+    static_adjustments: list[Adjustment]
+    dynamic_adjustments: list[Adjustment]
+    phases: list[PhaseResult]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.static.ok and all(p.ok for p in self.phases)
+
+    @property
+    def first_violation(self):
+        return next((p.violation for p in self.phases if p.violation is not None), None)
+
+    def to_dict(self) -> dict:
+        return {
+            "page_size": self.page_size,
+            "ok": self.ok,
+            "static": self.static.to_dict(),
+            "cost": self.cost.to_dict(),
+            "static_adjustments": [a.to_dict() for a in self.static_adjustments],
+            "dynamic_adjustments": [a.to_dict() for a in self.dynamic_adjustments],
+            "phases": [p.to_dict() for p in self.phases],
+            "notes": self.notes,
+        }
+
+
+@dataclass(frozen=True)
+class CheckPageSizeResult:
+    workload: str
+    steps: int
+    injections: dict[str, int]
+    runs: list[PageSizeRun]
+
+    @property
+    def ok(self) -> bool:
+        return all(run.ok for run in self.runs)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+    def comparison(self) -> list[dict]:
+        """One row per page size: verdicts, costs and what the main phase measured."""
+        rows = []
+        for run in self.runs:
+            main = run.phases[0] if run.phases else None
+            cov = main.coverage if main else {}
+            violation = run.first_violation
+            rows.append({
+                "page_size": run.page_size,
+                "static_ok": run.static.ok,
+                "dynamic_ok": all(p.ok for p in run.phases) if run.phases else None,
+                "steps": main.steps if main else 0,
+                "cached_tokens": cov.get("cached_tokens"),
+                "radix_hits": cov.get("radix_hits"),
+                "evictions": cov.get("evictions"),
+                "retractions": (cov["pressure_retractions"] + cov["forced_retractions"]) if cov else None,
+                "expected_waste_per_request": run.cost.waste_per_request,
+                "measured_waste_per_request": cov.get("mean_partial_page_waste"),
+                "shortest_hit_prefix": run.cost.shortest_hit,
+                "reuse_lost_per_divergence": run.cost.reuse_lost_per_divergence,
+                "first_violation": f"step {violation.step}: {violation.check}" if violation else None,
+            })
+        return rows
+
+    def to_dict(self) -> dict:
+        return {
+            "command": "check-page-size",
+            "ok": self.ok,
+            "exit_code": self.exit_code,
+            "workload": self.workload,
+            "steps": self.steps,
+            "injections": {f"{k}.page_size": v for k, v in self.injections.items()},
+            "runs": [run.to_dict() for run in self.runs],
+            "comparison": self.comparison(),
+        }
+
+
+# -- input validation --------------------------------------------------------------------------
+
+
+def _power_of_two(value: int) -> bool:
+    return value >= 1 and not value & (value - 1)
+
+
+def parse_injections(texts: Iterable[str]) -> dict[str, int]:
+    """`["tree_cache.page_size=1"]` -> `{"tree_cache": 1}`; bad input raises `MemcliError`."""
+    example = "for example --inject tree_cache.page_size=1; components: " + ", ".join(COMPONENTS)
+    out: dict[str, int] = {}
+    for text in texts:
+        key, sep, raw = text.partition("=")
+        component, dot, attr = key.strip().partition(".")
+        if not sep or not dot or attr != "page_size":
+            raise MemcliError(f"--inject {text!r}: expected COMPONENT.page_size=N", hint=example)
+        if component not in COMPONENTS:
+            raise MemcliError(f"--inject {text!r}: unknown component {component!r}",
+                              hint="components: " + ", ".join(COMPONENTS))
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise MemcliError(f"--inject {text!r}: page size {raw.strip()!r} is not an integer", hint=example) from None
+        out[component] = value
+    check_injections(out)
+    return out
+
+
+def check_injections(injections: Mapping[str, int]) -> None:
+    for component, value in injections.items():
+        if component not in COMPONENTS:
+            raise MemcliError(f"cannot inject a page size into {component!r}",
+                              hint="components: " + ", ".join(COMPONENTS))
+        if not isinstance(value, int) or not _power_of_two(value):
+            raise MemcliError(f"--inject {component}.page_size={value}: a page size is a power of two",
+                              hint="use 1, 2, 4, ..., 64, 128")
+
+
+def resolve_page_sizes(config: Config, page_sizes: Optional[Sequence[int]]) -> list[int]:
+    """The page sizes to run (the config's when none given), de-duplicated, in order."""
+    sizes = list(dict.fromkeys(page_sizes or [config.page_size]))
+    for ps in sizes:
+        if not isinstance(ps, int) or not _power_of_two(ps):
+            raise MemcliError(f"--page-size {ps}: a page size is a power of two",
+                              hint="for example --page-size 1 16 64")
+    return sizes
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def run_check_page_size(config: Config, page_sizes: Optional[Sequence[int]] = None,
+                        injections: Optional[Mapping[str, int]] = None, workload: str | Path = BUILTIN,
+                        steps: int = DEFAULT_STEPS, fault_hook: Optional[FaultHook] = None,
+                        requests: int = TRACE_DEFAULT_REQUESTS,
+                        progress: Optional[Progress] = None) -> CheckPageSizeResult:
+    """Run static and dynamic checks at each page size (see the module docstring).
+
+    `workload` is "default" (the built-in workload) or a trace file, of which the first
+    `requests` requests are replayed. `steps` bounds each phase (0: static checks only).
+    `fault_hook(scheduler, step_record)` runs after every step of the main phase, before the
+    checks: tests plant faults with it. Raises `MemcliError` for bad input.
+    """
+    sizes = resolve_page_sizes(config, page_sizes)
+    injections = dict(injections or {})
+    check_injections(injections)
+    if steps < 0:
+        raise MemcliError(f"--steps {steps}: must be 0 or more", hint="0 runs the static checks only")
+    if requests < 1:
+        raise MemcliError(f"--requests {requests}: must be at least 1", hint="the first N requests of the trace")
+    trace = None if str(workload) == BUILTIN else trace_workload(workload, requests)
+    runs = []
+    for ps in sizes:
+        cfg = config if ps == config.page_size else replace(config, memory={"page_size": ps})
+        runs.append(_run_page_size(cfg, injections, trace, steps, fault_hook, progress))
+    name = trace.description if trace is not None else BUILTIN
+    return CheckPageSizeResult(name, steps, injections, runs)
+
+
+def _run_page_size(config: Config, injections: dict[str, int], trace: Optional[Workload], steps: int,
+                   fault_hook: Optional[FaultHook], progress: Optional[Progress]) -> PageSizeRun:
+    static_config, static_adjustments = indices_only(config)
+    stack = build_stack(static_config, page_size_overrides=injections)
+    static = static_checks(stack)
+    if trace is not None:
+        dyn_config, dyn_adjustments, workload = static_config, static_adjustments, trace
+        check_fits(workload, dyn_config)
+    else:
+        dyn_config, dyn_adjustments = builtin_config(config)
+        workload = builtin_workload(config.runtime.seed)
+    phases = []
+    if steps > 0:
+        dyn_stack = stack if dyn_config is static_config else build_stack(dyn_config, page_size_overrides=injections)
+        kind = dyn_config.cache.kind
+        phases.append(run_phase(f"workload ({kind} cache)", dyn_stack, dyn_config, workload, steps, fault_hook,
+                                progress))
+        _report(progress, config.page_size, phases[-1])
+        bench = bench_workload(dyn_config)
+        # The bench path has no tree cache of its own: its tree cache is the null cache.
+        bench_injections = {k: v for k, v in injections.items() if k != "tree_cache"}
+        bench_stack = build_stack(dyn_config, cache_kind="none", page_size_overrides=bench_injections)
+        phases.append(run_phase("bench path (null cache)", bench_stack, dyn_config, bench, bench.step_bound))
+        _report(progress, config.page_size, phases[-1])
+    return PageSizeRun(config.page_size, static, page_cost(config), static_adjustments, dyn_adjustments, phases,
+                       _notes(config, injections))
+
+
+def _report(progress: Optional[Progress], page_size: int, phase: PhaseResult) -> None:
+    if progress is not None:
+        verdict = "ok" if phase.ok else f"first violation at step {phase.violation.step}: {phase.violation.check}"
+        progress(f"page size {page_size}, {phase.name}: {phase.steps} steps in {phase.seconds:.1f} s, {verdict}")
+
+
+def _notes(config: Config, injections: dict[str, int]) -> list[str]:
+    notes = []
+    if injections:
+        listed = ", ".join(f"{k}.page_size={v}" for k, v in injections.items())
+        notes.append(f"injected (debugging only, the config keeps one page size {config.page_size}): {listed}")
+    if "null_cache" in injections and config.cache.kind != "none":
+        notes.append("the null cache is the bench path's tree cache: its injection shows in the bench phase")
+    return notes

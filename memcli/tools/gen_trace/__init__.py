@@ -1,0 +1,1 @@
+"""`memcli gen-trace`: summary and rendering of a written synthetic trace."""

@@ -1,0 +1,37 @@
+"""The summary of a written synthetic trace, as a JSON document or a table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from memcli.report.tables import kv_table
+from memcli.workload.generate import summarize_records
+
+
+def trace_stats(records: list) -> dict[str, Any]:
+    """What the written trace holds: request and token counts, and its reusable share."""
+    summary = summarize_records(records)
+    return {
+        "num_requests": summary.num_requests,
+        "input_tokens": summary.input_tokens,
+        "output_tokens": summary.output_tokens,
+        "mean_input_len": round(summary.mean_input_len, 1),
+        "mean_output_len": round(summary.mean_output_len, 1),
+        "max_input_len": summary.max_input_len,
+        "duration_ms": summary.duration_ms,
+        "reusable_input_tokens": summary.reusable_input_tokens,
+        "reusable_fraction": round(summary.reusable_fraction, 4),
+    }
+
+
+def gen_trace_document(out: Path, num_bytes: int, params: dict, stats: dict) -> dict[str, Any]:
+    return {"path": str(out), "bytes": num_bytes, "params": params, "summary": stats}
+
+
+def render(out: Path, num_bytes: int, stats: dict, console: Console) -> None:
+    rows = [("path", str(out)), ("bytes", num_bytes), *stats.items()]
+    console.print(kv_table("gen-trace: wrote a memcli trace", rows))
+    console.print("reusable_input_tokens: input tokens that start like an earlier request's input (unlimited cache).")

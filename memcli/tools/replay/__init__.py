@@ -1,0 +1,1 @@
+"""`memcli replay`: continuous batching over a trace; hit rates, allocation, eviction, integrity."""

@@ -1,0 +1,297 @@
+"""What a replay measures: per-step series, per-request hits, and the result sections.
+
+Collectors (`StepSeries`, `EvictionLog`) are appended to while the replay runs; the frozen
+`*Stats` sections are computed from them once it ends. Every hit rate names its definition
+in `DEFINITIONS`, which the reports print.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from memcli.tools.replay.ceiling import floor_to_page
+
+WARMUP_FRACTION = 0.5
+WINDOW_REQUESTS = 1000
+
+DEFINITIONS = {
+    "hit_rate": "cached_tokens / input_tokens: prompt tokens matched in the prefix cache when each request was"
+                " first admitted (page-floored, at most input_len - 1), over all prompt tokens, from a cold start",
+    "block_ratio": "hit blocks / blocks: a request's hit blocks are the whole trace blocks (block_size tokens)"
+                   " inside its cached prefix, its blocks ceil(input_len / block_size) (Mooncake Table 1)",
+    "warmup_excluded": "hit_rate over the requests after the first 50% (trace order), token weighted"
+                       " (KVCache.AI kvcache-simulator)",
+    "last_1000": "hit_rate over the last 1,000 requests (trace order), token weighted (vLLM's logged window)",
+    "ceiling": "what a cache that never evicts gives when requests run one after another: per request the longest"
+               " prefix shared with an earlier prompt, at most input_len - 1, floored to a page; computed"
+               " without the radix tree",
+    "lost_to_page_alignment": "sum over requests of shared - floor(shared, page_size), where shared is the"
+                              " ceiling's token-level (page size 1) match: what page size 1 would add to the ceiling",
+    "sub_page_prefix_requests": "requests that share a prefix with an earlier prompt, but shorter than one page:"
+                                " they can never hit",
+    "lost_to_capacity_and_timing": "ceiling - cached_tokens: sharing lost to eviction, to requests running"
+                                   " concurrently, and to admission order (negative when reordering helped)",
+}
+
+
+def _percentiles(values: np.ndarray) -> dict[str, float]:
+    if len(values) == 0:
+        return {"p50": 0.0, "p90": 0.0, "max": 0.0}
+    p50, p90 = np.percentile(values, [50, 90])
+    return {"p50": float(p50), "p90": float(p90), "max": float(values.max())}
+
+
+def _time_weights(time_ms: np.ndarray) -> np.ndarray:
+    """State recorded after step k lasts until step k + 1 (the last one weighs nothing).
+    Falls back to equal weights when the clock never moved."""
+    weights = np.diff(time_ms, append=time_ms[-1]) if len(time_ms) else time_ms
+    if len(weights) and weights.sum() <= 0:
+        weights = np.ones_like(time_ms)
+    return weights
+
+
+def _mean(values: np.ndarray, weights: np.ndarray) -> float:
+    return float(np.average(values, weights=weights)) if len(values) else 0.0
+
+
+class StepSeries:
+    """One entry per scheduler step, in compact arrays (steps can number in the millions)."""
+
+    FIELDS = ("time_ms", "running", "waiting", "available", "evictable", "protected", "held_tokens", "held_pages")
+
+    def __init__(self) -> None:
+        self.time_ms = array("d")
+        self.ints = {name: array("q") for name in self.FIELDS[1:]}
+
+    def append(self, record) -> None:
+        self.time_ms.append(record.time_ms)
+        ints = self.ints
+        ints["running"].append(record.running)
+        ints["waiting"].append(record.waiting)
+        ints["available"].append(record.available)
+        ints["evictable"].append(record.evictable)
+        ints["protected"].append(record.protected)
+        ints["held_tokens"].append(record.held_tokens)
+        ints["held_pages"].append(record.held_pages)
+
+    def __len__(self) -> int:
+        return len(self.time_ms)
+
+    def arrays(self, pool_size: int, page_size: int) -> dict[str, np.ndarray]:
+        """Every field plus the derived occupancy: `used_tokens` (slots holding a token's KV:
+        cached or owned by a request), `used_pages` (pages handed out), `waste_tokens`
+        (unfilled slots of pages that requests own)."""
+        out = {"time_ms": np.frombuffer(self.time_ms, dtype=np.float64)}
+        out.update({name: np.frombuffer(values, dtype=np.int64) for name, values in self.ints.items()})
+        out["used_tokens"] = out["evictable"] + out["protected"] + out["held_tokens"]
+        out["used_pages"] = (pool_size - out["available"]) // page_size
+        out["waste_tokens"] = out["held_pages"] * page_size - out["held_tokens"]
+        return out
+
+
+@dataclass
+class EvictionLog:
+    """Ages (simulated ms) and hit counts of evicted tree nodes, and their sizes."""
+
+    tokens: array = field(default_factory=lambda: array("q"))
+    age_ms: array = field(default_factory=lambda: array("d"))
+    hits: array = field(default_factory=lambda: array("q"))
+
+    def drain(self, tree_cache) -> None:
+        log = getattr(tree_cache, "eviction_log", None)
+        if not log:
+            return
+        for record in log:
+            self.tokens.append(record.tokens)
+            self.age_ms.append(record.age)
+            self.hits.append(record.hit_count)
+        log.clear()
+
+
+@dataclass(frozen=True)
+class PrefixStats:
+    """Prefix-cache hits of the admitted requests; see `DEFINITIONS` for every ratio."""
+
+    requests: int
+    input_tokens: int
+    cached_tokens: int
+    page_size: int
+    block_size: int
+    hit_blocks: int
+    blocks: int
+    warmup_input_tokens: int
+    warmup_cached_tokens: int
+    window_input_tokens: int
+    window_cached_tokens: int
+    shared_tokens: int
+    ceiling_tokens: int
+    sub_page_prefix_requests: int
+    requests_with_hits: int
+
+    @property
+    def hit_rate(self) -> float:
+        return _ratio(self.cached_tokens, self.input_tokens)
+
+    @property
+    def block_ratio(self) -> float:
+        return _ratio(self.hit_blocks, self.blocks)
+
+    @property
+    def warmup_excluded_hit_rate(self) -> float:
+        return _ratio(self.warmup_cached_tokens, self.warmup_input_tokens)
+
+    @property
+    def last_1000_hit_rate(self) -> float:
+        return _ratio(self.window_cached_tokens, self.window_input_tokens)
+
+    @property
+    def ceiling_hit_rate(self) -> float:
+        return _ratio(self.ceiling_tokens, self.input_tokens)
+
+    @property
+    def lost_to_page_alignment(self) -> int:
+        return self.shared_tokens - self.ceiling_tokens
+
+    @property
+    def lost_to_capacity_and_timing(self) -> int:
+        return self.ceiling_tokens - self.cached_tokens
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 0.0
+
+
+def prefix_stats(input_lens: np.ndarray, cached: np.ndarray, shared: np.ndarray, page_size: int,
+                 block_size: int) -> PrefixStats:
+    """Hits of the requests with `cached >= 0` (admitted); arrays are per request in trace order.
+
+    `shared` is the ceiling's token-level match of each request (`ceiling.shared_prefix_lens`).
+    """
+    admitted = cached >= 0
+    inputs, hits, shared = input_lens[admitted], cached[admitted], shared[admitted]
+    half = int(len(input_lens) * WARMUP_FRACTION)
+    late = admitted.copy()
+    late[:half] = False
+    window = admitted.copy()
+    window[: max(len(input_lens) - WINDOW_REQUESTS, 0)] = False
+    return PrefixStats(
+        requests=int(admitted.sum()),
+        input_tokens=int(inputs.sum()),
+        cached_tokens=int(hits.sum()),
+        page_size=page_size,
+        block_size=block_size,
+        hit_blocks=int((hits // block_size).sum()),
+        blocks=int((-(-inputs // block_size)).sum()),
+        warmup_input_tokens=int(input_lens[late].sum()),
+        warmup_cached_tokens=int(cached[late].sum()),
+        window_input_tokens=int(input_lens[window].sum()),
+        window_cached_tokens=int(cached[window].sum()),
+        shared_tokens=int(shared.sum()),
+        ceiling_tokens=int(floor_to_page(shared, page_size).sum()),
+        sub_page_prefix_requests=int(((shared > 0) & (shared < page_size)).sum()),
+        requests_with_hits=int((hits > 0).sum()),
+    )
+
+
+@dataclass(frozen=True)
+class OccupancyStats:
+    """Pool occupancy over the replay, in tokens and in pages. Means are weighted by
+    simulated time (a state lasts until the next step)."""
+
+    pool_tokens: int
+    page_size: int
+    peak_used_tokens: int
+    mean_used_tokens: float
+    peak_used_pages: int
+    mean_used_pages: float
+    peak_waste_tokens: int
+    mean_waste_tokens: float
+    peak_evictable_tokens: int
+    peak_protected_tokens: int
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool_tokens // self.page_size
+
+    @property
+    def peak_token_fraction(self) -> float:
+        return _ratio(self.peak_used_tokens, self.pool_tokens)
+
+    @property
+    def peak_page_fraction(self) -> float:
+        return _ratio(self.peak_used_pages, self.num_pages)
+
+
+def occupancy_stats(series: dict[str, np.ndarray], pool_tokens: int, page_size: int) -> OccupancyStats:
+    weights = _time_weights(series["time_ms"])
+
+    def peak(name: str) -> int:
+        return int(series[name].max()) if len(series[name]) else 0
+
+    return OccupancyStats(
+        pool_tokens=pool_tokens,
+        page_size=page_size,
+        peak_used_tokens=peak("used_tokens"),
+        mean_used_tokens=_mean(series["used_tokens"], weights),
+        peak_used_pages=peak("used_pages"),
+        mean_used_pages=_mean(series["used_pages"], weights),
+        peak_waste_tokens=peak("waste_tokens"),
+        mean_waste_tokens=_mean(series["waste_tokens"], weights),
+        peak_evictable_tokens=peak("evictable"),
+        peak_protected_tokens=peak("protected"),
+    )
+
+
+@dataclass(frozen=True)
+class EvictionStats:
+    """Evicted tree nodes: how many, how big, how old (simulated ms), how often matched before."""
+
+    policy: str
+    evictions: int
+    tokens_evicted: int
+    age_ms: dict[str, float]
+    reuse: dict[str, float]
+
+
+def eviction_stats(log: EvictionLog, policy: str) -> EvictionStats:
+    tokens = np.frombuffer(log.tokens, dtype=np.int64)
+    return EvictionStats(
+        policy=policy,
+        evictions=len(tokens),
+        tokens_evicted=int(tokens.sum()),
+        age_ms=_percentiles(np.frombuffer(log.age_ms, dtype=np.float64)),
+        reuse=_percentiles(np.frombuffer(log.hits, dtype=np.int64)),
+    )
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """Running and waiting requests over the replay (time weighted mean, max)."""
+
+    mean_running: float
+    max_running: int
+    mean_waiting: float
+    max_waiting: int
+
+
+def queue_stats(series: dict[str, np.ndarray]) -> QueueStats:
+    weights = _time_weights(series["time_ms"])
+    running, waiting = series["running"], series["waiting"]
+    return QueueStats(
+        mean_running=_mean(running, weights),
+        max_running=int(running.max()) if len(running) else 0,
+        mean_waiting=_mean(waiting, weights),
+        max_waiting=int(waiting.max()) if len(waiting) else 0,
+    )
+
+
+def downsample(series: dict[str, np.ndarray], max_points: int) -> dict[str, list]:
+    """At most `max_points` evenly spaced steps of every series (first and last kept)."""
+    n = len(series["time_ms"])
+    if n == 0:
+        return {name: [] for name in series}
+    index = np.unique(np.linspace(0, n - 1, min(n, max_points)).round().astype(np.int64))
+    return {name: values[index].tolist() for name, values in series.items()}

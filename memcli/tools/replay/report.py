@@ -1,0 +1,241 @@
+"""`memcli replay` results as one JSON document or rich tables (readable without colour)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from memcli.tools.replay.metrics import DEFINITIONS, downsample
+from memcli.tools.replay.result import ReplayResult
+from memcli.tools.replay.sweep import SweepResult
+from memcli.report.tables import fmt, kv_table
+
+SERIES_POINTS = 500
+
+
+def _round(value: float, digits: int = 6) -> float:
+    return round(float(value), digits)
+
+
+def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) -> dict[str, Any]:
+    """The JSON document of one replay (headline fields first, then one object per section)."""
+    s, p, o, a, e, q, i = (result.summary, result.prefix, result.occupancy, result.allocation, result.eviction,
+                           result.scheduling, result.integrity)
+    return {
+        "command": "replay",
+        "requests": s.requests,
+        "input_tokens": p.input_tokens,
+        "output_tokens": s.output_tokens,
+        "cached_tokens": p.cached_tokens,
+        "hit_rate": _round(p.hit_rate),
+        "page_size": result.config.page_size,
+        "arrivals": result.arrivals,
+        "device": result.device,
+        "kernel_backend": result.kernel_backend,
+        "trace": dataclasses.asdict(result.trace),
+        "config": result.config.to_dict(),
+        "summary": {
+            "requests": s.requests, "finished": s.finished, "aborted": s.aborted,
+            "input_tokens": result.trace.input_tokens, "output_tokens": s.output_tokens,
+            "simulated_time_ms": _round(s.simulated_ms, 3), "steps": s.steps, "prefill_steps": s.prefill_steps,
+            "decode_steps": s.decode_steps, "idle_steps": s.idle_steps, "wall_time_s": _round(s.wall_s, 3),
+            "steps_per_s": _round(s.steps_per_s, 1),
+        },
+        "prefix_cache": {
+            "requests": p.requests,
+            "cached_tokens": p.cached_tokens,
+            "input_tokens": p.input_tokens,
+            "hit_rate": _round(p.hit_rate),
+            "hit_rate_definition": DEFINITIONS["hit_rate"],
+            "block_ratio": {"hit_blocks": p.hit_blocks, "blocks": p.blocks, "block_size": p.block_size,
+                            "value": _round(p.block_ratio), "definition": DEFINITIONS["block_ratio"]},
+            "warmup_excluded": {"cached_tokens": p.warmup_cached_tokens, "input_tokens": p.warmup_input_tokens,
+                                "hit_rate": _round(p.warmup_excluded_hit_rate),
+                                "definition": DEFINITIONS["warmup_excluded"]},
+            "last_1000": {"cached_tokens": p.window_cached_tokens, "input_tokens": p.window_input_tokens,
+                          "hit_rate": _round(p.last_1000_hit_rate), "definition": DEFINITIONS["last_1000"]},
+            "ceiling": {"tokens": p.ceiling_tokens, "hit_rate": _round(p.ceiling_hit_rate),
+                        "page_size_1_tokens": p.shared_tokens, "definition": DEFINITIONS["ceiling"]},
+            "lost_to_page_alignment": {"tokens": p.lost_to_page_alignment,
+                                       "definition": DEFINITIONS["lost_to_page_alignment"]},
+            "sub_page_prefix_requests": {"requests": p.sub_page_prefix_requests,
+                                         "definition": DEFINITIONS["sub_page_prefix_requests"]},
+            "lost_to_capacity_and_timing": {"tokens": p.lost_to_capacity_and_timing,
+                                            "definition": DEFINITIONS["lost_to_capacity_and_timing"]},
+            "requests_with_hits": p.requests_with_hits,
+        },
+        "allocation": {
+            "pool_tokens": o.pool_tokens, "num_pages": o.num_pages,
+            "peak_used_tokens": o.peak_used_tokens, "mean_used_tokens": _round(o.mean_used_tokens, 1),
+            "peak_used_pages": o.peak_used_pages, "mean_used_pages": _round(o.mean_used_pages, 1),
+            "peak_partial_page_waste_tokens": o.peak_waste_tokens,
+            "mean_partial_page_waste_tokens": _round(o.mean_waste_tokens, 1),
+            "peak_evictable_tokens": o.peak_evictable_tokens, "peak_protected_tokens": o.peak_protected_tokens,
+            "allocations": a.allocations, "allocated_tokens": a.allocated_tokens, "frees": a.frees,
+            "freed_tokens": a.freed_tokens, "peak_request_rows": a.peak_request_rows, "request_rows": a.request_rows,
+            "oom_events": a.oom_events,
+            "means": "weighted by simulated time",
+        },
+        "eviction": dataclasses.asdict(e),
+        "scheduling": {
+            "retractions": q.retractions, "retracted_requests": q.retracted_requests,
+            "recomputed_tokens": q.recomputed_tokens, "aborted": q.aborted, **dataclasses.asdict(q.queue),
+        },
+        "integrity": {
+            "ok": i.ok, "mode": i.mode, "checks_run": i.checks_run, "failure": i.failure,
+            "everything_free_at_end": i.everything_free,
+            "end": {"available": i.end_available, "evictable": i.end_evictable, "protected": i.end_protected,
+                    "rows_in_use": i.end_rows_in_use},
+            "final_reports": list(i.final_reports),
+        },
+        "series": {"points": series_points, **downsample(_series_fields(result), series_points)},
+    }
+
+
+def _series_fields(result: ReplayResult) -> dict:
+    keep = ("time_ms", "running", "waiting", "used_tokens", "used_pages", "evictable", "protected", "waste_tokens")
+    return {name: result.series[name] for name in keep}
+
+
+def render_replay(result: ReplayResult, console: Console) -> None:
+    for table in replay_tables(result):
+        console.print(table)
+    p = result.prefix
+    console.print(f"hit_rate = {DEFINITIONS['hit_rate']}.")
+    console.print(f"ceiling = {DEFINITIONS['ceiling']}.")
+    console.print(f"lost to page alignment = {DEFINITIONS['lost_to_page_alignment']}.")
+    if p.sub_page_prefix_requests:
+        console.print(f"{p.sub_page_prefix_requests} request(s) shared a prefix shorter than one page"
+                      f" ({p.page_size} tokens): they can never hit.")
+    if result.integrity.failure:
+        console.print(f"INTEGRITY FAILURE (replay stopped): {result.integrity.failure}")
+
+
+def replay_tables(result: ReplayResult) -> list[Table]:
+    s, p, o, a, e, q, i = (result.summary, result.prefix, result.occupancy, result.allocation, result.eviction,
+                           result.scheduling, result.integrity)
+    ps = p.page_size
+    summary = kv_table("summary", [
+        ("trace", f"{result.trace.path} ({result.trace.format})"),
+        ("arrivals", result.arrivals),
+        ("device / kernels", f"{result.device} / {result.kernel_backend}"),
+        ("requests", s.requests), ("finished", s.finished), ("aborted", s.aborted),
+        ("input tokens", result.trace.input_tokens), ("output tokens", s.output_tokens),
+        ("simulated time (s)", s.simulated_ms / 1e3),
+        ("steps (prefill / decode / idle)", f"{s.steps:,} ({s.prefill_steps:,} / {s.decode_steps:,} / {s.idle_steps:,})"),
+        ("wall time (s)", s.wall_s), ("steps per second", s.steps_per_s),
+    ])
+    prefix = kv_table(f"prefix cache (page size {ps}, block size {p.block_size})", [
+        ("cached tokens", p.cached_tokens), ("input tokens", p.input_tokens),
+        ("hit rate", _pct(p.hit_rate)),
+        ("block ratio (hit blocks / blocks)", f"{_pct(p.block_ratio)} ({p.hit_blocks:,} / {p.blocks:,})"),
+        ("hit rate, first 50% excluded", _pct(p.warmup_excluded_hit_rate)),
+        ("hit rate, last 1,000 requests", _pct(p.last_1000_hit_rate)),
+        ("ceiling (sequential, never evicting)", f"{_pct(p.ceiling_hit_rate)} ({p.ceiling_tokens:,} tokens)"),
+        ("lost to capacity and timing", p.lost_to_capacity_and_timing),
+        ("lost to page alignment", p.lost_to_page_alignment),
+        ("requests with a sub-page shared prefix", p.sub_page_prefix_requests),
+        ("requests with a hit", p.requests_with_hits),
+    ])
+    allocation = kv_table(f"allocation (pool {o.pool_tokens:,} tokens = {o.num_pages:,} pages)", [
+        ("peak used tokens", f"{o.peak_used_tokens:,} ({_pct(o.peak_token_fraction)})"),
+        ("peak used pages", f"{o.peak_used_pages:,} ({_pct(o.peak_page_fraction)})"),
+        ("mean used tokens / pages", f"{o.mean_used_tokens:,.0f} / {o.mean_used_pages:,.0f}"),
+        ("partial-page waste, peak / mean (tokens)", f"{o.peak_waste_tokens:,} / {o.mean_waste_tokens:,.0f}"),
+        ("peak evictable / protected (tokens)", f"{o.peak_evictable_tokens:,} / {o.peak_protected_tokens:,}"),
+        ("allocations (tokens)", f"{a.allocations:,} ({a.allocated_tokens:,})"),
+        ("frees (tokens)", f"{a.frees:,} ({a.freed_tokens:,})"),
+        ("request rows, peak / total", f"{a.peak_request_rows:,} / {a.request_rows:,}"),
+        ("out-of-memory events", a.oom_events),
+    ])
+    eviction = kv_table(f"eviction (policy {e.policy})", [
+        ("evictions (nodes)", e.evictions), ("tokens evicted", e.tokens_evicted),
+        ("age at eviction p50 / p90 / max (s)", _dist(e.age_ms, 1e-3)),
+        ("reuse count p50 / p90 / max", _dist(e.reuse, 1)),
+    ])
+    scheduling = kv_table("scheduling", [
+        ("retractions (requests)", f"{q.retractions:,} ({q.retracted_requests:,})"),
+        ("recomputed tokens", q.recomputed_tokens), ("aborted", q.aborted),
+        ("running, mean / max", f"{q.queue.mean_running:,.1f} / {q.queue.max_running:,}"),
+        ("waiting, mean / max", f"{q.queue.mean_waiting:,.1f} / {q.queue.max_waiting:,}"),
+    ])
+    integrity = kv_table("integrity", [
+        ("checks", i.mode), ("checks run", i.checks_run), ("result", "ok" if i.ok else "FAILED"),
+        ("everything free at the end", i.everything_free),
+    ])
+    return [summary, prefix, allocation, eviction, scheduling, integrity]
+
+
+def _pct(value: float) -> str:
+    return f"{value * 100:.2f}%"
+
+
+def _dist(values: dict[str, float], scale: float) -> str:
+    return " / ".join(fmt(round(values[k] * scale, 3)) for k in ("p50", "p90", "max"))
+
+
+# -- sweeps ---------------------------------------------------------------------------------
+
+
+def sweep_document(sweep: SweepResult) -> dict[str, Any]:
+    base = sweep.rows[0].result if sweep.rows else None
+    return {
+        "command": "replay",
+        "sweep": {"key": sweep.key, "values": [row.value for row in sweep.rows]},
+        "requests": base.summary.requests if base else 0,
+        "input_tokens": base.prefix.input_tokens if base else 0,
+        "output_tokens": base.summary.output_tokens if base else 0,
+        "page_size": base.config.page_size if base else None,
+        "arrivals": sweep.arrivals,
+        "config": sweep.config.to_dict(),
+        "hit_rate_definition": DEFINITIONS["hit_rate"],
+        "rows": [_sweep_row(row.value, row.result) for row in sweep.rows],
+        "reference": sweep.reference.to_dict(),
+    }
+
+
+def _sweep_row(value: Any, r: ReplayResult) -> dict[str, Any]:
+    return {
+        "value": value, "requests": r.summary.requests, "input_tokens": r.prefix.input_tokens,
+        "output_tokens": r.summary.output_tokens, "cached_tokens": r.prefix.cached_tokens,
+        "hit_rate": _round(r.prefix.hit_rate), "block_ratio": _round(r.prefix.block_ratio),
+        "warmup_excluded_hit_rate": _round(r.prefix.warmup_excluded_hit_rate),
+        "ceiling_hit_rate": _round(r.prefix.ceiling_hit_rate), "page_size": r.config.page_size,
+        "pool_tokens": r.occupancy.pool_tokens, "evictions": r.eviction.evictions,
+        "tokens_evicted": r.eviction.tokens_evicted, "retractions": r.scheduling.retractions,
+        "peak_used_tokens": r.occupancy.peak_used_tokens, "simulated_time_ms": _round(r.summary.simulated_ms, 3),
+        "steps": r.summary.steps, "wall_time_s": _round(r.summary.wall_s, 3), "integrity_ok": r.integrity.ok,
+    }
+
+
+def render_sweep(sweep: SweepResult, console: Console) -> None:
+    table = Table(title=f"sweep of {sweep.key} ({sweep.arrivals} arrivals)", title_justify="left")
+    for name in ("value", "pool", "hit rate", "blocks", "warm-up excl", "ceiling", "evictions", "retracts",
+                 "peak used", "steps"):
+        table.add_column(name, justify="left" if name == "value" else "right", no_wrap=True)
+    for row in sweep.rows:
+        r = row.result
+        table.add_row(str(row.value), fmt(r.occupancy.pool_tokens), _pct(r.prefix.hit_rate),
+                      _pct(r.prefix.block_ratio), _pct(r.prefix.warmup_excluded_hit_rate),
+                      _pct(r.prefix.ceiling_hit_rate), fmt(r.eviction.evictions), fmt(r.scheduling.retractions),
+                      fmt(r.occupancy.peak_used_tokens), fmt(r.summary.steps))
+    ref = sweep.reference
+    table.add_row("unlimited", fmt(ref.pool_tokens) if ref.pool_tokens else "-", _pct(ref.hit_rate),
+                  _optional_pct(ref.block_ratio), _optional_pct(ref.warmup_excluded_hit_rate),
+                  _pct(ref.ceiling_hit_rate), *(["-"] * 4))
+    console.print(table)
+    for row in sweep.rows:
+        if not row.result.integrity.ok:
+            console.print(f"INTEGRITY FAILURE at {sweep.key}={row.value} (replay stopped):"
+                          f" {row.result.integrity.failure}")
+    console.print("blocks = block ratio; warm-up excl = hit rate without the first 50% of requests;"
+                  " ceiling = sequential, never evicting (see the single-replay report).")
+    console.print(f"hit rate = {DEFINITIONS['hit_rate']}.")
+    console.print(f"unlimited ({ref.method}): {ref.note}.")
+
+
+def _optional_pct(value) -> str:
+    return "-" if value is None else _pct(value)

@@ -1,0 +1,112 @@
+"""The result of one replay: frozen sections, each rendered by `memcli.tools.replay.report`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from memcli.config import Config
+from memcli.tools.replay.metrics import EvictionStats, OccupancyStats, PrefixStats, QueueStats
+
+
+@dataclass(frozen=True)
+class TraceInfo:
+    path: str
+    format: str
+    block_size: int
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    has_timestamps: bool
+    ignored_fields: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """Counts of the run itself. `output_tokens` are the tokens generated (a request asking for
+    0 still produces the one token of its prefill)."""
+
+    requests: int
+    finished: int
+    aborted: int
+    output_tokens: int
+    simulated_ms: float
+    steps: int
+    prefill_steps: int
+    decode_steps: int
+    idle_steps: int
+    wall_s: float
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class AllocationStats:
+    """Allocator traffic: one allocation per prefill batch or decode step; a free is one call
+    that returned pages (`freed_tokens` counts whole pages, in tokens)."""
+
+    allocations: int
+    allocated_tokens: int
+    frees: int
+    freed_tokens: int
+    peak_request_rows: int
+    request_rows: int
+    oom_events: int
+
+
+@dataclass(frozen=True)
+class SchedulingStats:
+    retractions: int
+    retracted_requests: int
+    recomputed_tokens: int
+    aborted: int
+    queue: QueueStats
+
+
+@dataclass(frozen=True)
+class IntegrityStats:
+    """`mode`: "every step" (--check) or "idle steps and end". `failure` is the first
+    violation's message (the replay stopped there). `end_*`: the pool when the replay ended."""
+
+    mode: str
+    checks_run: int
+    failure: Optional[str]
+    final_reports: tuple[dict, ...]
+    end_available: int
+    end_evictable: int
+    end_protected: int
+    end_rows_in_use: int
+    pool_tokens: int
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    @property
+    def everything_free(self) -> bool:
+        """No request holds memory: every slot is free or evictable, every row free."""
+        return (self.end_protected == 0 and self.end_rows_in_use == 0
+                and self.end_available + self.end_evictable == self.pool_tokens)
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    trace: TraceInfo
+    arrivals: str
+    config: Config
+    device: str
+    kernel_backend: str
+    summary: RunSummary
+    prefix: PrefixStats
+    occupancy: OccupancyStats
+    allocation: AllocationStats
+    eviction: EvictionStats
+    scheduling: SchedulingStats
+    integrity: IntegrityStats
+    series: dict[str, np.ndarray]
+    first_cached_tokens: np.ndarray
+    """Per request in trace order: tokens matched at first admission, -1 if never admitted."""

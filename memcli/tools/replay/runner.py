@@ -1,0 +1,303 @@
+"""Replay a trace through the full memory stack and the scheduler's simulated forward step.
+
+Arrivals (`ReplayOptions.arrivals`):
+
+- `timestamp`: each request arrives at its trace time on the simulated clock, which advances
+  by the cost model of `config.sim` (see `memcli.config.SimConfig`).
+- `burst`: every request arrives at t = 0.
+- `sequential`: one request at a time; the next is added only when the scheduler is done with
+  the previous one (match, prefill, every decode step, finish).
+
+Requests are handed to the scheduler only when they arrive, and dropped once finished, so a
+145 M-token trace never holds more than the running and waiting prompts in memory. Nothing
+starts before every request is known to fit (`check_fits`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from memcli.config import Config, replace
+from memcli.errors import CapacityError, IntegrityError, MemcliError
+from memcli.mem_cache.check import check_memory
+from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from memcli.tools.replay.ceiling import shared_prefix_lens
+from memcli.tools.replay.metrics import (EvictionLog, StepSeries, eviction_stats, occupancy_stats, prefix_stats,
+                                   queue_stats)
+from memcli.tools.replay.result import (AllocationStats, IntegrityStats, ReplayResult, RunSummary, SchedulingStats,
+                                  TraceInfo)
+from memcli.sched.scheduler import Scheduler
+from memcli.stack import build_stack, resolve_device
+from memcli.timing import torch_threads
+from memcli.workload.spec import Trace, output_token_base
+
+ARRIVALS = ("timestamp", "burst", "sequential")
+RECORDS_KEPT = 4096  # the scheduler's own step records are trimmed to this many (we keep our own)
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How to replay. `events_path`: write the KV events stream there (JSON lines)."""
+
+    arrivals: str = "timestamp"
+    check_every_step: bool = False
+    events_path: Optional[Path] = None
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Handed to the progress callback: requests finished so far and where the clock is."""
+
+    finished: int
+    total: int
+    steps: int
+    simulated_ms: float
+
+
+ProgressFn = Callable[[Progress], None]
+
+
+def default_arrivals(trace: Trace) -> str:
+    """`timestamp` for traces with arrival times, `burst` for traces without."""
+    return "timestamp" if trace.has_timestamps else "burst"
+
+
+def check_options(trace: Trace, config: Config, options: ReplayOptions) -> None:
+    """Raise `MemcliError` for options that cannot apply to this trace or config."""
+    if options.arrivals not in ARRIVALS:
+        raise MemcliError(f'unknown arrivals mode "{options.arrivals}"', f"use one of: {', '.join(ARRIVALS)}")
+    if options.arrivals == "timestamp" and not trace.has_timestamps:
+        raise MemcliError(f"{trace.path}: --arrivals timestamp needs arrival times, and this trace has none",
+                          "use --arrivals burst or --arrivals sequential")
+    if options.events_path is not None and config.cache.kind != "radix":
+        raise MemcliError(f"--events needs the radix cache, but cache.kind is {config.cache.kind}",
+                          "use --set cache.kind=radix")
+
+
+def check_fits(config: Config, trace: Trace) -> None:
+    """Raise `CapacityError` for the first request that can never run: longer than a request row
+    (`memory.max_context_len`), or more than an empty pool admits or holds."""
+    ps, pool, context = config.page_size, config.pool_size, config.memory.max_context_len
+    clip = config.scheduler.max_new_tokens_clip
+    for index, spec in enumerate(trace.requests):
+        need = spec.input_len + spec.output_len
+        where = f"{trace.path}: request {spec.rid} (#{index + 1})"
+        if need > context:
+            raise CapacityError(
+                f"{where} needs {need} tokens (input {spec.input_len} + output {spec.output_len}),"
+                f" more than memory.max_context_len {context}",
+                f"raise it (--set memory.max_context_len={need}) or replay fewer requests (--limit {index})"
+                if index else f"raise it: --set memory.max_context_len={need}",
+            )
+        paged = -(-need // ps) * ps
+        if paged > pool or spec.input_len + min(spec.output_len, clip) >= pool:
+            raise CapacityError(
+                f"{where} needs {paged} tokens ({need} rounded to pages of {ps}) but the pool holds {pool}",
+                f"enlarge the pool: --set memory.max_total_tokens={paged + ps} (and memory.kv_budget_gib=null)",
+            )
+
+
+def replay(config: Config, trace: Trace, options: ReplayOptions, progress: Optional[ProgressFn] = None,
+           shared: Optional[np.ndarray] = None) -> ReplayResult:
+    """Replay `trace`; returns the result, also when an integrity check failed (then
+    `result.integrity.failure` says what, and the result covers the replay so far).
+
+    Raises `MemcliError` / `CapacityError` before anything runs when the options or a request
+    cannot work. `shared` is the ceiling of the trace (`shared_prefix_lens`), computed when None.
+    """
+    check_options(trace, config, options)
+    check_fits(config, trace)
+    if options.events_path is not None and not config.cache.kv_events:
+        config = replace(config, cache={"kv_events": True})
+    if shared is None:
+        shared = shared_prefix_lens(trace)
+    with _events_file(options.events_path) as events:
+        run = _Run(config, trace, options, events, progress)
+        return run.execute(shared)
+
+
+@contextlib.contextmanager
+def _events_file(path: Optional[Path]):
+    if path is None:
+        yield None
+        return
+    try:
+        fh = open(path, "w", encoding="utf-8")
+    except OSError as exc:
+        raise MemcliError(f"cannot write {path}: {exc.strerror}", "check that the folder exists and is writable") from None
+    with fh:
+        yield fh
+
+
+class _Run:
+    """One replay in progress: the stack, the scheduler, and what is collected per step."""
+
+    def __init__(self, config: Config, trace: Trace, options: ReplayOptions, events, progress):
+        self.config, self.trace, self.options = config, trace, options
+        self.events, self.progress = events, progress
+        self.index = {spec.rid: i for i, spec in enumerate(trace.requests)}
+        self.cached = np.full(trace.num_requests, -1, dtype=np.int64)
+        self.next = 0
+        self.output_tokens = 0
+        self.series = StepSeries()
+        self.evictions = EvictionLog()
+        self._progress_at = 0.0
+
+    def execute(self, shared: np.ndarray) -> ReplayResult:
+        start = time.perf_counter()
+        with torch_threads(resolve_device(self.config)):
+            self.stack = build_stack(self.config)
+            self.scheduler = Scheduler(
+                self.stack, self.config.scheduler, self.config.sim, self.config.page_size,
+                output_token_base=output_token_base(self.trace), check_every_step=self.options.check_every_step,
+                record_events=False, on_step=self._on_step,
+            )
+            failure, reports = self._loop()
+        wall_s = time.perf_counter() - start
+        return self._result(shared, failure, reports, wall_s)
+
+    # -- the loop ------------------------------------------------------------------------
+    def _loop(self) -> tuple[Optional[str], tuple[dict, ...]]:
+        sched = self.scheduler
+        if self.options.arrivals == "burst":
+            while self.next < self.trace.num_requests:
+                self._add(0.0)
+        try:
+            while True:
+                self._feed()
+                if sched.is_done():
+                    break
+                sched.step()
+                self._after_step()
+            reports = check_memory(self.stack, sched.active_reqs())
+        except IntegrityError as exc:
+            if sched.records and len(self.series) < sched.step_count:
+                self.series.append(sched.records[-1])  # the failing step's record (on_step never saw it)
+            self._harvest_unfinished()
+            self._after_step()
+            return str(exc), ()
+        self._report_progress(force=True)
+        return None, tuple(report.to_dict() for report in reports)
+
+    def _feed(self) -> None:
+        """Hand the scheduler what has arrived; when it is idle, the next request (the
+        scheduler's idle step then moves the clock to its arrival)."""
+        sched, requests, n = self.scheduler, self.trace.requests, self.trace.num_requests
+        mode = self.options.arrivals
+        if mode == "timestamp":
+            while self.next < n and requests[self.next].arrival_ms <= sched.clock_ms:
+                self._add(requests[self.next].arrival_ms)
+            if self.next < n and sched.is_done():
+                self._add(requests[self.next].arrival_ms)
+        elif mode == "sequential" and self.next < n and sched.is_done():
+            self._add(sched.clock_ms)
+
+    def _add(self, arrival_ms: float) -> None:
+        spec = self.trace.requests[self.next]
+        sched = self.scheduler
+        sched.add_request(sched.new_req(spec.rid, spec.input_ids(), spec.output_len, spec.extra_key, arrival_ms))
+        self.next += 1
+
+    def _on_step(self, scheduler: Scheduler, record) -> None:
+        self.series.append(record)
+
+    def _after_step(self) -> None:
+        sched = self.scheduler
+        if sched.finished:
+            for req in sched.finished:
+                self._harvest(req)
+                self.output_tokens += len(req.output_ids)
+            sched.finished.clear()
+        if len(sched.records) > RECORDS_KEPT:
+            sched.records.clear()
+        self.evictions.drain(self.stack.tree_cache)
+        if self.events is not None:
+            _write_events(self.events, self.stack.tree_cache.take_events(), sched.step_count, sched.clock_ms)
+        if self.progress is not None:
+            self._report_progress()
+
+    def _harvest(self, req) -> None:
+        if req.first_cached_tokens is not None:
+            self.cached[self.index[req.rid]] = req.first_cached_tokens
+
+    def _harvest_unfinished(self) -> None:
+        """After a stop: the hits of requests admitted but not finished count too."""
+        sched = self.scheduler
+        for req in [*sched.active_reqs(), *sched.waiting]:
+            self._harvest(req)
+
+    def _report_progress(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if self.progress is None or (not force and now - self._progress_at < 0.2):
+            return
+        self._progress_at = now
+        sched = self.scheduler
+        done = sched.stats.finished + sched.stats.aborted  # aborts while waiting never reach `finished`
+        self.progress(Progress(done, self.trace.num_requests, sched.step_count, sched.clock_ms))
+
+    # -- the result ----------------------------------------------------------------------
+    def _result(self, shared: np.ndarray, failure: Optional[str], reports: tuple[dict, ...],
+                wall_s: float) -> ReplayResult:
+        config, trace, sched, stats = self.config, self.trace, self.scheduler, self.scheduler.stats
+        ps, pool = config.page_size, self.stack.size
+        series = self.series.arrays(pool, ps)
+        input_lens = np.fromiter((r.input_len for r in trace.requests), dtype=np.int64, count=trace.num_requests)
+        tree, alloc, rows = self.stack.tree_cache, self.stack.allocator, self.stack.req_to_token_pool
+        return ReplayResult(
+            trace=TraceInfo(str(trace.path), trace.format, trace.block_size, trace.num_requests,
+                            trace.input_tokens, trace.output_tokens, trace.has_timestamps, trace.ignored_fields),
+            arrivals=self.options.arrivals,
+            config=config,
+            device=str(self.stack.device),
+            kernel_backend=self.stack.backend,
+            summary=RunSummary(
+                requests=trace.num_requests, finished=stats.finished, aborted=stats.aborted,
+                output_tokens=self.output_tokens, simulated_ms=sched.clock_ms, steps=sched.step_count,
+                prefill_steps=stats.prefill_batches, decode_steps=stats.decode_steps, idle_steps=stats.idle_steps,
+                wall_s=wall_s,
+            ),
+            prefix=prefix_stats(input_lens, self.cached, shared, ps, trace.block_size),
+            occupancy=occupancy_stats(series, pool, ps),
+            allocation=AllocationStats(
+                allocations=stats.allocations, allocated_tokens=stats.allocated_tokens, frees=self.stack.allocator.num_frees,
+                freed_tokens=self.stack.allocator.freed_tokens, peak_request_rows=stats.peak_request_rows,
+                request_rows=rows.size, oom_events=stats.oom_events,
+            ),
+            eviction=eviction_stats(self.evictions, config.cache.eviction_policy),
+            scheduling=SchedulingStats(stats.retractions, stats.retracted_requests, stats.recomputed_tokens,
+                                       stats.aborted, queue_stats(series)),
+            integrity=IntegrityStats(
+                mode="every step" if self.options.check_every_step else "idle steps and end",
+                checks_run=stats.checks_run + (failure is None), failure=failure, final_reports=reports,
+                end_available=alloc.available_size(), end_evictable=tree.evictable_size(),
+                end_protected=tree.protected_size(), end_rows_in_use=rows.size - rows.available_size(),
+                pool_tokens=pool,
+            ),
+            series=series,
+            first_cached_tokens=self.cached,
+        )
+
+
+def _write_events(fh, events: list, step: int, time_ms: float) -> None:
+    for event in events:
+        fh.write(json.dumps(_event_dict(event, step, time_ms), separators=(",", ":")) + "\n")
+
+
+def _event_dict(event, step: int, time_ms: float) -> dict:
+    head = {"step": step, "time_ms": round(time_ms, 3)}
+    if isinstance(event, BlockStored):
+        return {"type": "stored", **head, "block_hashes": list(event.block_hashes),
+                "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
+                "block_size": event.block_size, "extra_key": event.extra_key}
+    if isinstance(event, BlockRemoved):
+        return {"type": "removed", **head, "block_hashes": list(event.block_hashes)}
+    if isinstance(event, AllBlocksCleared):
+        return {"type": "cleared", **head}
+    raise TypeError(f"unknown KV event {event!r}")

@@ -1,0 +1,1 @@
+"""`memcli show-config`: the resolved config and the sizes derived from it."""

@@ -1,0 +1,30 @@
+"""The resolved config and the pool sizes derived from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+
+from memcli.config import Config
+from memcli.report.tables import kv_table
+
+
+def derived_sizes(cfg: Config) -> dict[str, int]:
+    return {
+        "pool_size": cfg.pool_size,
+        "requested_total_tokens": cfg.requested_total_tokens,
+        "bytes_per_token": cfg.model.bytes_per_token,
+        "kv_pool_bytes": (cfg.pool_size + cfg.page_size) * cfg.model.bytes_per_token,
+        "num_pages": cfg.pool_size // cfg.page_size,
+    }
+
+
+def show_config_document(cfg: Config) -> dict[str, Any]:
+    return {"config": cfg.to_dict(), "derived": derived_sizes(cfg)}
+
+
+def render(cfg: Config, console: Console) -> None:
+    for section, values in cfg.to_dict().items():
+        console.print(kv_table(section, ((f"{section}.{k}", v) for k, v in values.items())))
+    console.print(kv_table("derived sizes", derived_sizes(cfg).items()))

@@ -1,0 +1,204 @@
+"""`check-page-size`: consistent stacks pass, injected mismatches and planted faults are
+reported with the check that breaks first, traces replay, bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from memcli.tools.check_page_size.run import run_check_page_size
+from memcli.cli.app import app
+from memcli.config import load_config
+
+runner = CliRunner()
+TRACE = Path(__file__).resolve().parents[2] / "data" / "conversation_head300.jsonl"
+# The first 20 requests of the trace: the longest needs 87,571 tokens.
+TRACE_SETS = [
+    "--set", "memory.page_size=64", "--set", "memory.max_context_len=98304",
+    "--set", "memory.max_total_tokens=196608", "--set", "scheduler.chunked_prefill_size=8192",
+    "--set", "scheduler.max_prefill_tokens=16384", "--set", "memory.max_running_requests=16",
+]
+
+
+def config(*sets: str):
+    return load_config(None, ["runtime.device=cpu", *sets])
+
+
+def invoke(*args: str):
+    return runner.invoke(app, ["check-page-size", "--set", "runtime.device=cpu", *map(str, args)],
+                         env={"NO_COLOR": "1"})
+
+
+def main_phase(result, index: int = 0):
+    return result.runs[index].phases[0]
+
+
+@pytest.mark.parametrize("cache", ["radix", "chunk"])
+def test_consistent_stacks_pass_at_every_page_size(cache):
+    result = run_check_page_size(config(f"cache.kind={cache}"), page_sizes=[1, 4, 16, 64])
+    assert result.exit_code == 0, [(r.page_size, p.violation) for r in result.runs for p in r.phases]
+    for run in result.runs:
+        assert run.static.ok and run.static.mismatched == []
+        cov = main_phase(result, result.runs.index(run)).coverage
+        assert cov["finished"] + cov["aborts_waiting"] + cov["aborts_running"] + cov["aborts_chunked"] == 30
+        assert cov["drained"] == 0 and cov["scheduler_aborts"] == 0
+        assert cov["chunked_requests"] > 0 and cov["page_boundary_decodes"] > 0
+        assert cov["forced_retractions"] > 0
+        assert min(cov["aborts_waiting"], cov["aborts_running"], cov["aborts_chunked"]) == 1
+        if run.page_size > 1:
+            assert cov["prompts_ending_mid_page"] > 0
+        if cache == "radix":
+            assert cov["radix_hits"] > 0 and cov["evictions"] > 0
+        assert all(p.ok for p in run.phases)
+    assert [row["page_size"] for row in result.comparison()] == [1, 4, 16, 64]
+
+
+def test_costs_grow_with_the_page_size():
+    result = run_check_page_size(config(), page_sizes=[1, 16], steps=0)
+    one, sixteen = (run.cost for run in result.runs)
+    assert (one.waste_per_request, one.shortest_hit, one.reuse_lost_per_divergence) == (0, 1, 0)
+    assert (sixteen.waste_per_request, sixteen.shortest_hit, sixteen.reuse_lost_per_divergence) == (7.5, 16, 7.5)
+    assert sixteen.waste_at_max_running == 7.5 * 64
+    assert all(run.phases == [] for run in result.runs) and result.exit_code == 0
+
+
+@pytest.mark.parametrize("component, phase, check, says", [
+    ("tree_cache", 0, "no_exception", "PageSizeMismatch"),
+    ("allocator", 0, "no_exception", "PageSizeMismatch"),
+    ("scheduler", 0, "chunk_alignment", "prefill budget rounds with page size 1"),
+    ("kv_pool", 0, "slot_range", "past the end of the KV buffer"),
+    ("null_cache", 1, "no_exception", "PageSizeMismatch"),
+])
+def test_each_injected_mismatch_is_reported_with_what_breaks_first(component, phase, check, says):
+    steps = 60 if phase else 3000  # a null cache mismatch shows in the bench phase only
+    result = run_check_page_size(config("memory.page_size=16"), injections={component: 1}, steps=steps)
+    assert result.exit_code == 1
+    run = result.runs[0]
+    assert run.static.mismatched == [component]
+    agree = next(c for c in run.static.checks if c.name == "page sizes agree")
+    assert not agree.ok and f"{component} holds 1" in agree.detail
+    violation = run.phases[phase].violation
+    assert violation is not None and violation.check == check and says in violation.detail
+    assert violation.step is not None
+
+
+def test_injected_kv_pool_also_fails_the_rows_rule():
+    run = run_check_page_size(config("memory.page_size=16"), injections={"kv_pool": 1}, steps=0).runs[0]
+    rows = next(c for c in run.static.checks if c.name == "KV rows == size + page size")
+    assert not rows.ok and "runs past the buffer" in rows.detail
+
+
+def _hold_page(sched):
+    """A running request with an own page, and the row of req_to_token it uses."""
+    req = next(r for r in sched.active_reqs() if r.kv_allocated_len > r.last_matched_prefix_len + 2)
+    return req, sched.stack.req_to_token_pool.req_to_token[req.req_pool_idx]
+
+
+def free_held_page(sched, record):
+    if record.step == 40:
+        req, row = _hold_page(sched)
+        sched.stack.allocator.free(row[req.kv_allocated_len - 1:req.kv_allocated_len].to(torch.int64))
+
+
+def point_at_free_page(sched, record):
+    if record.step == 40:
+        req, row = _hold_page(sched)
+        ps = sched.stack.allocator.page_size
+        start = (req.kv_allocated_len - 1) // ps * ps
+        page = int(sched.stack.allocator.free_page_ids()[0])
+        row[start:req.kv_allocated_len] = torch.arange(req.kv_allocated_len - start, dtype=row.dtype) + page * ps
+
+
+def misalign_row(sched, record):
+    if record.step == 40:
+        req, row = _hold_page(sched)
+        pos = next(p for p in range(req.last_matched_prefix_len, req.kv_allocated_len) if p % 16 == 1)
+        row[pos] += 1
+
+
+@pytest.mark.parametrize("hook, check, others", [
+    (free_held_page, "free_list", {"conservation"}),
+    (point_at_free_page, "free_list", {"no_lost_page"}),
+    (misalign_row, "row_layout", set()),
+])
+def test_planted_faults_are_caught_by_the_right_check(hook, check, others):
+    result = run_check_page_size(config("memory.page_size=16"), fault_hook=hook)
+    assert result.exit_code == 1
+    phase = main_phase(result)
+    assert phase.violation.check == check and phase.violation.step == 40 and phase.violation.rid is not None
+    assert others <= {v.check for v in phase.also_failed}
+    assert phase.steps == 41
+    assert next(c for c in phase.checks if c.name == check).status == "fail"
+
+
+def test_trace_replay_runs_and_drains(tmp_path):
+    result = invoke("--workload", TRACE, "--requests", 20, "--steps", 30, "--json", *TRACE_SETS)
+    assert result.exit_code == 0, result.stdout + result.stderr
+    doc = json.loads(result.stdout)
+    phase = doc["runs"][0]["phases"][0]
+    assert phase["ok"] and phase["steps"] == 30 and phase["coverage"]["requests"] == 20
+    assert phase["coverage"]["drained"] > 0 and phase["coverage"]["chunked_requests"] > 0
+    assert doc["workload"].startswith("trace ")
+    for key in ("static_adjustments", "dynamic_adjustments"):  # the trace runs on the config as given
+        assert [a["key"] for a in doc["runs"][0][key]] == ["memory.kv_pool"]
+
+
+def test_trace_request_that_does_not_fit_is_bad_input():
+    result = invoke("--workload", TRACE, "--requests", 5)
+    assert result.exit_code == 2
+    assert "error: request 1 (number 1 of" in result.stderr and "max_context_len is 4096" in result.stderr
+    assert "hint:" in result.stderr and "--set memory.max_context_len=8192" in result.stderr
+
+
+def test_json_is_one_document():
+    result = invoke("--set", "memory.page_size=16", "--steps", 60, "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["command"] == "check-page-size" and doc["ok"] is True and doc["exit_code"] == 0
+    run = doc["runs"][0]
+    assert [c["name"] for c in run["static"]["components"]] == [
+        "config", "kv_pool", "allocator", "tree_cache", "scheduler", "null_cache"]
+    assert run["cost"]["shortest_hit_prefix_tokens"] == 16
+    assert {a["key"] for a in run["dynamic_adjustments"]} >= {"memory.max_total_tokens", "memory.kv_pool"}
+    assert [p["name"] for p in run["phases"]] == ["workload (radix cache)", "bench path (null cache)"]
+    assert run["phases"][0]["coverage"]["drained"] > 0 and len(doc["comparison"]) == 1
+    assert result.stderr == ""
+
+
+def test_human_output_of_an_injected_mismatch():
+    result = invoke("--set", "memory.page_size=16", "--inject", "tree_cache.page_size=1")
+    assert result.exit_code == 1
+    out = result.stdout
+    for text in ("components: the page size each holds or reads", "static checks", "cost of page size 16",
+                 "first violation: step 0, check no_exception", "PageSizeMismatch", "tree_cache holds 1",
+                 "1 (injected)", "result: "):
+        assert text in out, text
+
+
+def test_several_page_sizes_side_by_side():
+    result = invoke("--page-size", "1", "16", "--steps", 40)
+    assert result.exit_code == 0, result.stderr
+    assert "page sizes side by side" in result.stdout
+    assert "check-page-size: page size 1" in result.stdout and "check-page-size: page size 16" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--inject", "cache.page_size=1"], "unknown component 'cache'"),
+    (["--inject", "tree_cache.page_size=abc"], "is not an integer"),
+    (["--inject", "tree_cache.page_size=3"], "a page size is a power of two"),
+    (["--inject", "tree_cache=1"], "expected COMPONENT.page_size=N"),
+    (["--page-size", "3"], "--page-size 3: a page size is a power of two"),
+    (["--page-size", "x"], "not an integer"),
+    (["--steps", "-1"], "--steps -1"),
+    (["--workload", "/nonexistent/trace.jsonl"], "cannot read"),
+    (["--set", "memory.page_size=3"], "memory.page_size"),
+])
+def test_bad_input_exits_2_with_error_and_hint(args, message):
+    result = invoke(*args)
+    assert result.exit_code == 2, result.stdout
+    assert result.stderr.startswith("error: ") and message in result.stderr
+    assert "\nhint: " in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,83 @@
+"""Hit-rate variants, occupancy means and series thinning on hand-made numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memcli.tools.replay.metrics import (DEFINITIONS, EvictionLog, StepSeries, downsample, eviction_stats,
+                                   occupancy_stats, prefix_stats, queue_stats)
+from memcli.sched.scheduler import StepRecord
+
+
+def test_prefix_stats_variants():
+    inputs = np.array([100, 100, 100, 100], dtype=np.int64)
+    cached = np.array([0, 64, 96, -1], dtype=np.int64)  # the last one was never admitted
+    shared = np.array([0, 70, 99, 99], dtype=np.int64)
+    p = prefix_stats(inputs, cached, shared, page_size=16, block_size=32)
+    assert (p.requests, p.input_tokens, p.cached_tokens) == (3, 300, 160)
+    assert p.hit_rate == pytest.approx(160 / 300)
+    assert (p.hit_blocks, p.blocks) == (0 + 2 + 3, 4 * 3)
+    # Warm-up excluded: requests 2 and 3 (trace order); only request 2 was admitted.
+    assert (p.warmup_cached_tokens, p.warmup_input_tokens) == (96, 100)
+    assert p.shared_tokens == 169 and p.ceiling_tokens == 64 + 96
+    assert p.lost_to_page_alignment == 9 and p.lost_to_capacity_and_timing == 0
+    assert p.requests_with_hits == 2
+
+
+def test_sub_page_prefixes_are_counted():
+    p = prefix_stats(np.array([50, 50, 50]), np.array([0, 0, 16]), np.array([0, 5, 20]), page_size=16, block_size=512)
+    assert p.sub_page_prefix_requests == 1
+    assert p.lost_to_page_alignment == 5 + 4
+
+
+def _record(step, time_ms, running, available, evictable, protected, held_tokens, held_pages):
+    return StepRecord(step, time_ms, "decode", running, running, running, 0, available, evictable, protected,
+                      held_tokens, held_pages)
+
+
+def test_occupancy_is_time_weighted_and_counts_partial_pages():
+    series = StepSeries()
+    series.append(_record(0, 10.0, 1, 64, 16, 0, 20, 3))   # lasts 30 ms
+    series.append(_record(1, 40.0, 2, 32, 16, 16, 30, 3))  # lasts 10 ms
+    series.append(_record(2, 50.0, 0, 96, 32, 0, 0, 0))    # last: no weight
+    arrays = series.arrays(pool_size=128, page_size=16)
+    assert arrays["used_tokens"].tolist() == [36, 62, 32]
+    assert arrays["used_pages"].tolist() == [4, 6, 2]
+    assert arrays["waste_tokens"].tolist() == [28, 18, 0]
+    occ = occupancy_stats(arrays, 128, 16)
+    assert occ.peak_used_tokens == 62 and occ.peak_used_pages == 6
+    assert occ.mean_used_tokens == pytest.approx((36 * 30 + 62 * 10) / 40)
+    assert occ.peak_waste_tokens == 28 and occ.mean_waste_tokens == pytest.approx((28 * 30 + 18 * 10) / 40)
+    q = queue_stats(arrays)
+    assert q.max_running == 2 and q.mean_running == pytest.approx((1 * 30 + 2 * 10) / 40)
+
+
+def test_downsample_keeps_ends():
+    series = {"time_ms": np.arange(10_000, dtype=np.float64), "x": np.arange(10_000)}
+    thin = downsample(series, 100)
+    assert len(thin["x"]) == 100 and thin["x"][0] == 0 and thin["x"][-1] == 9_999
+
+
+class _Tree:
+    def __init__(self, log):
+        self.eviction_log = log
+
+
+def test_eviction_log_drains_and_summarises():
+    from memcli.mem_cache.radix_cache import EvictionRecord
+
+    tree = _Tree([EvictionRecord(16, 100.0, 0), EvictionRecord(32, 300.0, 2), EvictionRecord(16, 200.0, 1)])
+    log = EvictionLog()
+    log.drain(tree)
+    assert tree.eviction_log == []
+    stats = eviction_stats(log, "lru")
+    assert (stats.evictions, stats.tokens_evicted) == (3, 64)
+    assert stats.age_ms == {"p50": 200.0, "p90": 280.0, "max": 300.0}
+    assert stats.reuse["max"] == 2
+
+
+def test_every_reported_ratio_has_a_definition():
+    for key in ("hit_rate", "block_ratio", "warmup_excluded", "last_1000", "ceiling", "lost_to_page_alignment",
+                "sub_page_prefix_requests", "lost_to_capacity_and_timing"):
+        assert len(DEFINITIONS[key]) > 40
