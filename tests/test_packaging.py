@@ -35,3 +35,11 @@ def test_help_and_python_dash_m():
     assert result.exit_code == 0 and "show-config" in result.stdout
     proc = subprocess.run([sys.executable, "-m", "memcli", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "Usage" in proc.stdout
+
+
+def test_every_package_folder_is_listed_for_a_normal_install():
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "memcli").rglob("__init__.py")}
+    assert folders - listed == set()

@@ -1,0 +1,173 @@
+"""Obtain the SGLang 0.5.5 wheel from PyPI and unpack the few files the reference needs.
+
+Layout of the cache (never inside the repository):
+
+    <cache_dir>/reference/sglang-0.5.5-py3-none-any.whl    the wheel, as pip downloaded it
+    <cache_dir>/reference/sglang-0.5.5/sglang/srt/...       the extracted subset (EXTRACT)
+
+`cache_dir` is `$MEMCLI_CACHE_DIR`, else `~/.cache/memcli`. The wheel is downloaded once
+(`python -m pip download --no-deps`) and reused; extraction is redone only when its marker
+file is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+from memcli.errors import MemcliError
+
+SGLANG_VERSION = "0.5.5"
+REQUIREMENT = f"sglang=={SGLANG_VERSION}"
+
+# Real SGLang files the loader imports (directories end with "/"). Everything else SGLang
+# imports is a stand-in (see standins.py).
+EXTRACT = (
+    "sglang/srt/mem_cache/",
+    "sglang/srt/managers/schedule_policy.py",
+    "sglang/srt/managers/schedule_batch.py",
+    "sglang/srt/constants.py",  # one string constant
+    "sglang/srt/environ.py",  # `envs`, stdlib only
+    "sglang/srt/sampling/sampling_params.py",  # `SamplingParams`, stdlib only
+    "sglang/srt/disaggregation/utils.py",  # `DisaggregationMode`, torch only
+    "sglang/srt/utils/torch_memory_saver_adapter.py",  # no-op adapter when the package is absent
+    # Read (not imported) by the stand-ins, which execute a few of their functions and classes:
+    "sglang/srt/utils/common.py",
+    "sglang/srt/model_executor/forward_batch_info.py",
+)
+_MARKER = ".memcli-extracted"
+
+# pip's messages when the index cannot be reached (as opposed to a broken pip or package).
+_NETWORK_SIGNS = (
+    "Could not find a version that satisfies",
+    "No matching distribution found",
+    "NewConnectionError",
+    "Failed to establish a new connection",
+    "Temporary failure in name resolution",
+    "Name or service not known",
+    "Network is unreachable",
+    "ConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ProxyError",
+    "SSLError",
+)
+
+
+class ReferenceFetchError(MemcliError):
+    """The SGLang wheel could not be downloaded or unpacked.
+
+    `network` is True when pip's output says the package index could not be reached
+    (tests skip then; any other failure is a real error).
+    """
+
+    def __init__(self, message: str, hint: Optional[str] = None, network: bool = False):
+        super().__init__(message, hint)
+        self.network = network
+
+
+def default_cache_dir() -> Path:
+    """`$MEMCLI_CACHE_DIR`, else `~/.cache/memcli` (not created here)."""
+    env = os.environ.get("MEMCLI_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "memcli"
+
+
+def reference_dir(cache_dir: Optional[Path] = None) -> Path:
+    return Path(cache_dir or default_cache_dir()) / "reference"
+
+
+def _find_wheel(directory: Path) -> Optional[Path]:
+    wheels = sorted(directory.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+    return wheels[0] if wheels else None
+
+
+def fetch_wheel(cache_dir: Optional[Path] = None) -> Path:
+    """Path of the sglang 0.5.5 wheel, downloading it into the cache when absent.
+
+    Runs `python -m pip download --no-deps sglang==0.5.5` only when no wheel is cached.
+    Raises `ReferenceFetchError` (with `network=True` when the index is unreachable).
+    """
+    directory = reference_dir(cache_dir)
+    cached = _find_wheel(directory)
+    if cached is not None:
+        return cached
+    directory.mkdir(parents=True, exist_ok=True)
+    _pip_download(directory)
+    wheel = _find_wheel(directory)
+    if wheel is None:
+        raise ReferenceFetchError(f"pip reported success but no sglang-{SGLANG_VERSION} wheel is in {directory}",
+                                  hint="remove the directory and try again")
+    return wheel
+
+
+def _pip_download(directory: Path) -> None:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--timeout", "30", "--retries", "2", REQUIREMENT, "-d", str(directory)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ReferenceFetchError(f"could not run pip to download {REQUIREMENT}: {exc}",
+                                  hint="check that pip is installed in this Python") from exc
+    if proc.returncode != 0:
+        output = (proc.stdout + proc.stderr).strip()
+        network = any(sign in output for sign in _NETWORK_SIGNS)
+        tail = "\n".join(output.splitlines()[-5:])
+        hint = ("the package index could not be reached; connect to the network, or put the wheel"
+                f" into {directory}" if network else "run the pip command by hand to see the full error")
+        raise ReferenceFetchError(f"pip download {REQUIREMENT} failed (exit {proc.returncode}): {tail}",
+                                  hint=hint, network=network)
+
+
+def extract(wheel: Path, cache_dir: Optional[Path] = None) -> Path:
+    """Unpack the `EXTRACT` subset of `wheel`; return the root to import `sglang` from.
+
+    Idempotent: a marker file records a finished extraction. Raises `ReferenceFetchError`
+    when the wheel is unreadable or lacks one of the files.
+    """
+    root = reference_dir(cache_dir) / f"sglang-{SGLANG_VERSION}"
+    if (root / _MARKER).exists():
+        return root
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            names = zf.namelist()
+            for want in EXTRACT:
+                members = [n for n in names if n == want or (want.endswith("/") and n.startswith(want))]
+                if not members:
+                    raise ReferenceFetchError(f"{wheel.name} has no {want}", hint="delete the wheel to download it again")
+                for member in members:
+                    zf.extract(member, root)
+    except zipfile.BadZipFile as exc:
+        raise ReferenceFetchError(f"{wheel} is not a valid wheel: {exc}", hint="delete it to download it again") from exc
+    (root / _MARKER).write_text(REQUIREMENT + "\n")
+    return root
+
+
+def fetch_reference(cache_dir: Optional[Path] = None) -> Path:
+    """Download (if needed) and extract; return the extracted root."""
+    return extract(fetch_wheel(cache_dir), cache_dir)
+
+
+@lru_cache(maxsize=None)
+def _availability(cache_dir: Optional[Path]) -> Optional[str]:
+    try:
+        fetch_reference(cache_dir)
+    except ReferenceFetchError as exc:
+        if exc.network:
+            return f"SGLang {SGLANG_VERSION} wheel unavailable (package index unreachable): {exc.message}"
+        raise
+    return None
+
+
+def unavailable_reason(cache_dir: Optional[Path] = None) -> Optional[str]:
+    """None when the reference is ready; a reason string when the package index cannot be
+    reached. Any other failure (a broken pip, a bad wheel) raises: tests must not hide it."""
+    return _availability(Path(cache_dir) if cache_dir else None)
+
+
+def reference_available(cache_dir: Optional[Path] = None) -> bool:
+    return unavailable_reason(cache_dir) is None

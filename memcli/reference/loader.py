@@ -1,0 +1,195 @@
+"""Import SGLang 0.5.5's real memory-stack modules from the extracted wheel.
+
+    ref = load_reference()
+    alloc = ref.PagedTokenToKVPoolAllocator(64, 16, torch.int64, "cpu", ref.tiny_kv_pool(64, 16), False)
+    tree = ref.RadixCache(None, alloc, 16)
+    ref.use_clock(LogicalClock())
+
+The modules are imported under their real names (`sglang.srt.mem_cache.radix_cache`, ...)
+through one import hook placed first on `sys.meta_path`. The hook answers every `sglang.*`
+import, so an installed sglang of another version is never mixed in:
+
+* a module whose file was extracted (see `fetch.EXTRACT`) is imported from that file;
+* a module listed in `standins.STANDINS` is built from its stand-in (recorded in
+  `Reference.standins`);
+* a directory without `__init__.py` is a namespace package;
+* anything else raises ModuleNotFoundError, naming the module, so a new dependency shows.
+
+Triton kernels: SGLang decorates them at import time, and Triton chooses between compiling
+and interpreting at that moment. Without CUDA the loader sets `TRITON_INTERPRET=1` (for the
+rest of the process: Triton's interpreter reads it again later), so the allocator kernels (`alloc_extend_kernel`, `alloc_decode_kernel`) run in
+the interpreter on CPU tensors. `mem_cache.common` needs no kernel: with the stand-in's
+`attention_backend="torch_native"` SGLang takes its own torch paths.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from memcli.errors import MemcliError
+from memcli.reference.fetch import SGLANG_VERSION, fetch_reference
+from memcli.reference.standins import STANDINS
+
+MODULES = {
+    "allocator": "sglang.srt.mem_cache.allocator",
+    "memory_pool": "sglang.srt.mem_cache.memory_pool",
+    "radix_cache": "sglang.srt.mem_cache.radix_cache",
+    "chunk_cache": "sglang.srt.mem_cache.chunk_cache",
+    "evict_policy": "sglang.srt.mem_cache.evict_policy",
+    "common": "sglang.srt.mem_cache.common",
+    "schedule_batch": "sglang.srt.managers.schedule_batch",
+    "schedule_policy": "sglang.srt.managers.schedule_policy",
+}
+
+
+class ReferenceImportError(MemcliError):
+    """SGLang's modules could not be imported from the extracted wheel."""
+
+
+class _StandInLoader(importlib.abc.Loader):
+    def __init__(self, root: Path, built: list[str]):
+        self.root, self.built = root, built
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        name = module.__name__
+        stand_in = STANDINS.get(name)
+        if stand_in is not None:
+            module.__dict__.update(stand_in.build(self.root))
+            module.__memcli_standin__ = stand_in.reason
+            self.built.append(name)
+
+
+class SglangFinder(importlib.abc.MetaPathFinder):
+    """Resolves `sglang` and `sglang.*` from `root` and the stand-ins, and nothing else."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.standins_built: list[str] = []
+        self._standin_loader = _StandInLoader(root, self.standins_built)
+        # Parent packages of the stand-ins that have no directory in the extracted tree.
+        self._parents = {name.rsplit(".", i)[0] for name in STANDINS for i in range(1, name.count(".") + 1)}
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        if fullname != "sglang" and not fullname.startswith("sglang."):
+            return None
+        rel = self.root.joinpath(*fullname.split("."))
+        if fullname in STANDINS:
+            return importlib.machinery.ModuleSpec(fullname, self._standin_loader, is_package=True)
+        if rel.with_suffix(".py").is_file():
+            return importlib.util.spec_from_file_location(fullname, rel.with_suffix(".py"))
+        if rel.is_dir() or fullname in self._parents:
+            spec = importlib.machinery.ModuleSpec(fullname, self._standin_loader, is_package=True)
+            spec.submodule_search_locations = [str(rel)] if rel.is_dir() else []
+            return spec
+        raise ModuleNotFoundError(
+            f"{fullname} is neither extracted from the sglang {SGLANG_VERSION} wheel nor a stand-in"
+            " (add it to memcli.reference.fetch.EXTRACT or memcli.reference.standins.STANDINS)",
+            name=fullname)
+
+
+@dataclass
+class Reference:
+    """SGLang's real classes and modules, plus what the loader replaced."""
+
+    root: Path
+    modules: dict[str, types.ModuleType]
+    standins: dict[str, str]  # module name -> why it is a stand-in (only those imported)
+    interpreted: bool  # True when the Triton kernels run in the interpreter
+    _clock_saved: list = field(default_factory=list, repr=False)
+
+    def __getattr__(self, name: str) -> Any:
+        modules = self.__dict__.get("modules", {})
+        if name in modules:
+            return modules[name]
+        for module_key in ("radix_cache", "allocator", "memory_pool", "chunk_cache",
+                           "schedule_batch", "schedule_policy"):
+            module = modules.get(module_key)
+            if module is not None and hasattr(module, name):
+                return getattr(module, name)
+        raise AttributeError(f"the SGLang reference has no {name!r}")
+
+    def use_clock(self, clock: Any) -> None:
+        """Make RadixCache/TreeNode read `clock()` where they read `time.monotonic()`.
+
+        Module-wide: every RadixCache of this process sees it. `clock` is a zero-argument
+        callable (e.g. `memcli.mem_cache.clock.LogicalClock()`). `restore_clock` undoes it.
+        """
+        module = self.modules["radix_cache"]
+        self._clock_saved.append(module.time)
+        module.time = types.SimpleNamespace(monotonic=clock, time=clock, perf_counter=clock)
+
+    def restore_clock(self) -> None:
+        if self._clock_saved:
+            self.modules["radix_cache"].time = self._clock_saved.pop()
+
+    def tiny_kv_pool(self, size: int, page_size: int, layer_num: int = 1, head_num: int = 1,
+                     head_dim: int = 1, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
+        """A real `MHATokenToKVPool` with one layer of one 1-wide head: the allocators only
+        keep a reference to it."""
+        return self.MHATokenToKVPool(size, page_size, dtype, head_num, head_dim, layer_num, device,
+                                     enable_memory_saver=False, enable_alt_stream=False)
+
+
+_loaded: Optional[Reference] = None
+
+
+def _set_triton_mode(interpret: bool) -> bool:
+    """Set `TRITON_INTERPRET=1` for the whole process when asked (Triton reads it both when a
+    kernel is decorated and, lazily, inside its interpreter, so it cannot be undone after
+    the import). Returns whether kernels will be interpreted."""
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_no_foreign_sglang(root: Path) -> None:
+    existing = sys.modules.get("sglang")
+    if existing is not None and not getattr(existing, "__memcli_standin__", None):
+        raise ReferenceImportError(
+            f"another sglang is already imported ({getattr(existing, '__file__', existing)})",
+            hint="load the reference in a process that does not import sglang itself")
+
+
+def load_reference(cache_dir: Optional[Path] = None, interpret: Optional[bool] = None) -> Reference:
+    """Fetch the wheel if needed and import SGLang's memory-stack modules (once per process).
+
+    `interpret`: run Triton kernels in the interpreter; default: when CUDA is unavailable.
+    Raises `ReferenceFetchError` (download) or `ReferenceImportError` (import).
+    """
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    root = fetch_reference(cache_dir)
+    _check_no_foreign_sglang(root)
+    if interpret is None:
+        interpret = not torch.cuda.is_available()
+    interpreted = _set_triton_mode(interpret)
+    finder = SglangFinder(root)
+    sys.meta_path.insert(0, finder)
+    modules = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # sampling_params imports sre_parse
+            for key, name in MODULES.items():
+                modules[key] = importlib.import_module(name)
+    except ImportError as exc:
+        raise ReferenceImportError(f"cannot import SGLang {SGLANG_VERSION} from {root}: {exc}",
+                                   hint="delete the extracted directory to unpack it again") from exc
+    standins = {name: STANDINS[name].reason for name in finder.standins_built}
+    _loaded = Reference(root, modules, standins, interpreted)
+    return _loaded
