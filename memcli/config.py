@@ -100,6 +100,69 @@ class RuntimeConfig:
     seed: int = 0
 
 
+PROFILES = ("sglang-0.5.5", "memcli")
+
+
+@dataclass(frozen=True)
+class SemanticsConfig:
+    """Which stack the replay describes: SGLang 0.5.5 step for step, or memcli's improvements.
+
+    `profile` picks a value for every behaviour below; a behaviour set here (not null)
+    overrides the profile's choice. `PROFILE_CHOICES` gives each profile's values, and
+    docs/FIDELITY.md what each one does and why the profiles differ.
+    """
+
+    profile: Literal["sglang-0.5.5", "memcli"] = "sglang-0.5.5"
+    # Eviction when the free list is short: evict the whole need, or only the shortfall.
+    evict_amount: Optional[Literal["full_need", "shortfall"]] = None
+    # Pages an extend batch is assumed to open before evicting: one extra per request, or the exact count.
+    page_estimate: Optional[Literal["one_per_request", "exact"]] = None
+    # A node split: the cut-off tail keeps the access time the walk just gave it, and the new
+    # upper node is stamped fresh (refresh); or both keep the node's old times (keep).
+    split_stamp: Optional[Literal["refresh", "keep"]] = None
+    # Hit counts for LFU: never counted (SGLang's plain radix cache: LFU orders as LRU) or counted per match.
+    lfu_hits: Optional[Literal["never", "count"]] = None
+    # Access and creation stamps: a logical clock that ticks at every stamp (one reading per
+    # node, in the reference's order), or the simulated clock (one time per operation).
+    lru_clock: Optional[Literal["logical", "simulated"]] = None
+    # Retracted requests rejoin the waiting queue at its back, or at its front.
+    retract_requeue: Optional[Literal["back", "front"]] = None
+
+    def resolved(self) -> "Semantics":
+        """Every behaviour's value in force: the override where one is set, else the profile's."""
+        values = {key: getattr(self, key) for key in PROFILE_CHOICES}
+        return Semantics(self.profile, **{key: PROFILE_CHOICES[key][self.profile] if value is None else value
+                                          for key, value in values.items()})
+
+    def overrides(self) -> dict[str, str]:
+        """The behaviours set apart from the profile (equal values included: the user asked)."""
+        return {key: getattr(self, key) for key in PROFILE_CHOICES if getattr(self, key) is not None}
+
+
+# Each behaviour's value under each profile.
+PROFILE_CHOICES: dict[str, dict[str, str]] = {
+    "evict_amount": {"sglang-0.5.5": "full_need", "memcli": "shortfall"},
+    "page_estimate": {"sglang-0.5.5": "one_per_request", "memcli": "exact"},
+    "split_stamp": {"sglang-0.5.5": "refresh", "memcli": "keep"},
+    "lfu_hits": {"sglang-0.5.5": "never", "memcli": "count"},
+    "lru_clock": {"sglang-0.5.5": "logical", "memcli": "simulated"},
+    "retract_requeue": {"sglang-0.5.5": "back", "memcli": "front"},
+}
+
+
+@dataclass(frozen=True)
+class Semantics:
+    """The behaviours in force (no nulls): what each component is built with."""
+
+    profile: str
+    evict_amount: str
+    page_estimate: str
+    split_stamp: str
+    lfu_hits: str
+    lru_clock: str
+    retract_requeue: str
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -108,10 +171,16 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    semantics: SemanticsConfig = field(default_factory=SemanticsConfig)
 
     @property
     def page_size(self) -> int:
         return self.memory.page_size
+
+    @property
+    def behaviour(self) -> Semantics:
+        """The profile's behaviours with the overrides applied."""
+        return self.semantics.resolved()
 
     @property
     def requested_total_tokens(self) -> int:

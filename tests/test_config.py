@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -171,7 +172,7 @@ def test_unknown_key_through_set():
 def test_unknown_section_lists_valid_sections():
     err = config_error({"memroy": {}})
     assert "'memroy'" in err.message
-    assert err.hint == "valid sections: model, memory, cache, scheduler, sim, runtime"
+    assert err.hint == "valid sections: model, memory, cache, scheduler, sim, runtime, semantics"
     with pytest.raises(ConfigError) as info:
         load_config(None, ["memroy.page_size=4"])
     assert "memroy.page_size" in info.value.message
@@ -369,3 +370,32 @@ def test_show_config_bad_set_exits_2_with_error_and_hint(override, message, monk
     assert len(lines) == 2 and lines[1].startswith("hint: ")
     assert "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+def test_semantics_profile_sets_every_behaviour_and_overrides_win():
+    sglang = load_config(None, []).behaviour
+    assert sglang.profile == "sglang-0.5.5"
+    assert (sglang.evict_amount, sglang.split_stamp, sglang.lfu_hits, sglang.retract_requeue) == (
+        "full_need", "refresh", "never", "back")
+    memcli = load_config(None, ["semantics.profile=memcli"]).behaviour
+    assert (memcli.evict_amount, memcli.split_stamp, memcli.lfu_hits, memcli.retract_requeue) == (
+        "shortfall", "keep", "count", "front")
+    mixed = load_config(None, ["semantics.profile=memcli", "semantics.evict_amount=full_need"])
+    assert mixed.behaviour.evict_amount == "full_need" and mixed.behaviour.split_stamp == "keep"
+    assert mixed.semantics.overrides() == {"evict_amount": "full_need"}
+
+
+def test_every_behaviour_has_a_value_in_each_profile():
+    from memcli.config import PROFILE_CHOICES, PROFILES, Semantics, SemanticsConfig
+
+    keys = [f.name for f in dataclasses.fields(SemanticsConfig) if f.name != "profile"]
+    assert sorted(keys) == sorted(PROFILE_CHOICES) == sorted(f.name for f in dataclasses.fields(Semantics)
+                                                             if f.name != "profile")
+    for key, choices in PROFILE_CHOICES.items():
+        assert set(choices) == set(PROFILES), key
+
+
+def test_unknown_behaviour_value_names_the_key():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["semantics.evict_amount=some"])
+    assert "semantics.evict_amount" in info.value.message
