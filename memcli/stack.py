@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memcli.config import Config
+from memcli.config import Config, Semantics
 from memcli.errors import ConfigError
 from memcli.mem_cache.allocator import BaseAllocator, make_allocator
 from memcli.mem_cache.base_prefix_cache import BasePrefixCache
@@ -118,11 +118,17 @@ def build_stack(config: Config, cache_kind: str | None = None,
                        overrides.get("scheduler", ps), null_cache, overrides)
 
 
+def radix_semantics(behaviour: Semantics) -> dict[str, Any]:
+    """The radix cache's constructor options for the behaviours in force."""
+    return {"lru_clock": behaviour.lru_clock, "split_stamp": behaviour.split_stamp,
+            "count_hits": behaviour.lfu_hits == "count"}
+
+
 def make_tree_cache(kind: str, config: Config, req_to_token_pool: ReqToTokenPool, allocator: BaseAllocator,
                     page_size: int) -> BasePrefixCache:
     if kind == "radix":
-        return RadixCache(req_to_token_pool, allocator, page_size,
-                          eviction_policy=config.cache.eviction_policy, kv_events=config.cache.kv_events)
+        return RadixCache(req_to_token_pool, allocator, page_size, eviction_policy=config.cache.eviction_policy,
+                          kv_events=config.cache.kv_events, **radix_semantics(config.behaviour))
     if kind == "chunk":
         return ChunkCache(req_to_token_pool, allocator, page_size)
     if kind == "none":

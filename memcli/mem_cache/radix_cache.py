@@ -26,6 +26,7 @@ from rich.tree import Tree
 
 from memcli.errors import IntegrityError
 from memcli.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, RadixKey
+from memcli.mem_cache.clock import LogicalClock
 from memcli.mem_cache.eviction import EvictionQueue, get_eviction_policy, is_evictable_leaf
 from memcli.mem_cache.integrity import IntegrityReport
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, chain_page_hashes, stored_events
@@ -47,20 +48,21 @@ class TreeNode:
 
     __slots__ = (
         "children", "parent", "key", "value", "extra_key", "lock_ref",
-        "creation_time", "last_access_time", "hit_count", "page_hashes", "heap_seq", "id",
+        "creation_time", "last_access_time", "birth_time", "hit_count", "page_hashes", "heap_seq", "id",
     )
     _ids = itertools.count()
 
     def __init__(self, parent: Optional["TreeNode"], key: np.ndarray, value: torch.Tensor,
-                 extra_key: Optional[str], now: float):
+                 extra_key: Optional[str], last_access: float, created: float, birth: float):
         self.children: dict[Any, TreeNode] = {}
         self.parent = parent
         self.key = key
         self.value: Optional[torch.Tensor] = value  # None once evicted
         self.extra_key = extra_key
         self.lock_ref = 0
-        self.creation_time = now
-        self.last_access_time = now
+        self.last_access_time = last_access  # stamps that order eviction (see RadixCache)
+        self.creation_time = created
+        self.birth_time = birth  # on the caller's clock: eviction ages are measured from it
         self.hit_count = 0
         self.page_hashes: list[int] = []  # only filled when KV events are on
         self.heap_seq = -1
@@ -77,14 +79,22 @@ class TreeNode:
 class RadixCache(BasePrefixCache):
     """Prefix cache over a paged (or token) KV allocator.
 
-    `clock` (zero-argument callable, default `time.monotonic`) stamps creation and access
-    times; set it to a simulated clock for replays. `eviction_log` receives an
-    `EvictionRecord` per evicted node; the caller clears it.
+    `clock` (zero-argument callable, default `time.monotonic`) is the time of the caller
+    (a simulated clock in replays): eviction ages are measured on it. The stamps that order
+    eviction (`last_access_time`, `creation_time`) come from it too with
+    `lru_clock="simulated"` (one time per operation), or from a `LogicalClock` that ticks
+    at every stamp with `lru_clock="logical"` (one reading per node, in SGLang's order: a
+    new node reads it twice, access then creation). `split_stamp="refresh"` stamps a node
+    before splitting it and creates the upper node fresh (SGLang); `"keep"` gives the upper
+    node the old node's times and hit count, and leaves the tail's. `count_hits=False`
+    never counts hits (SGLang's plain radix cache: LFU then orders as LRU).
+    `eviction_log` receives an `EvictionRecord` per evicted node; the caller clears it.
     """
 
     def __init__(self, req_to_token_pool: Any, allocator: Any, page_size: int,
                  eviction_policy: str = "lru", kv_events: bool = False,
-                 device: Optional[torch.device | str] = None, disable: bool = False):
+                 device: Optional[torch.device | str] = None, disable: bool = False,
+                 lru_clock: str = "simulated", split_stamp: str = "keep", count_hits: bool = True):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.req_to_token_pool = req_to_token_pool
@@ -98,6 +108,12 @@ class RadixCache(BasePrefixCache):
             device = allocator.device if allocator is not None else "cpu"
         self.device = torch.device(device)
         self.clock: Callable[[], float] = time.monotonic
+        if lru_clock not in ("simulated", "logical") or split_stamp not in ("keep", "refresh"):
+            raise ValueError(f"lru_clock {lru_clock!r} / split_stamp {split_stamp!r}: unknown")
+        self._logical = LogicalClock() if lru_clock == "logical" else None
+        self.refresh_split = split_stamp == "refresh"
+        self.count_hits = count_hits
+        self._now = 0.0  # the current operation's time on `clock`
         self.eviction_log: list[EvictionRecord] = []
         self.evicted_tokens_total = 0  # every token `evict` ever freed (never reset)
         self._events: list = []
@@ -112,8 +128,22 @@ class RadixCache(BasePrefixCache):
         if self.kv_events:
             self._events.append(AllBlocksCleared())
 
+    def _begin(self) -> float:
+        """Start an operation: read the caller's clock once."""
+        self._now = self.clock()
+        return self._now
+
+    def _stamp(self) -> float:
+        """One access or creation stamp: the next logical tick, or the operation's time."""
+        return self._logical() if self._logical is not None else self._now
+
+    def _node(self, parent: Optional[TreeNode], key: np.ndarray, value: torch.Tensor,
+              extra_key: Optional[str], birth: float) -> TreeNode:
+        last_access = self._stamp()
+        return TreeNode(parent, key, value, extra_key, last_access, self._stamp(), birth)
+
     def _new_tree(self) -> None:
-        self.root = TreeNode(None, _EMPTY_TOKENS, self.empty_indices(), None, self.clock())
+        self.root = self._node(None, _EMPTY_TOKENS, self.empty_indices(), None, self._begin())
         self.root.lock_ref = 1
         self._total = 0
         self._evictable = 0
@@ -148,8 +178,8 @@ class RadixCache(BasePrefixCache):
         aligned = len(key) - len(key) % self.page_size
         if self.disable or aligned == 0:
             return MatchResult(self.empty_indices(), self.root)
-        now = self.clock()
-        node, _, values = self._walk(key.token_ids[:aligned], key.extra_key, now, count_hit=True)
+        self._begin()
+        node, _, values = self._walk(key.token_ids[:aligned], key.extra_key, count_hit=True)
         self._touched(node)
         return MatchResult(self._cat(values), node)
 
@@ -170,8 +200,8 @@ class RadixCache(BasePrefixCache):
         aligned = len(tokens) - len(tokens) % self.page_size
         if aligned == 0:
             return 0
-        now = self.clock()
-        node, prefix_len, _ = self._walk(tokens[:aligned], key.extra_key, now, count_hit=False)
+        now = self._begin()
+        node, prefix_len, _ = self._walk(tokens[:aligned], key.extra_key, count_hit=False)
         if prefix_len < aligned:
             leaf_key, leaf_value = tokens[prefix_len:aligned], value[prefix_len:aligned]
             if leaf_value.dtype != torch.int64 or leaf_value.device != self.device:
@@ -183,25 +213,31 @@ class RadixCache(BasePrefixCache):
         self._touched(node)
         return prefix_len
 
-    def _walk(self, tokens: np.ndarray, extra_key: Optional[str], now: float,
+    def _walk(self, tokens: np.ndarray, extra_key: Optional[str],
               count_hit: bool) -> tuple[TreeNode, int, list[torch.Tensor]]:
         """Descend along page-aligned `tokens`, splitting the node where they leave it.
 
-        Returns the deepest node reached, the number of tokens matched, and the values of
-        the nodes passed (in order).
+        Stamps every node it passes (see the class docstring for the order). Returns the
+        deepest node reached, the number of tokens matched, and the values of the nodes
+        passed (in order).
         """
         node, pos, values = self.root, 0, []
-        node.last_access_time = now
+        node.last_access_time = self._stamp()
         while pos < len(tokens):
             child = node.children.get(self._child_key(extra_key, tokens, pos))
             if child is None:
                 break
             child_len = len(child.key)
             matched = self._common_len(child.key, tokens[pos : pos + child_len])
-            if matched < child_len:
+            if matched < child_len and self.refresh_split:
+                child.last_access_time = self._stamp()
                 child = self._split(child, matched)
-            child.last_access_time = now
-            child.hit_count += count_hit
+            else:
+                if matched < child_len:
+                    child = self._split(child, matched)
+                child.last_access_time = self._stamp()
+            if self.count_hits:
+                child.hit_count += count_hit
             values.append(child.value)
             node, pos = child, pos + matched
             if matched < child_len:
@@ -227,12 +263,16 @@ class RadixCache(BasePrefixCache):
     def _split(self, child: TreeNode, split_len: int) -> TreeNode:
         """Insert a node holding `child`'s first `split_len` tokens above it; return it.
 
-        The upper node inherits the lock count and statistics; counters do not change.
+        The upper node inherits the lock count; with `refresh_split` it is a new node (new
+        stamps, no hits), else it inherits `child`'s stamps and hit count. Sizes do not change.
         """
         parent = child.parent
-        upper = TreeNode(parent, child.key[:split_len], child.value[:split_len], child.extra_key, child.creation_time)
-        upper.last_access_time = child.last_access_time
-        upper.hit_count = child.hit_count
+        if self.refresh_split:
+            upper = self._node(parent, child.key[:split_len], child.value[:split_len], child.extra_key, self._now)
+        else:
+            upper = TreeNode(parent, child.key[:split_len], child.value[:split_len], child.extra_key,
+                             child.last_access_time, child.creation_time, child.birth_time)
+            upper.hit_count = child.hit_count
         upper.lock_ref = child.lock_ref
         pages = split_len // self.page_size
         upper.page_hashes, child.page_hashes = child.page_hashes[:pages], child.page_hashes[pages:]
@@ -244,7 +284,7 @@ class RadixCache(BasePrefixCache):
 
     def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: torch.Tensor,
                   extra_key: Optional[str], now: float) -> TreeNode:
-        leaf = TreeNode(parent, key, value, extra_key, now)
+        leaf = self._node(parent, key, value, extra_key, now)
         parent.children[self._child_key(extra_key, key, 0)] = leaf
         self._total += len(key)
         self._evictable += len(key)
@@ -275,7 +315,7 @@ class RadixCache(BasePrefixCache):
         """
         if self.disable or num_tokens <= 0:
             return 0
-        now = self.clock()
+        now = self._begin()
         freed = 0
         while freed < num_tokens:
             node = self._queue.pop()
@@ -294,7 +334,7 @@ class RadixCache(BasePrefixCache):
         self._total -= size
         self._evictable -= size
         self._num_nodes -= 1
-        self.eviction_log.append(EvictionRecord(size, now - node.creation_time, node.hit_count))
+        self.eviction_log.append(EvictionRecord(size, now - node.birth_time, node.hit_count))
         if self.kv_events:
             self._events.extend(BlockRemoved((h,)) for h in node.page_hashes)
         node.value, node.parent = None, None
@@ -404,7 +444,8 @@ class RadixCache(BasePrefixCache):
         new_prefix_len = self.insert(key, kv[:aligned])
         self._check_prefix_kept(req, start, new_prefix_len)
         self._free(kv[start:new_prefix_len])
-        node, tree_len, values = self._walk(key.token_ids, key.extra_key, self.clock(), count_hit=False)
+        self._begin()
+        node, tree_len, values = self._walk(key.token_ids, key.extra_key, count_hit=False)
         if tree_len != aligned:
             raise IntegrityError(f"cache_unfinished_req: re-match found {tree_len} of {aligned} tokens just inserted")
         new_indices = self._cat(values)

@@ -27,11 +27,13 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from memcli.config import SemanticsConfig
 from memcli.mem_cache.allocator import make_allocator
 from memcli.mem_cache.base_prefix_cache import RadixKey as MemcliKey
 from memcli.mem_cache.clock import LogicalClock
 from memcli.mem_cache.radix_cache import RadixCache as MemcliRadixCache
 from memcli.reference.loader import Reference, load_reference
+from memcli.stack import radix_semantics
 
 OBSERVED = ("result", "tree", "free_list", "sizes", "leaf_order")
 
@@ -152,9 +154,13 @@ def _sglang_side(ref: Reference, size: int, page_size: int, policy: str) -> _Sid
     return side
 
 
-def _memcli_side(size: int, page_size: int, policy: str) -> _Side:
+def _memcli_side(size: int, page_size: int, policy: str, profile: str | SemanticsConfig) -> _Side:
+    """memcli's cache under `profile` (a profile name, or a semantics section with overrides)."""
     allocator = make_allocator(size, page_size, torch.device("cpu"), "torch")
-    tree = MemcliRadixCache(None, allocator, page_size, eviction_policy=policy)
+    if isinstance(profile, str):
+        profile = SemanticsConfig(profile=profile)
+    semantics = radix_semantics(profile.resolved())
+    tree = MemcliRadixCache(None, allocator, page_size, eviction_policy=policy, **semantics)
     tree.clock = LogicalClock()
     side = _Side(tree, allocator, lambda t: MemcliKey(list(t)), tree.priority, tree.root)
     side.record_frees()
@@ -206,15 +212,17 @@ def _count_lock(op: Op, result: Any, locks: dict[int, int]) -> None:
 
 
 def run_ops(ops: list[Op], page_size: int, policy: str = "lru", size: Optional[int] = None,
-            ref: Optional[Reference] = None, fields: tuple[str, ...] = OBSERVED) -> Optional[Divergence]:
-    """Apply `ops` to both stacks (pools of `size` tokens, default 16 pages); return the first
-    divergence in `fields` (a subset of OBSERVED) or None. Installs a logical clock in
-    SGLang's radix module for the run and restores the previous one after it."""
+            ref: Optional[Reference] = None, fields: tuple[str, ...] = OBSERVED,
+            profile: str | SemanticsConfig = "sglang-0.5.5") -> Optional[Divergence]:
+    """Apply `ops` to both stacks (pools of `size` tokens, default 16 pages; memcli's radix
+    cache built with `profile`'s behaviours); return the first divergence in `fields` (a
+    subset of OBSERVED) or None. Installs a logical clock in SGLang's radix module for the
+    run and restores the previous one after it."""
     ref = ref or load_reference()
     size = size or 16 * page_size
     ref.use_clock(LogicalClock())
     try:
-        sgl, mem = _sglang_side(ref, size, page_size, policy), _memcli_side(size, page_size, policy)
+        sgl, mem = _sglang_side(ref, size, page_size, policy), _memcli_side(size, page_size, policy, profile)
         first = _compare(-1, Op("start", None), {"result": None, **sgl.observe_state()},
                          {"result": None, **mem.observe_state()}, fields)
         if first is not None:
@@ -285,15 +293,16 @@ def generate_ops(seed: int, page_size: int, num_ops: int, policy: str = "lru") -
 
 
 def find_divergence(seed: int, page_size: int, policy: str, num_ops: int,
-                    ref: Optional[Reference] = None) -> Optional[Divergence]:
+                    ref: Optional[Reference] = None, profile: str = "sglang-0.5.5") -> Optional[Divergence]:
     """Generate `num_ops` operations from `seed` and run them on both stacks."""
-    return run_ops(generate_ops(seed, page_size, num_ops, policy), page_size, policy, ref=ref)
+    return run_ops(generate_ops(seed, page_size, num_ops, policy), page_size, policy, ref=ref, profile=profile)
 
 
-def shrink(ops: list[Op], page_size: int, policy: str, ref: Optional[Reference] = None) -> list[Op]:
+def shrink(ops: list[Op], page_size: int, policy: str, ref: Optional[Reference] = None,
+           profile: str = "sglang-0.5.5") -> list[Op]:
     """Greedily drop operations while the run still diverges in the same field. Returns a
     sequence where removing any single operation makes that divergence disappear."""
-    first = run_ops(ops, page_size, policy, ref=ref)
+    first = run_ops(ops, page_size, policy, ref=ref, profile=profile)
     if first is None:
         return ops
     ops = ops[: first.index + 1]
@@ -302,7 +311,7 @@ def shrink(ops: list[Op], page_size: int, policy: str, ref: Optional[Reference] 
         changed = False
         for i in range(len(ops) - 1, -1, -1):
             trial = _drop(ops, i)
-            found = run_ops(trial, page_size, policy, ref=ref)
+            found = run_ops(trial, page_size, policy, ref=ref, profile=profile)
             if found is not None and found.field == first.field:
                 ops, changed = trial[: found.index + 1], True
     return ops
