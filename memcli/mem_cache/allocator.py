@@ -24,20 +24,7 @@ import torch
 
 from memcli import kernels
 from memcli.mem_cache.integrity import Check, IntegrityReport
-
-
-def cdiv(a, b):
-    """Ceiling division for ints, numpy arrays and tensors (page counts: cdiv(tokens, page_size))."""
-    return -(-a // b)
-
-
-def count_new_pages(page_size: int, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor) -> int:
-    """Pages an extend batch opens: exact per request (`cdiv(seq) - cdiv(pre)`), not one page
-    per request; new tokens when page_size is 1. Numpy on the CPU lengths: no device work."""
-    pre, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
-    if page_size == 1:
-        return int(seq.sum() - pre.sum())
-    return int(cdiv(seq, page_size).sum() - cdiv(pre, page_size).sum())
+from memcli.mem_cache.pages import cdiv, decode_new_pages, extend_new_pages  # noqa: F401 (cdiv: re-exported for old importers)
 
 
 class AllocatorState(NamedTuple):
@@ -105,6 +92,7 @@ class BaseAllocator:
 
     @property
     def num_free_pages(self) -> int:
+        """Pages in the free list proper (not the pending release list)."""
         return self._num_free
 
     def available_size(self) -> int:
@@ -404,7 +392,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
 
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc) -> torch.Tensor | None:
         """One slot per request; `seq_lens` already count the new token."""
-        num_pages = int(((seq_lens_cpu - 1) % self.page_size == 0).sum())
+        num_pages = decode_new_pages(seq_lens_cpu - 1, self.page_size)
         if not self._ensure(num_pages):
             return None
         out = kernels.alloc_decode(seq_lens, last_loc, self._head_view(num_pages), self.page_size,
@@ -419,7 +407,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         written at column `seq_lens` of each request row. `num_pages` (the pages this step
         opens) may be passed when the caller already counted them."""
         if num_pages is None:
-            num_pages = int((seq_lens_cpu % self.page_size == 0).sum())
+            num_pages = decode_new_pages(seq_lens_cpu, self.page_size)
         if not self._ensure(num_pages):
             return None
         out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._buf, self.page_size,
@@ -430,7 +418,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         return out
 
     def get_num_new_pages(self, prefix_lens_cpu, seq_lens_cpu) -> int:
-        return count_new_pages(self.page_size, prefix_lens_cpu, seq_lens_cpu)
+        return extend_new_pages(prefix_lens_cpu, seq_lens_cpu, self.page_size)
 
 
 def make_allocator(size: int, page_size: int, device: torch.device, backend: str,

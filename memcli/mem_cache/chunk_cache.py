@@ -19,6 +19,31 @@ from memcli.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, Rad
 from memcli.mem_cache.integrity import Check, IntegrityReport
 
 
+def free_row_pages(req_to_token_pool: Any, allocator: Any, rows: list[int], length: int,
+                   consecutive: bool = False, row_index: Optional[torch.Tensor] = None) -> None:
+    """Free every page of columns [0, length) of each of `rows`, with one allocator free.
+
+    Only for rows that hold nothing but their own slots (no tree prefix). Position t of a
+    row sits at offset t % page_size of its page, so the slots of columns 0, ps, 2 ps, ...
+    name every page of the row exactly once. One row, or `consecutive` rows (rows[i] ==
+    rows[0] + i), are read through a view (no index kernel); other rows are gathered by
+    `row_index` (the rows on the device; built from `rows` when not given). Does not free
+    the rows themselves.
+    """
+    if not length:
+        return
+    table, ps = req_to_token_pool.req_to_token, allocator.page_size
+    if len(rows) == 1:
+        page_starts = table[rows[0], 0:length:ps]
+    elif consecutive:
+        page_starts = table[rows[0] : rows[0] + len(rows), 0:length:ps]
+    else:
+        if row_index is None:
+            row_index = torch.tensor(rows, dtype=torch.int64, device=table.device)
+        page_starts = table[row_index, 0:length:ps]
+    allocator.free(page_starts, distinct_pages=True)
+
+
 class ChunkCache(BasePrefixCache):
     """Prefix cache that caches nothing. `disable` is always True."""
 
@@ -42,7 +67,9 @@ class ChunkCache(BasePrefixCache):
         return 0
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
-        """Record the request's slots of `fill_ids` as its int64 `prefix_indices` (nothing freed)."""
+        """Record the request's slots of `fill_ids` as its int64 `prefix_indices` (nothing freed).
+
+        Writes `req.prefix_indices` only (the next chunk's prefix, as in SGLang)."""
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(req.fill_ids)]
         req.prefix_indices = kv.to(device=self.device, dtype=torch.int64, copy=True)
 
@@ -54,11 +81,9 @@ class ChunkCache(BasePrefixCache):
         """
         if req.kv_freed:
             raise IntegrityError(f"cache_finished_req on request row {req.req_pool_idx} that was already freed")
-        page_starts = self.req_to_token_pool.req_to_token[req.req_pool_idx, 0 : req.kv_allocated_len : self.page_size]
-        if len(page_starts):
-            self.allocator.free(page_starts, distinct_pages=True)
+        free_row_pages(self.req_to_token_pool, self.allocator, [req.req_pool_idx], req.kv_allocated_len)
         self.req_to_token_pool.free(req.req_pool_idx)
-        req.kv_freed = True
+        req.kv_freed = True  # the one request field this cache writes on finish (as SGLang)
 
     def evict(self, num_tokens: int) -> int:
         return 0

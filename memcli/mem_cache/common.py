@@ -1,8 +1,16 @@
-"""The only allocation entry points of the stack.
+"""The only allocation and release entry points of the stack.
 
-The scheduler never calls an allocator or writes `req_to_token` itself; it calls these
-functions with a batch that carries `req_to_token_pool`, `token_to_kv_pool_allocator` and
-`tree_cache`.
+The scheduler never calls an allocator or writes `req_to_token` itself. It hands memory
+named values and receives named values back; nothing here calls back into the scheduler
+or writes a field of a request (the tree caches' `cache_*_req` do, as in SGLang; see
+`BasePrefixCache`).
+
+    scheduler                              mem_cache.common
+    ExtendPlan (rows, lengths, prefixes) -> alloc_for_extend -> ExtendAllocation
+    seq_lens + num_pages (decode)        -> alloc_for_decode -> out_cache_loc
+    num_pages                            -> check_decode_mem -> bool
+    request (finish, abort, retract)     -> release_req      (tree cache frees)
+    requests of a static batch           -> release_reqs     (one free where possible)
 
 Extend (prefill) of request i, in its `req_to_token` row:
 
@@ -15,24 +23,70 @@ increments `seq_lens` afterwards.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
-import numpy as np
 import torch
 
 from memcli.errors import IntegrityError, OutOfMemoryError, RequestSlotsExhausted
-from memcli.mem_cache.allocator import count_new_pages
+from memcli.mem_cache import pages
+from memcli.mem_cache.chunk_cache import free_row_pages
+from memcli.mem_cache.null_cache import NullCache
 
 
 class PageSizeMismatch(IntegrityError):
     """The allocator and the tree cache disagree about the page size."""
 
 
+@dataclass(frozen=True, slots=True)
+class ExtendPlan:
+    """What an extend batch asks of memory; built by the batch, read by `alloc_for_extend`.
+
+    Frozen, and its lists and tensors are never mutated by memory (`_rows_for` copies).
+
+    Request i extends its row from `prefix_lens_cpu[i]` to `seq_lens_cpu[i]` tokens; the
+    slots of its prefix are `prefix_tensors[i]`. `num_pages` is what the batch opens
+    (`pages.extend_new_pages`), counted once, on the host, from the same lengths.
+    """
+
+    rows: list[Optional[int]]  # request row per request; None: take a new row
+    prefix_lens_cpu: torch.Tensor  # int64, CPU
+    seq_lens_cpu: torch.Tensor  # int64, CPU
+    prefix_tensors: list[torch.Tensor]  # each request's prefix_indices (int64)
+    extend_num_tokens: int  # new tokens over the batch
+    num_pages: int  # pages the batch opens
+
+    @classmethod
+    def build(cls, rows: list[Optional[int]], prefix_tensors: list[torch.Tensor], seq_lens: list[int],
+              page_size: int) -> "ExtendPlan":
+        """The plan of requests whose rows will hold `seq_lens` tokens after their prefixes."""
+        prefix_lens = [len(p) for p in prefix_tensors]
+        prefix_lens_cpu = torch.tensor(prefix_lens, dtype=torch.int64)
+        seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
+        extend_num_tokens = sum(seq_lens) - sum(prefix_lens)
+        num_pages = pages.extend_new_pages(prefix_lens_cpu, seq_lens_cpu, page_size, extend_num_tokens)
+        return cls(rows, prefix_lens_cpu, seq_lens_cpu, prefix_tensors, extend_num_tokens, num_pages)
+
+    @property
+    def extend_lens_cpu(self) -> torch.Tensor:
+        return self.seq_lens_cpu - self.prefix_lens_cpu
+
+
 class ExtendAllocation(NamedTuple):
-    out_cache_loc: torch.Tensor
-    req_pool_indices: torch.Tensor
-    req_pool_indices_list: list[int]
-    seq_lens: torch.Tensor  # the batch's sequence lengths on the device
+    """What `alloc_for_extend` gives back; the batch applies it to itself and its requests."""
+
+    out_cache_loc: torch.Tensor  # the new tokens' slots, request after request
+    req_pool_indices: torch.Tensor  # request rows, on the device
+    rows: list[int]  # the same rows, on the host (new ones filled in)
+    seq_lens: torch.Tensor  # the batch's sequence lengths, on the device
+
+
+class Usage(NamedTuple):
+    """Token counts for reports and budgets."""
+
+    available: int  # free in the allocator
+    evictable: int  # cached, unlocked
+    protected: int  # cached, locked by some request
 
 
 def assert_same_page_size(allocator, tree_cache) -> None:
@@ -41,31 +95,6 @@ def assert_same_page_size(allocator, tree_cache) -> None:
             f"page size mismatch: allocator {allocator.page_size}, tree cache {tree_cache.page_size};"
             " every component must take memory.page_size"
         )
-
-
-def extend_pages_needed(page_size: int, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor,
-                        extend_num_tokens: int | None = None) -> int:
-    """Pages an extend batch opens (`allocator.count_new_pages`); `extend_num_tokens` (the
-    batch's new tokens, when known) answers page size 1 at once."""
-    if page_size == 1 and extend_num_tokens is not None:
-        return extend_num_tokens
-    return count_new_pages(page_size, prefix_lens_cpu, seq_lens_cpu)
-
-
-def decode_pages_needed(page_size: int, seq_lens_cpu: torch.Tensor) -> int:
-    """Pages the next decode step opens: requests whose new position starts a page.
-
-    `seq_lens_cpu` are the lengths before the step. Counted with numpy on the CPU twin: no
-    device work and no host sync.
-    """
-    if page_size == 1:
-        return int(seq_lens_cpu.numel())
-    return int(np.count_nonzero(seq_lens_cpu.numpy() % page_size == 0))
-
-
-def decode_tokens_needed(allocator, seq_lens_cpu: torch.Tensor) -> int:
-    """Free tokens the next decode step takes; `seq_lens_cpu` are the lengths before it."""
-    return decode_pages_needed(allocator.page_size, seq_lens_cpu) * allocator.page_size
 
 
 def evict_if_needed(tree_cache, allocator, need_tokens: int) -> int:
@@ -91,30 +120,25 @@ def alloc_req_slots(req_to_token_pool, num_reqs: int) -> list[int]:
     return rows
 
 
-def alloc_for_extend(batch) -> ExtendAllocation:
+def alloc_for_extend(plan: ExtendPlan, req_to_token_pool, allocator, tree_cache) -> ExtendAllocation:
     """Request rows, then eviction of the shortfall, then KV slots written into the rows.
 
-    Reads the fields `prepare_for_extend` set: `batch.req_rows` (row per request, None for
-    a request without one), `batch.prefix_tensors` (each request's `prefix_indices`),
-    `batch.prefix_lens_cpu`, `batch.seq_lens_cpu` and `batch.extend_num_tokens`. Every
-    count and offset comes from the CPU lengths, so the capacity check happens on the host,
-    and the device sees one copy (the batch's plan) and one kernel (`alloc_extend_write`),
-    with no sync.
+    Every count and offset comes from the plan's CPU lengths, so the capacity check happens
+    on the host, and the device sees one copy and one kernel (`alloc_extend_write`), with no
+    sync. Mutates the pool, the allocator and (eviction) the tree; writes no request field.
     On failure raises `OutOfMemoryError` and returns the rows it took.
     """
-    allocator, tree_cache, pool = batch.token_to_kv_pool_allocator, batch.tree_cache, batch.req_to_token_pool
     assert_same_page_size(allocator, tree_cache)
-    rows, new_rows = _rows_for(pool, batch.req_rows)
-    num_pages = extend_pages_needed(allocator.page_size, batch.prefix_lens_cpu, batch.seq_lens_cpu,
-                                    batch.extend_num_tokens)
-    need = num_pages * allocator.page_size
+    rows, new_rows = _rows_for(req_to_token_pool, plan.rows)
+    need = plan.num_pages * allocator.page_size
     if need > allocator.available_size():
         evict_if_needed(tree_cache, allocator, need)
-    written = allocator.alloc_extend_write(pool.req_to_token, rows, batch.prefix_lens_cpu, batch.seq_lens_cpu,
-                                           batch.prefix_tensors, num_pages, batch.extend_num_tokens)
+    written = allocator.alloc_extend_write(req_to_token_pool.req_to_token, rows, plan.prefix_lens_cpu,
+                                           plan.seq_lens_cpu, plan.prefix_tensors, plan.num_pages,
+                                           plan.extend_num_tokens)
     if written is None:
         if new_rows:
-            pool.free(new_rows)
+            req_to_token_pool.free(new_rows)
         raise out_of_memory("prefill", tree_cache, allocator, need)
     return ExtendAllocation(written.out_cache_loc, written.req_pool_indices, rows, written.seq_lens)
 
@@ -133,42 +157,90 @@ def _rows_for(pool, req_rows: list) -> tuple[list[int], list[int]]:
     return rows, new_rows
 
 
-def alloc_for_decode(batch, token_per_req: int = 1) -> torch.Tensor:
-    """One slot per request written at column `batch.seq_lens` (the old lengths).
+def alloc_for_decode(req_to_token_pool, allocator, tree_cache, *, seq_lens: torch.Tensor,
+                     seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """One slot per request written at column `seq_lens` (the old lengths); returns them.
 
-    The pages the step opens come from `batch.decode_pages_needed(page_size)` (O(1) per step
-    on a `ScheduleBatch`). Evicts the exact shortfall first. The caller increments
-    `seq_lens` afterwards.
+    `num_pages` are the pages the step opens (`pages.decode_new_pages(seq_lens_cpu)`, which
+    the batch keeps in O(1) per step). Evicts the exact shortfall first. The caller
+    increments `seq_lens` afterwards. Raises `OutOfMemoryError` when the pages are not free.
     """
-    if token_per_req != 1:
-        raise ValueError("alloc_for_decode supports one token per request")
-    allocator, tree_cache, pool = batch.token_to_kv_pool_allocator, batch.tree_cache, batch.req_to_token_pool
     assert_same_page_size(allocator, tree_cache)
-    num_pages = batch.decode_pages_needed(allocator.page_size)
     need = num_pages * allocator.page_size
     if need > allocator.available_size():
         evict_if_needed(tree_cache, allocator, need)
-    out = allocator.alloc_decode_write(batch.seq_lens, batch.seq_lens_cpu, batch.req_pool_indices,
-                                       pool.req_to_token, num_pages=num_pages)
+    out = allocator.alloc_decode_write(seq_lens, seq_lens_cpu, req_pool_indices, req_to_token_pool.req_to_token,
+                                       num_pages=num_pages)
     if out is None:
         raise out_of_memory("decode", tree_cache, allocator, need)
     return out
 
 
-def check_decode_mem(batch, seq_lens_cpu: torch.Tensor | None = None) -> bool:
-    """True when the next decode step of these requests fits, after evicting the shortfall."""
-    allocator = batch.token_to_kv_pool_allocator
-    if seq_lens_cpu is None:
-        need = batch.decode_pages_needed(allocator.page_size) * allocator.page_size
-    else:
-        need = decode_tokens_needed(allocator, seq_lens_cpu)
-    evict_if_needed(batch.tree_cache, allocator, need)
+def check_decode_mem(allocator, tree_cache, num_pages: int) -> bool:
+    """True when a decode step opening `num_pages` pages fits, after evicting the shortfall."""
+    need = num_pages * allocator.page_size
+    evict_if_needed(tree_cache, allocator, need)
     return allocator.available_size() >= need
 
 
 def release_req(tree_cache, req, is_insert: bool = True) -> None:
     """Release everything a finished (or, with is_insert=False, retracted) request holds."""
     tree_cache.cache_finished_req(req, is_insert=is_insert)
+
+
+def free_req_rows(req_to_token_pool, rows: list[int]) -> None:
+    """Give back request rows whose KV slots live on elsewhere (handed over as another
+    request's prefix); frees no KV slot. Raises `ValueError` on a double free."""
+    req_to_token_pool.free(rows)
+
+
+def release_reqs(tree_cache, reqs: list, req_pool_indices: Optional[torch.Tensor] = None) -> None:
+    """Release every request of a static batch as `cache_finished_req(is_insert=True)` would.
+
+    With the null cache a finished request gives back every slot of its row, so requests
+    that all hold the same number of slots are released with one gather of `req_to_token`
+    and one allocator free (`free_row_pages`), instead of one `cache_finished_req` (a slice,
+    a dtype copy and a list append) per request; `req_pool_indices` (the rows on the
+    device, when the caller has them) saves a copy when the rows are not consecutive. The
+    fast path sets `req.kv_freed` as `cache_finished_req` does. Other caches keep
+    per-request bookkeeping (tree insertion, held-token counts) and go through
+    `cache_finished_req` per request, inside one free group. Mutates the stack; raises
+    `IntegrityError` when a request was already released.
+    """
+    if isinstance(tree_cache, NullCache):
+        rows = _uniform_rows(reqs)
+        if rows is not None:
+            free_row_pages(tree_cache.req_to_token_pool, tree_cache.allocator, rows.rows, rows.length,
+                           consecutive=rows.consecutive, row_index=req_pool_indices)
+            tree_cache.req_to_token_pool.free(rows.rows)
+            for req in reqs:
+                req.kv_freed = True
+            return
+    with free_group(tree_cache.allocator):
+        for req in reqs:
+            release_req(tree_cache, req, is_insert=True)
+
+
+class _Rows(NamedTuple):
+    rows: list[int]
+    length: int  # the common kv_allocated_len
+    consecutive: bool  # rows[i] == rows[0] + i
+
+
+def _uniform_rows(reqs: list) -> Optional[_Rows]:
+    """The request rows, when every request holds the same number of slots (else None)."""
+    if not reqs:
+        return None
+    length, first = reqs[0].kv_allocated_len, reqs[0].req_pool_idx
+    rows, consecutive = [], True
+    for i, req in enumerate(reqs):
+        if req.kv_freed:
+            raise IntegrityError(f"release of request row {req.req_pool_idx} that was already freed")
+        if req.kv_allocated_len != length:
+            return None
+        consecutive = consecutive and req.req_pool_idx == first + i
+        rows.append(req.req_pool_idx)
+    return _Rows(rows, length, consecutive)
 
 
 def cache_unfinished(tree_cache, req, chunked: bool = False) -> None:
@@ -194,10 +266,6 @@ class _FreeGroup:
         return False
 
 
-def usage(tree_cache, allocator) -> dict[str, int]:
-    """Token counts for reports: available, evictable, protected."""
-    return {
-        "available": allocator.available_size(),
-        "evictable": tree_cache.evictable_size(),
-        "protected": tree_cache.protected_size(),
-    }
+def usage(tree_cache, allocator) -> Usage:
+    """Token counts for reports and budgets: available, evictable, protected."""
+    return Usage(allocator.available_size(), tree_cache.evictable_size(), tree_cache.protected_size())

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from memcli.errors import RequestSlotsExhausted
 from memcli.mem_cache.integrity import Check, IntegrityReport
 
 TORCH_DTYPES = {
@@ -48,15 +47,6 @@ class ReqToTokenPool:
         rows, self.free_slots = self.free_slots[:n], self.free_slots[n:]
         for row in rows:
             self._in_use[row] = True
-        return rows
-
-    def alloc_or_raise(self, n: int) -> list[int]:
-        rows = self.alloc(n)
-        if rows is None:
-            raise RequestSlotsExhausted(
-                f"request slots exhausted: need {n} rows, {len(self.free_slots)} of {self.size} free;"
-                " raise memory.max_running_requests"
-            )
         return rows
 
     def free(self, row: int | list[int]) -> None:
@@ -128,7 +118,3 @@ class KVPool:
     def bytes_per_token(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * self.num_kv_heads * self.head_dim * 2 * itemsize
-
-    @property
-    def total_bytes(self) -> int:
-        return self.rows * self.bytes_per_token

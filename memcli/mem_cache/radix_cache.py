@@ -30,6 +30,7 @@ from memcli.mem_cache.clock import LogicalClock
 from memcli.mem_cache.eviction import EvictionQueue, get_eviction_policy, is_evictable_leaf
 from memcli.mem_cache.integrity import IntegrityReport
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, chain_page_hashes, stored_events
+from memcli.mem_cache.pages import align_down
 from memcli.mem_cache.radix_integrity import radix_checks
 
 _EMPTY_TOKENS = np.empty((0,), dtype=np.int64)
@@ -405,17 +406,20 @@ class RadixCache(BasePrefixCache):
         where start = len(prefix_indices) floored to a page and aligned =
         kv_committed_len floored to a page. With is_insert=False all of
         [start, kv_allocated_len) is freed.
+
+        Request fields: reads `req_pool_idx`, `kv_allocated_len`, `kv_committed_len`,
+        `prefix_indices`, `last_node`; writes only `kv_freed` (as SGLang), last.
         """
         if req.kv_freed:
             raise IntegrityError(f"cache_finished_req on request row {req.req_pool_idx} that was already freed")
         ps = self.page_size
         allocated = req.kv_allocated_len
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :allocated].to(torch.int64)
-        start = len(req.prefix_indices) // ps * ps
+        start = align_down(len(req.prefix_indices), ps)
         if self.disable:
             start = 0
         elif is_insert:
-            aligned = max(min(req.kv_committed_len, allocated) // ps * ps, start)
+            aligned = max(align_down(min(req.kv_committed_len, allocated), ps), start)
             new_prefix_len = self.insert(RadixKey(req.token_ids(aligned), req.extra_key), kv[:aligned])
             self._check_prefix_kept(req, start, new_prefix_len)
             self._free(kv[start:new_prefix_len])
@@ -430,6 +434,12 @@ class RadixCache(BasePrefixCache):
 
             row [0, aligned)  the tree's slots (request duplicates freed), locked via last_node
             row [aligned, n)  the request's own partial page (ps > 1), kept in prefix_indices
+
+        Request fields: reads `req_pool_idx`, `fill_ids`, `extra_key`, `prefix_indices`,
+        `last_node`; writes, together at the end, `prefix_indices` (the next round's prefix),
+        `last_node` (the lock it now holds) and `last_matched_prefix_len` (the tree-owned
+        part of the row, read by the conservation checks), as SGLang does. With the cache
+        disabled only `prefix_indices`.
         """
         ps = self.page_size
         fill_len = len(req.fill_ids)
@@ -438,8 +448,8 @@ class RadixCache(BasePrefixCache):
         if self.disable:
             req.prefix_indices = kv
             return
-        aligned = fill_len // ps * ps
-        start = len(req.prefix_indices) // ps * ps
+        aligned = align_down(fill_len, ps)
+        start = align_down(len(req.prefix_indices), ps)
         key = RadixKey(req.fill_ids[:aligned], req.extra_key)
         new_prefix_len = self.insert(key, kv[:aligned])
         self._check_prefix_kept(req, start, new_prefix_len)
@@ -453,9 +463,9 @@ class RadixCache(BasePrefixCache):
             row[start:tree_len] = new_indices[start:].to(row.dtype)
         self.inc_lock_ref(node)
         self.dec_lock_ref(req.last_node)
-        req.last_matched_prefix_len = tree_len
         req.prefix_indices = torch.cat([new_indices, kv[tree_len:]])
         req.last_node = node
+        req.last_matched_prefix_len = tree_len
 
     @staticmethod
     def _check_prefix_kept(req: Any, start: int, new_prefix_len: int) -> None:

@@ -1,7 +1,9 @@
 """ScheduleBatch: the requests of one forward step and their length tensors.
 
-Memory is reached only through `memcli.mem_cache.common`; the batch holds the pools and the
-allocator as opaque references to pass along.
+Memory is reached only through `memcli.mem_cache.common`, by named values: the batch builds
+an `ExtendPlan` and applies the `ExtendAllocation` it gets back (the batch, not memory, writes
+the request fields); for a decode step it counts the pages (`decode_pages_needed`, O(1)) and
+passes that number down. The pools and the allocator are opaque references to pass along.
 """
 
 from __future__ import annotations
@@ -9,13 +11,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from memcli.mem_cache import common
+from memcli.mem_cache import common, pages
 
 
 class ScheduleBatch:
     def __init__(self, reqs: list, stack):
         self.reqs = list(reqs)
-        self.stack = stack
         self.req_to_token_pool = stack.req_to_token_pool
         self.token_to_kv_pool_allocator = stack.allocator
         self.tree_cache = stack.tree_cache
@@ -24,50 +25,65 @@ class ScheduleBatch:
         self.seq_lens_cpu = torch.empty(0, dtype=torch.int64)
         self.seq_lens = torch.empty(0, dtype=torch.int64, device=self.device)
         self.req_pool_indices = torch.empty(0, dtype=torch.int64, device=self.device)
-        self.prefix_lens_cpu = torch.empty(0, dtype=torch.int64)
-        self.prefix_tensors: list[torch.Tensor] = []
-        self.req_rows: list[int | None] = []
-        self.extend_lens_cpu = torch.empty(0, dtype=torch.int64)
-        self.extend_num_tokens = 0
+        self.extend_plan: common.ExtendPlan | None = None  # of the last prepare_for_extend
         self.out_cache_loc: torch.Tensor | None = None
         self._page_hist: _PageHistogram | None = None
 
     def __len__(self) -> int:
         return len(self.reqs)
 
-    def is_empty(self) -> bool:
-        return not self.reqs
-
     @property
     def batch_size(self) -> int:
         return len(self.reqs)
 
-    def prepare_for_extend(self) -> None:
-        """Set every length field first, then allocate through `alloc_for_extend`."""
-        self.forward_mode = "extend"
-        self.prefix_tensors = [r.prefix_indices for r in self.reqs]
-        self.req_rows = [r.req_pool_idx for r in self.reqs]
-        prefix_lens = [len(p) for p in self.prefix_tensors]
+    @property
+    def page_size(self) -> int:
+        return self.token_to_kv_pool_allocator.page_size
+
+    @property
+    def prefix_lens_cpu(self) -> torch.Tensor:
+        """Prefix lengths of the last extend (empty before one)."""
+        plan = self.extend_plan
+        return plan.prefix_lens_cpu if plan is not None else torch.empty(0, dtype=torch.int64)
+
+    @property
+    def extend_num_tokens(self) -> int:
+        """New tokens of the last extend (0 before one)."""
+        return self.extend_plan.extend_num_tokens if self.extend_plan is not None else 0
+
+    def build_extend_plan(self) -> common.ExtendPlan:
+        """The extend plan of the requests as they stand: prefix = `prefix_indices`, sequence
+        = `fill_ids`. Checks that the lengths agree with each request's `extend_input_len`."""
         seq_lens = [len(r.fill_ids) for r in self.reqs]
-        self.prefix_lens_cpu = torch.tensor(prefix_lens, dtype=torch.int64)
-        self.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
-        self.extend_lens_cpu = self.seq_lens_cpu - self.prefix_lens_cpu
+        plan = common.ExtendPlan.build([r.req_pool_idx for r in self.reqs], [r.prefix_indices for r in self.reqs],
+                                       seq_lens, self.page_size)
         expected = [r.extend_input_len for r in self.reqs]
-        if self.extend_lens_cpu.tolist() != expected:
-            raise AssertionError(f"extend lengths {self.extend_lens_cpu.tolist()} != extend_input_len {expected}")
-        self.extend_num_tokens = sum(seq_lens) - sum(prefix_lens)
-        alloc = common.alloc_for_extend(self)
+        if plan.extend_lens_cpu.tolist() != expected:
+            raise AssertionError(f"extend lengths {plan.extend_lens_cpu.tolist()} != extend_input_len {expected}")
+        return plan
+
+    def prepare_for_extend(self) -> None:
+        """Plan the extend, allocate it through `alloc_for_extend`, then apply the result to
+        the batch and its requests (`req_pool_idx`, `kv_allocated_len`)."""
+        self.forward_mode = "extend"
+        plan = self.extend_plan = self.build_extend_plan()
+        self.seq_lens_cpu = plan.seq_lens_cpu
+        alloc = common.alloc_for_extend(plan, self.req_to_token_pool, self.token_to_kv_pool_allocator,
+                                        self.tree_cache)
         self.out_cache_loc = alloc.out_cache_loc
         self.req_pool_indices = alloc.req_pool_indices
         self.seq_lens = alloc.seq_lens
-        for req, row, seq in zip(self.reqs, alloc.req_pool_indices_list, seq_lens):
+        for req, row, seq in zip(self.reqs, alloc.rows, plan.seq_lens_cpu.tolist()):
             req.req_pool_idx = row
             req.kv_allocated_len = seq
 
     def prepare_for_decode(self) -> None:
         """Allocate one slot per request at column `seq_lens`, then increment `seq_lens`."""
         self.forward_mode = "decode"
-        self.out_cache_loc = common.alloc_for_decode(self, token_per_req=1)
+        self.out_cache_loc = common.alloc_for_decode(
+            self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
+            seq_lens=self.seq_lens, seq_lens_cpu=self.seq_lens_cpu, req_pool_indices=self.req_pool_indices,
+            num_pages=self.decode_pages_needed(self.page_size))
         self.seq_lens = self.seq_lens + 1
         before, self.seq_lens_cpu = self.seq_lens_cpu, self.seq_lens_cpu + 1
         hist = self._page_hist
@@ -77,11 +93,11 @@ class ScheduleBatch:
             req.kv_allocated_len += 1
 
     def decode_pages_needed(self, page_size: int) -> int:
-        """Pages the next decode step opens: requests whose next position starts a page.
+        """`pages.decode_new_pages(self.seq_lens_cpu, page_size)`, in O(1) per step.
 
-        O(1) per step: a histogram of the lengths modulo the page size is built whenever the
-        lengths change other than by a decode step (a new batch, a filter, a merge, a restore),
-        and read at the offset of the decode steps taken since.
+        A histogram of the lengths modulo the page size is built whenever the lengths change
+        other than by a decode step (a new batch, a filter, a merge, a restore), and read at
+        the offset of the decode steps taken since.
         """
         if page_size == 1:
             return self.seq_lens_cpu.shape[0]
@@ -122,8 +138,12 @@ class ScheduleBatch:
 
     def check_decode_mem(self, keep: list[int] | None = None) -> bool:
         """True when the next decode step fits (evicting the shortfall from the tree)."""
-        lens = None if keep is None else self.seq_lens_cpu[torch.tensor(keep, dtype=torch.int64)]
-        return common.check_decode_mem(self, lens)
+        if keep is None:
+            num_pages = self.decode_pages_needed(self.page_size)
+        else:
+            num_pages = pages.decode_new_pages(self.seq_lens_cpu[torch.tensor(keep, dtype=torch.int64)],
+                                               self.page_size)
+        return common.check_decode_mem(self.token_to_kv_pool_allocator, self.tree_cache, num_pages)
 
     def retract_decode(self, retract_decode_steps: int) -> tuple[list, float]:
         """Release requests until the next decode step fits; at least one when bs > 1.

@@ -10,7 +10,9 @@ to a page multiple of `chunked_prefill_size`.
 from __future__ import annotations
 
 import enum
+
 from memcli.mem_cache import common
+from memcli.mem_cache.pages import align_down, align_up
 
 
 class AddResult(enum.Enum):
@@ -34,10 +36,6 @@ def order_waiting(queue: list, policy: str, tree_cache) -> list:
     return sorted(queue, key=lambda r: -len(r.prefix_indices))
 
 
-def ceil_paged(n: int, page_size: int) -> int:
-    return -(-n // page_size) * page_size
-
-
 class PrefillAdder:
     def __init__(self, tree_cache, allocator, running_reqs: list, new_token_ratio: float,
                  max_prefill_tokens: int, chunked_prefill_size: int | None, page_size: int, clip: int):
@@ -56,10 +54,10 @@ class PrefillAdder:
     @property
     def rem_total_tokens(self) -> float:
         u = common.usage(self.tree_cache, self.allocator)
-        return u["available"] + u["evictable"] - self.rem_total_token_offset
+        return u.available + u.evictable - self.rem_total_token_offset
 
     def _update_budget(self, extend_len: int, max_new: int) -> None:
-        extend = ceil_paged(extend_len, self.page_size)
+        extend = align_up(extend_len, self.page_size)
         self.rem_total_token_offset += extend + max_new
         self.rem_input_tokens -= extend
         if self.rem_chunk_tokens is not None:
@@ -77,7 +75,7 @@ class PrefillAdder:
         room = int(self.rem_total_tokens)
         if self.rem_chunk_tokens is not None:
             room = min(room, self.rem_chunk_tokens)
-        room = room // self.page_size * self.page_size
+        room = align_down(room, self.page_size)
         if room <= 0:
             return req, False
         truncated = req.extend_input_len > room
@@ -92,7 +90,7 @@ class PrefillAdder:
         total = req.extend_input_len + max_new
         if total >= self.rem_total_tokens:
             return AddResult.NO_TOKEN
-        extend = ceil_paged(req.extend_input_len, self.page_size)
+        extend = align_up(req.extend_input_len, self.page_size)
         if extend >= self.rem_input_tokens and self.can_run_list:
             return AddResult.OTHER
         self.tree_cache.inc_lock_ref(req.last_node)
@@ -103,7 +101,7 @@ class PrefillAdder:
             self.can_run_list.append(req)
             self._update_budget(req.extend_input_len, max_new)
             return self.budget_state()
-        trunc = self.rem_chunk_tokens // self.page_size * self.page_size
+        trunc = align_down(self.rem_chunk_tokens, self.page_size)
         if trunc <= 0 or has_chunked_req:
             self.tree_cache.dec_lock_ref(req.last_node)
             return AddResult.OTHER

@@ -5,6 +5,17 @@ Positions of a request row in `req_to_token`:
     [0, last_matched_prefix_len)                 slots owned by the tree (locked via last_node)
     [last_matched_prefix_len, kv_allocated_len)  slots the request owns (freed on finish)
     [0, kv_committed_len)                        positions whose K/V has been computed
+
+Who writes which field (memory code writes only what SGLang's tree caches write):
+
+    sched (Req, ScheduleBatch, policy, scheduler)  everything else; the batch applies the
+                                                   `ExtendAllocation` (req_pool_idx,
+                                                   kv_allocated_len) and decode steps
+    tree cache `cache_unfinished_req`              prefix_indices, last_node,
+                                                   last_matched_prefix_len
+    tree cache `cache_finished_req`                kv_freed (also `common.release_reqs`,
+                                                   its batched form)
+    bench-one-batch (restoring a snapshot)         the fields a snapshot puts back
 """
 
 from __future__ import annotations
@@ -34,12 +45,10 @@ class Req:
         self.kv_allocated_len = 0
         self.kv_committed_len = 0
         self.kv_freed = False
-        self.is_chunked = 0
         self.finished = False
         self.aborted = False
         self.retraction_count = 0
         self.first_cached_tokens: int | None = None
-        self.cached_tokens = 0
         self.admit_ms: float | None = None
         self.finish_ms: float | None = None
 
@@ -83,7 +92,6 @@ class Req:
         self.kv_allocated_len = 0
         self.kv_committed_len = 0
         self.kv_freed = False
-        self.is_chunked = 0
 
     def __repr__(self) -> str:
         return (f"Req({self.rid!r}, input={self.input_len}, output={len(self.output_ids)}/{self.max_new_tokens},"

@@ -182,12 +182,12 @@ class Scheduler:
         u = common.usage(self.tree_cache, allocator)
         # Pages in use that the tree does not own are held by requests (exact when memory is
         # conserved; the checks verify that separately, request by request).
-        held_pages = (allocator.size - u["available"] - u["evictable"] - u["protected"]) // allocator.page_size
+        held_pages = (allocator.size - u.available - u.evictable - u.protected) // allocator.page_size
         held_tokens = sum(r.kv_allocated_len - r.last_matched_prefix_len for r in self.active_reqs() if not r.kv_freed)
         rows = self.stack.req_to_token_pool.size - self.stack.req_to_token_pool.available_size()
         self.stats.peak_request_rows = max(self.stats.peak_request_rows, rows)
         record = StepRecord(self.step_count, self.clock_ms, kind, bs, new_tokens, len(self.running.reqs),
-                            len(self.waiting), u["available"], u["evictable"], u["protected"], held_tokens,
+                            len(self.waiting), u.available, u.evictable, u.protected, held_tokens,
                             held_pages)
         self.records.append(record)
         return record

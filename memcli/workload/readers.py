@@ -17,6 +17,7 @@ from typing import Any, Iterator, NoReturn
 import numpy as np
 
 from memcli.errors import MemcliError, TraceError
+from memcli.mem_cache.pages import cdiv
 from memcli.workload.spec import SYNTHETIC_TOKEN_BASE, RequestSpec, Trace, TokenRun
 
 FORMATS = ("auto", "memcli", "mooncake")
@@ -229,7 +230,7 @@ class _MooncakeParser:
         input_len = line.int_field("input_length", minimum=1)
         output_len = line.int_field("output_length", minimum=0)
         hash_ids = line.int_list("hash_ids")
-        need = -(-input_len // self.block_size)
+        need = cdiv(input_len, self.block_size)
         if len(hash_ids) != need:
             line.fail(
                 f"hash_ids has {len(hash_ids)} entries but input_length {input_len} needs"
@@ -267,8 +268,8 @@ class _MooncakeParser:
 def _block_size_hint(input_len: int, num_hashes: int) -> str:
     if num_hashes == 0:
         return "hash_ids must hold one id per block of the input"
-    low = -(-input_len // num_hashes)
-    high = None if num_hashes == 1 else -(-input_len // (num_hashes - 1)) - 1
+    low = cdiv(input_len, num_hashes)
+    high = None if num_hashes == 1 else cdiv(input_len, num_hashes - 1) - 1
     if high is not None and high < low:
         return "no block size fits this row: check its input_length and hash_ids"
     fits = f"{low} or more" if high is None else (f"{low}" if low == high else f"{low}..{high}")

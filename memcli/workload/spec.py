@@ -26,6 +26,8 @@ from typing import Literal, Union
 
 import numpy as np
 
+from memcli.mem_cache.pages import cdiv
+
 TokenRun = Union[np.ndarray, range]
 TraceFormat = Literal["memcli", "mooncake"]
 
@@ -72,7 +74,7 @@ class RequestSpec:
     @property
     def num_blocks(self) -> int:
         """Blocks of `block_size` tokens covering the input, the last one possibly partial."""
-        return -(-self.input_len // self.block_size)
+        return cdiv(self.input_len, self.block_size)
 
     @property
     def max_token_id(self) -> int:

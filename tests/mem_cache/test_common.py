@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from memcli.errors import OutOfMemoryError, RequestSlotsExhausted
-from memcli.mem_cache import common
+from memcli.mem_cache import common, pages
 from memcli.mem_cache.base_prefix_cache import RadixKey
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.req import Req
@@ -135,8 +135,8 @@ def test_extend_needs_exact_pages_not_a_page_per_request():
     alloc = stack.allocator
     prefix = torch.tensor([0, 3, 4])
     seq = torch.tensor([4, 5, 8])
-    assert common.extend_pages_needed(alloc.page_size, prefix, seq) * alloc.page_size == 4 * (1 + 1 + 1)
-    assert common.decode_tokens_needed(alloc, torch.tensor([4, 5, 8, 9])) == 8
+    assert pages.extend_new_pages(prefix, seq, alloc.page_size) * alloc.page_size == 4 * (1 + 1 + 1)
+    assert pages.decode_new_pages(torch.tensor([4, 5, 8, 9]), alloc.page_size) * alloc.page_size == 8
 
 
 def test_release_frees_exactly_what_was_allocated_once():
@@ -172,3 +172,51 @@ def test_triton_and_torch_backends_allocate_the_same_slots(page_size):
         rows = [row(stack, r) for r in first + second]
         results.append((batch.out_cache_loc.tolist(), rows, stack.allocator.free_page_ids().tolist()))
     assert results[0] == results[1]
+
+
+def test_extend_plan_is_immutable_and_counts_once():
+    import dataclasses
+
+    prefix = torch.tensor([8, 9, 10], dtype=torch.int64)
+    plan = common.ExtendPlan.build([None, 3], [prefix, torch.empty(0, dtype=torch.int64)], [5, 6], page_size=4)
+    assert plan.rows == [None, 3]
+    assert plan.prefix_lens_cpu.tolist() == [3, 0] and plan.seq_lens_cpu.tolist() == [5, 6]
+    assert plan.extend_lens_cpu.tolist() == [2, 6] and plan.extend_num_tokens == 8
+    assert plan.num_pages == (2 - 1) + 2
+    assert plan.prefix_tensors[0] is prefix
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.num_pages = 0
+
+
+def test_alloc_for_extend_takes_a_plan_returns_an_allocation_and_writes_no_request():
+    _, stack = small_stack(page_size=4, pool=64)
+    (a,) = make_reqs(stack, tokens((0, 6)))
+    plan = common.ExtendPlan.build([None], [a.prefix_indices], [6], page_size=4)
+    got = common.alloc_for_extend(plan, stack.req_to_token_pool, stack.allocator, stack.tree_cache)
+    assert isinstance(got, common.ExtendAllocation)
+    assert got.out_cache_loc.tolist() == [4, 5, 6, 7, 8, 9]
+    assert got.rows == [0] and got.req_pool_indices.tolist() == [0] and got.seq_lens.tolist() == [6]
+    assert a.req_pool_idx is None and a.kv_allocated_len == 0  # the batch applies the result
+    assert stack.req_to_token_pool.req_to_token[0, :6].tolist() == [4, 5, 6, 7, 8, 9]
+
+
+def test_alloc_for_decode_and_check_take_the_page_count_from_the_caller():
+    _, stack = small_stack(page_size=4, pool=12)
+    (a,) = make_reqs(stack, tokens((0, 8)))
+    batch = extend(stack, [a])  # pages 1 and 2 of 3; one page left
+    mem = (stack.req_to_token_pool, stack.allocator, stack.tree_cache)
+    assert common.check_decode_mem(stack.allocator, stack.tree_cache, num_pages=1)
+    assert not common.check_decode_mem(stack.allocator, stack.tree_cache, num_pages=2)
+    out = common.alloc_for_decode(*mem, seq_lens=batch.seq_lens, seq_lens_cpu=batch.seq_lens_cpu,
+                                  req_pool_indices=batch.req_pool_indices, num_pages=1)
+    assert out.tolist() == [12] and stack.allocator.available_size() == 0
+    with pytest.raises(OutOfMemoryError):
+        common.alloc_for_decode(*mem, seq_lens=batch.seq_lens, seq_lens_cpu=batch.seq_lens_cpu,
+                                req_pool_indices=batch.req_pool_indices, num_pages=1)
+
+
+def test_usage_is_named():
+    _, stack = small_stack(page_size=4, pool=64)
+    u = common.usage(stack.tree_cache, stack.allocator)
+    assert isinstance(u, common.Usage)
+    assert (u.available, u.evictable, u.protected) == (64, 0, 0) == tuple(u)

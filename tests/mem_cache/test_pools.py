@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from memcli.errors import RequestSlotsExhausted
+from memcli.mem_cache import common
 from memcli.mem_cache.pools import KVPool, ReqToTokenPool
 
 CPU = torch.device("cpu")
@@ -66,15 +67,15 @@ def test_exhaustion_returns_none_and_changes_nothing():
     assert pool.alloc(1) is None
 
 
-def test_alloc_or_raise_message_carries_the_numbers():
+def test_alloc_req_slots_message_carries_the_numbers():
     pool = rows_pool(3)
     pool.alloc(2)
     with pytest.raises(RequestSlotsExhausted) as info:
-        pool.alloc_or_raise(2)
+        common.alloc_req_slots(pool, 2)
     message = str(info.value)
     assert "need 2 rows, 1 of 3 free" in message
     assert "memory.max_running_requests" in message
-    assert pool.alloc_or_raise(1) == [2]
+    assert common.alloc_req_slots(pool, 1) == [2]
 
 
 @pytest.mark.parametrize("bad", [1, [1], [0, 1], [2, 2], [5], [-1]])
@@ -142,9 +143,9 @@ def test_kv_buffers_have_size_plus_page_size_rows(page_size):
 def test_bytes_per_token(dtype, itemsize):
     pool = KVPool(16, 4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=dtype, device=CPU)
     assert pool.bytes_per_token == 3 * 2 * 8 * 2 * itemsize
-    assert pool.total_bytes == (16 + 4) * pool.bytes_per_token
+    assert pool.rows * pool.bytes_per_token == (16 + 4) * pool.bytes_per_token
     assert pool.k_buffer.element_size() == itemsize
-    assert pool.k_buffer.numel() * itemsize * 2 == pool.total_bytes
+    assert pool.k_buffer.numel() * itemsize * 2 == pool.rows * pool.bytes_per_token
 
 
 def test_indices_only_mode_allocates_nothing():
@@ -154,7 +155,7 @@ def test_indices_only_mode_allocates_nothing():
     assert not pool.materialized
     assert pool.rows == (1 << 20) + 64
     assert pool.bytes_per_token == 80 * 8 * 128 * 2 * 2
-    assert pool.total_bytes == ((1 << 20) + 64) * 327680
+    assert pool.rows * pool.bytes_per_token == ((1 << 20) + 64) * 327680
 
 
 def test_unknown_dtype_is_rejected():

@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from memcli.mem_cache import common
+from memcli.mem_cache import pages
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.req import Req
 from tests.sched.helpers import small_stack
 
 
 def counted(batch, page_size):
-    return common.decode_pages_needed(page_size, batch.seq_lens_cpu)
+    return pages.decode_new_pages(batch.seq_lens_cpu, page_size)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -26,9 +26,9 @@ def test_decode_page_count_matches_a_direct_count_at_every_step(page_size):
     for step in range(3 * page_size + 2):
         assert batch.decode_pages_needed(page_size) == counted(batch, page_size), step
         opened_before = stack.allocator.in_use_tokens
-        pages = batch.decode_pages_needed(page_size)
+        opened = batch.decode_pages_needed(page_size)
         batch.prepare_for_decode()
-        assert stack.allocator.in_use_tokens - opened_before == pages * page_size
+        assert stack.allocator.in_use_tokens - opened_before == opened * page_size
         if step == 2:
             batch.filter_batch([0, 2, 3, 5, 8])  # lengths change other than by a step
         if step == 5:

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from memcli.config import GIB, Config
 from memcli.errors import CapacityError, MemcliError
-from memcli.mem_cache.allocator import cdiv
+from memcli.mem_cache.pages import align_up
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Case:
     @property
     def tokens_per_req(self) -> int:
         """KV slots one request holds at its finish (whole pages, tree-held prefix included)."""
-        return cdiv(self.seq_len, self.page_size) * self.page_size
+        return align_up(self.seq_len, self.page_size)
 
     @property
     def kv_tokens_needed(self) -> int:

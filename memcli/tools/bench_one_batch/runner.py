@@ -27,7 +27,6 @@ import torch
 
 from memcli import kernels
 from memcli.tools.bench_one_batch.cases import Case
-from memcli.tools.bench_one_batch.release import release_batch
 from memcli.errors import IntegrityError
 from memcli.mem_cache import common
 from memcli.mem_cache.allocator import AllocatorState
@@ -116,7 +115,7 @@ class CaseRunner:
             return [None] * bs
         for req in warm:
             common.cache_unfinished(self.tree_cache, req)
-        self.pool.free([req.req_pool_idx for req in warm])
+        common.free_req_rows(self.pool, [req.req_pool_idx for req in warm])
         return [req.prefix_indices for req in warm]
 
     # -- prefill ----------------------------------------------------------------------------
@@ -129,9 +128,10 @@ class CaseRunner:
     def prefill_memory(self) -> None:
         """The memory path alone: request rows, KV slots, write_cache_indices.
 
-        Needs the batch lengths of an earlier `prefill()`; leaves the request fields unset.
+        Needs the extend plan of an earlier `prefill()`; leaves the request fields unset.
         """
-        common.alloc_for_extend(self.batch)
+        b = self.batch
+        common.alloc_for_extend(b.extend_plan, b.req_to_token_pool, b.token_to_kv_pool_allocator, b.tree_cache)
 
     def restore_prefill(self) -> None:
         """Back to the state `start()` left: rows and slots of the prefill given back."""
@@ -184,7 +184,10 @@ class CaseRunner:
 
     def decode_memory(self) -> None:
         """The memory path alone: one slot per request, written into req_to_token."""
-        common.alloc_for_decode(self.batch)
+        b = self.batch
+        common.alloc_for_decode(b.req_to_token_pool, b.token_to_kv_pool_allocator, b.tree_cache,
+                                seq_lens=b.seq_lens, seq_lens_cpu=b.seq_lens_cpu, req_pool_indices=b.req_pool_indices,
+                                num_pages=b.decode_pages_needed(b.page_size))
 
     def store_decode_kv(self) -> None:
         kv = self.stack.kv_pool
@@ -205,7 +208,7 @@ class CaseRunner:
     # -- finish -----------------------------------------------------------------------------
     def finish(self) -> None:
         """Release every request (their K/V counts as computed: the tree caches it)."""
-        release_batch(self.batch)
+        common.release_reqs(self.tree_cache, self.reqs, self.batch.req_pool_indices)
         self._released = True
 
     def before_finish(self) -> None:

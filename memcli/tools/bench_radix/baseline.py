@@ -15,6 +15,8 @@ from typing import Callable, Optional
 
 import torch
 
+from memcli.mem_cache.pages import align_down
+
 
 class BaselineNode:
     _ids = itertools.count()
@@ -68,7 +70,7 @@ class BaselineRadixCache:
         return i
 
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, BaselineNode]:
-        key = key[: len(key) // self.page_size * self.page_size]
+        key = key[: align_down(len(key), self.page_size)]
         now = self.clock()
         node, values = self.root, []
         node.last_access_time = now
@@ -96,7 +98,7 @@ class BaselineRadixCache:
         return upper
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
-        aligned = len(key) // self.page_size * self.page_size
+        aligned = align_down(len(key), self.page_size)
         key, value = key[:aligned], value[:aligned]
         now = self.clock()
         node, total_prefix = self.root, 0

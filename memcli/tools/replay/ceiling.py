@@ -39,10 +39,6 @@ def shared_prefix_lens(trace: Trace) -> np.ndarray:
     return np.minimum(shared, caps)
 
 
-def floor_to_page(lens: np.ndarray, page_size: int) -> np.ndarray:
-    return lens // page_size * page_size
-
-
 def _mooncake_lcp(requests: Iterable[RequestSpec]) -> np.ndarray:
     """Block-level walk: equal hash ids on equal paths mean equal tokens, up to the shorter
     request's length inside the last block."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from memcli.tools.replay.ceiling import floor_to_page
+from memcli.mem_cache.pages import align_down, num_pages
 
 WARMUP_FRACTION = 0.5
 WINDOW_REQUESTS = 1000
@@ -184,13 +184,13 @@ def prefix_stats(input_lens: np.ndarray, cached: np.ndarray, shared: np.ndarray,
         page_size=page_size,
         block_size=block_size,
         hit_blocks=int((hits // block_size).sum()),
-        blocks=int((-(-inputs // block_size)).sum()),
+        blocks=int(num_pages(inputs, block_size).sum()),
         warmup_input_tokens=int(input_lens[late].sum()),
         warmup_cached_tokens=int(cached[late].sum()),
         window_input_tokens=int(input_lens[window].sum()),
         window_cached_tokens=int(cached[window].sum()),
         shared_tokens=int(shared.sum()),
-        ceiling_tokens=int(floor_to_page(shared, page_size).sum()),
+        ceiling_tokens=int(align_down(shared, page_size).sum()),
         sub_page_prefix_requests=int(((shared > 0) & (shared < page_size)).sum()),
         requests_with_hits=int((hits > 0).sum()),
     )

@@ -28,6 +28,7 @@ from memcli.config import Config, replace
 from memcli.errors import CapacityError, IntegrityError, MemcliError
 from memcli.mem_cache.check import check_memory
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from memcli.mem_cache.pages import align_up
 from memcli.tools.replay.ceiling import shared_prefix_lens
 from memcli.tools.replay.metrics import (EvictionLog, StepSeries, eviction_stats, occupancy_stats, prefix_stats,
                                    queue_stats)
@@ -96,7 +97,7 @@ def check_fits(config: Config, trace: Trace) -> None:
                 f"raise it (--set memory.max_context_len={need}) or replay fewer requests (--limit {index})"
                 if index else f"raise it: --set memory.max_context_len={need}",
             )
-        paged = -(-need // ps) * ps
+        paged = align_up(need, ps)
         if paged > pool or spec.input_len + min(spec.output_len, clip) >= pool:
             raise CapacityError(
                 f"{where} needs {paged} tokens ({need} rounded to pages of {ps}) but the pool holds {pool}",

@@ -17,7 +17,7 @@ import numpy as np
 
 from memcli.config import GIB, Config, parse_override, replace
 from memcli.errors import MemcliError
-from memcli.tools.replay.ceiling import floor_to_page
+from memcli.mem_cache.pages import align_down, align_up
 from memcli.tools.replay.result import ReplayResult
 from memcli.tools.replay.runner import ReplayOptions, check_fits, check_options, replay
 from memcli.workload.spec import Trace
@@ -117,7 +117,7 @@ class SweepResult:
 def unlimited_pool_tokens(trace: Trace, page_size: int) -> int:
     """Every token of the trace in whole pages (a request asking for 0 outputs still makes one)."""
     ps = page_size
-    return sum(-(-(r.input_len + max(r.output_len, 1)) // ps) * ps for r in trace.requests) + ps
+    return sum(align_up(r.input_len + max(r.output_len, 1), ps) for r in trace.requests) + ps
 
 
 def unlimited_config(config: Config, pool_tokens: int) -> Config:
@@ -145,7 +145,7 @@ def run_sweep(spec: SweepSpec, make_config: Callable[[list[str]], Config], trace
 def _reference(config: Config, trace: Trace, options: ReplayOptions, shared: np.ndarray, progress) -> Reference:
     ps = config.page_size
     pool = unlimited_pool_tokens(trace, ps)
-    ceiling_tokens = int(floor_to_page(shared, ps).sum())
+    ceiling_tokens = int(align_down(shared, ps).sum())
     ceiling = ceiling_tokens / trace.input_tokens
     if pool > UNLIMITED_REPLAY_MAX_TOKENS:
         return Reference(

@@ -13,7 +13,6 @@ import torch
 from typer.testing import CliRunner
 
 from memcli.tools.bench_one_batch.cases import Case, check_capacity
-from memcli.tools.bench_one_batch.release import release_batch
 from memcli.tools.bench_one_batch.runner import CaseRunner
 from memcli.cli.app import app
 from memcli.cli.bench_one_batch import LIST_FLAGS
@@ -151,10 +150,12 @@ def test_null_cache_takes_the_config_page_size():
     assert stack.allocator.in_use_tokens == 3 * 48
 
 
+@pytest.mark.parametrize("with_index", [True, False])
 @pytest.mark.parametrize("page_size, rows", [(1, None), (4, None), (4, [5, 2, 9])])
-def test_batched_release_frees_what_per_request_release_frees(page_size, rows):
+def test_batched_release_frees_what_per_request_release_frees(page_size, rows, with_index):
     """The one-gather release of the null cache leaves the same free list as cache_finished_req
-    (rows [5, 2, 9]: out of order, so the release gathers instead of slicing)."""
+    (rows [5, 2, 9]: out of order, so the release gathers instead of slicing, by the batch's
+    device rows or by rows it builds itself)."""
     free_lists = []
     for batched in (True, False):
         cfg = replace(load_config(None, ["runtime.device=cpu"]), memory={"page_size": page_size},
@@ -174,7 +175,9 @@ def test_batched_release_frees_what_per_request_release_frees(page_size, rows):
             case_runner.batch.prepare_for_decode()
         case_runner.ready_to_finish()
         if batched:
-            release_batch(case_runner.batch)
+            index = case_runner.batch.req_pool_indices if with_index else None
+            common.release_reqs(stack.tree_cache, case_runner.reqs, index)
+            assert all(r.kv_freed for r in case_runner.reqs)
         else:
             with common.free_group(stack.allocator):
                 for req in case_runner.reqs:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memcli.tools.replay.ceiling import floor_to_page, shared_prefix_lens
+from memcli.mem_cache.pages import align_down
+from memcli.tools.replay.ceiling import shared_prefix_lens
 from memcli.workload.generate import generate_trace, write_trace
 from memcli.workload.readers import read_trace
 from memcli.workload.spec import RequestSpec, Trace
@@ -17,7 +18,7 @@ from tests.tools.replay.helpers import CONVERSATION, page_prefix_hits, shrink_mo
 def test_mooncake_ceiling_matches_prefix_set(tmp_path, page_size):
     trace = read_trace(shrink_mooncake(CONVERSATION, tmp_path / "t.jsonl", 120, block_size=24), block_size=24)
     expected = page_prefix_hits([r.input_ids() for r in trace.requests], page_size)
-    assert floor_to_page(shared_prefix_lens(trace), page_size).tolist() == expected
+    assert align_down(shared_prefix_lens(trace), page_size).tolist() == expected
 
 
 @pytest.mark.parametrize("page_size", [1, 8])
@@ -26,7 +27,7 @@ def test_memcli_ceiling_matches_prefix_set(tmp_path, page_size):
     write_trace(records, tmp_path / "g.jsonl")
     trace = read_trace(tmp_path / "g.jsonl")
     expected = page_prefix_hits([r.input_ids() for r in trace.requests], page_size)
-    assert floor_to_page(shared_prefix_lens(trace), page_size).tolist() == expected
+    assert align_down(shared_prefix_lens(trace), page_size).tolist() == expected
     assert sum(expected) > 0
 
 
@@ -52,4 +53,4 @@ def test_mooncake_partial_last_block_shares_up_to_the_shorter_length():
     ]
     trace = Trace("m.jsonl", "mooncake", 4, reqs)
     assert shared_prefix_lens(trace).tolist() == [0, 10, 4, 0]
-    assert np.array_equal(floor_to_page(shared_prefix_lens(trace), 4), [0, 8, 4, 0])
+    assert np.array_equal(align_down(shared_prefix_lens(trace), 4), [0, 8, 4, 0])
