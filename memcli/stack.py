@@ -8,13 +8,14 @@ another page size is `page_size_overrides`, a debugging switch used by `check-pa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from memcli.config import Config, Semantics
 from memcli.errors import ConfigError
 from memcli.mem_cache.allocator import BaseAllocator, make_allocator
-from memcli.mem_cache.base_prefix_cache import BasePrefixCache
+from memcli.mem_cache.base_prefix_cache import BasePrefixCache, EvictRule
 from memcli.mem_cache.chunk_cache import ChunkCache
 from memcli.mem_cache.null_cache import NullCache
 from memcli.mem_cache.pools import KVPool, ReqToTokenPool
@@ -111,11 +112,18 @@ def build_stack(config: Config, cache_kind: str | None = None,
                           hint="inject null_cache.page_size instead, or use cache.kind radix or chunk")
     tree_ps = overrides.get("null_cache" if kind == "none" else "tree_cache", ps)
     tree_cache = make_tree_cache(kind, config, req_to_token_pool, allocator, tree_ps)
+    tree_cache.evict_rule = evict_rule(config.behaviour)
     # The bench null cache is built here too, so its page size is read from a real object.
     null_cache = tree_cache if kind == "none" else NullCache(allocator, req_to_token_pool,
                                                               overrides.get("null_cache", ps))
     return MemoryStack(config, device, backend, req_to_token_pool, kv_pool, allocator, tree_cache,
                        overrides.get("scheduler", ps), null_cache, overrides)
+
+
+def evict_rule(behaviour: Semantics) -> EvictRule:
+    """How the allocation entry points ask the tree for room, for the behaviours in force."""
+    return EvictRule(full_need=behaviour.evict_amount == "full_need",
+                     page_per_request=behaviour.page_estimate == "one_per_request")
 
 
 def radix_semantics(behaviour: Semantics) -> dict[str, Any]:

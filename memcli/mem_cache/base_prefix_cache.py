@@ -87,12 +87,26 @@ class RadixKey:
         return f"RadixKey(extra_key={self.extra_key!r}, token_ids={head}{more})"
 
 
+class EvictRule(NamedTuple):
+    """How the allocation entry points (`mem_cache.common`) ask a cache for room.
+
+    `full_need`: when the free list is short of a need, evict the whole need (SGLang 0.5.5's
+    `evict_from_tree_cache`) instead of the shortfall. `page_per_request`: before a paged
+    allocation, assume each request opens one new page (SGLang's over-estimate: extend needs
+    `extend_num_tokens + bs * page_size`, decode `bs * page_size`) instead of the exact count.
+    """
+
+    full_need: bool = False
+    page_per_request: bool = False
+
+
 class BasePrefixCache(abc.ABC):
     """Interface of every prefix cache. Subclasses set the attributes in `__init__`.
 
     Attributes: `req_to_token_pool`, `allocator` (the KV slot allocator, also reachable as
     `token_to_kv_pool_allocator`), `page_size` (given by the stack builder, never a
-    default), `device`, `disable` (True when the cache shares nothing between requests).
+    default), `device`, `disable` (True when the cache shares nothing between requests),
+    `evict_rule` (set by the stack builder from the semantics in force).
     """
 
     req_to_token_pool: Any
@@ -100,6 +114,7 @@ class BasePrefixCache(abc.ABC):
     page_size: int
     device: torch.device
     disable: bool
+    evict_rule: EvictRule = EvictRule()
 
     @property
     def token_to_kv_pool_allocator(self) -> Any:

@@ -98,11 +98,26 @@ def assert_same_page_size(allocator, tree_cache) -> None:
 
 
 def evict_if_needed(tree_cache, allocator, need_tokens: int) -> int:
-    """Evict only the shortfall, and only when `available_size()` is short. Returns tokens freed."""
+    """When `available_size()` is short of `need_tokens`, evict the shortfall (or the whole
+    need, under `tree_cache.evict_rule.full_need`). Returns the tokens freed."""
     shortfall = need_tokens - allocator.available_size()
     if shortfall <= 0:
         return 0
-    return tree_cache.evict(shortfall)
+    return tree_cache.evict(need_tokens if tree_cache.evict_rule.full_need else shortfall)
+
+
+def extend_need(plan: "ExtendPlan", tree_cache, page_size: int) -> int:
+    """Free tokens to have before an extend allocation: the exact pages, or SGLang's estimate."""
+    if tree_cache.evict_rule.page_per_request and page_size > 1:
+        return plan.extend_num_tokens + len(plan.rows) * page_size
+    return plan.num_pages * page_size
+
+
+def decode_need(tree_cache, num_reqs: int, num_pages: int, page_size: int) -> int:
+    """Free tokens to have before a decode allocation: the exact pages, or SGLang's estimate."""
+    if tree_cache.evict_rule.page_per_request and page_size > 1:
+        return num_reqs * page_size
+    return num_pages * page_size
 
 
 def out_of_memory(what: str, tree_cache, allocator, need_tokens: int) -> OutOfMemoryError:
@@ -121,7 +136,7 @@ def alloc_req_slots(req_to_token_pool, num_reqs: int) -> list[int]:
 
 
 def alloc_for_extend(plan: ExtendPlan, req_to_token_pool, allocator, tree_cache) -> ExtendAllocation:
-    """Request rows, then eviction of the shortfall, then KV slots written into the rows.
+    """Request rows, then eviction when short (`evict_if_needed`), then KV slots written into the rows.
 
     Every count and offset comes from the plan's CPU lengths, so the capacity check happens
     on the host, and the device sees one copy and one kernel (`alloc_extend_write`), with no
@@ -130,16 +145,15 @@ def alloc_for_extend(plan: ExtendPlan, req_to_token_pool, allocator, tree_cache)
     """
     assert_same_page_size(allocator, tree_cache)
     rows, new_rows = _rows_for(req_to_token_pool, plan.rows)
-    need = plan.num_pages * allocator.page_size
-    if need > allocator.available_size():
-        evict_if_needed(tree_cache, allocator, need)
+    need = extend_need(plan, tree_cache, allocator.page_size)
+    evict_if_needed(tree_cache, allocator, need)
     written = allocator.alloc_extend_write(req_to_token_pool.req_to_token, rows, plan.prefix_lens_cpu,
                                            plan.seq_lens_cpu, plan.prefix_tensors, plan.num_pages,
                                            plan.extend_num_tokens)
     if written is None:
         if new_rows:
             req_to_token_pool.free(new_rows)
-        raise out_of_memory("prefill", tree_cache, allocator, need)
+        raise out_of_memory("prefill", tree_cache, allocator, plan.num_pages * allocator.page_size)
     return ExtendAllocation(written.out_cache_loc, written.req_pool_indices, rows, written.seq_lens)
 
 
@@ -162,22 +176,21 @@ def alloc_for_decode(req_to_token_pool, allocator, tree_cache, *, seq_lens: torc
     """One slot per request written at column `seq_lens` (the old lengths); returns them.
 
     `num_pages` are the pages the step opens (`pages.decode_new_pages(seq_lens_cpu)`, which
-    the batch keeps in O(1) per step). Evicts the exact shortfall first. The caller
+    the batch keeps in O(1) per step). Evicts first when short (`evict_if_needed`). The caller
     increments `seq_lens` afterwards. Raises `OutOfMemoryError` when the pages are not free.
     """
     assert_same_page_size(allocator, tree_cache)
-    need = num_pages * allocator.page_size
-    if need > allocator.available_size():
-        evict_if_needed(tree_cache, allocator, need)
+    need = decode_need(tree_cache, seq_lens_cpu.shape[0], num_pages, allocator.page_size)
+    evict_if_needed(tree_cache, allocator, need)
     out = allocator.alloc_decode_write(seq_lens, seq_lens_cpu, req_pool_indices, req_to_token_pool.req_to_token,
                                        num_pages=num_pages)
     if out is None:
-        raise out_of_memory("decode", tree_cache, allocator, need)
+        raise out_of_memory("decode", tree_cache, allocator, num_pages * allocator.page_size)
     return out
 
 
 def check_decode_mem(allocator, tree_cache, num_pages: int) -> bool:
-    """True when a decode step opening `num_pages` pages fits, after evicting the shortfall."""
+    """True when a decode step opening `num_pages` pages fits, after evicting when short."""
     need = num_pages * allocator.page_size
     evict_if_needed(tree_cache, allocator, need)
     return allocator.available_size() >= need

@@ -96,6 +96,7 @@ class Scheduler:
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / max(
             sched_config.new_token_ratio_decay_steps, 1)
         self.new_token_ratio = self.init_new_token_ratio
+        self.retract_to_front = stack.config.behaviour.retract_requeue == "front"
         if hasattr(self.tree_cache, "clock"):
             self.tree_cache.clock = lambda: self.clock_ms
 
@@ -320,8 +321,11 @@ class Scheduler:
         self.stats.retracted_requests += len(retracted)
         for req in retracted:
             self._event("retract", req.rid, req.seqlen)
-        # Retracted requests were admitted before anything still waiting: they go first.
-        self.waiting[:0] = sorted(retracted, key=lambda r: r.arrival_ms)
+        if self.retract_to_front:
+            # Retracted requests were admitted before anything still waiting: they go first.
+            self.waiting[:0] = sorted(retracted, key=lambda r: r.arrival_ms)
+        else:
+            self.waiting.extend(retracted)  # SGLang: back of the queue, in retraction order
 
     def _abort_running_oom(self) -> None:
         self.stats.oom_events += 1

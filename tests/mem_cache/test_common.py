@@ -76,8 +76,11 @@ def test_decode_writes_at_old_seq_len_then_caller_increments():
     assert row(stack, a) == [4, 5, 6, 7, 12] and row(stack, b) == [8, 9, 10, 11]
 
 
-def test_evicts_only_the_shortfall():
-    _, stack = small_stack(page_size=1, pool=16)
+@pytest.mark.parametrize("profile, asked_for, left", [("memcli", 3, 6), ("sglang-0.5.5", 7, 0)])
+def test_eviction_asks_for_the_shortfall_or_the_whole_need(profile, asked_for, left):
+    """need 7, available 4: the memcli profile evicts the shortfall of 3 (one leaf of 6 goes),
+    SGLang's `evict_from_tree_cache` the whole need of 7 (both leaves go)."""
+    _, stack = small_stack(page_size=1, pool=16, semantics__profile=profile)
     tree = stack.tree_cache
     slots = stack.allocator.alloc(12)
     tree.insert(RadixKey(tokens((0, 6))), slots[:6])
@@ -88,8 +91,25 @@ def test_evicts_only_the_shortfall():
     tree.evict = lambda n: asked.append(n) or real_evict(n)
     (a,) = make_reqs(stack, tokens((500, 7)))
     extend(stack, [a])
-    assert asked == [3]  # need 7, available 4
-    assert tree.evictable_size() == 6  # one whole leaf of 6 went, the other stayed
+    assert asked == [asked_for]
+    assert tree.evictable_size() == left
+
+
+@pytest.mark.parametrize("profile, asked_for", [("memcli", 4), ("sglang-0.5.5", 4 + 2 * 4)])
+def test_paged_extend_estimates_the_pages_exactly_or_one_per_request(profile, asked_for):
+    """Two requests of 2 new tokens each at page size 4 open 2 pages (8 tokens): with 4 tokens
+    free the memcli profile evicts the shortfall 4; SGLang evicts its estimate
+    extend_num_tokens + bs * page_size = 4 + 8 = 12 in full."""
+    _, stack = small_stack(page_size=4, pool=64, semantics__profile=profile)
+    tree = stack.tree_cache
+    for start in (0, 100, 200):
+        tree.insert(RadixKey(tokens((start, 20))), stack.allocator.alloc(20))
+    assert stack.allocator.available_size() == 4
+    asked = []
+    real_evict = tree.evict
+    tree.evict = lambda n: asked.append(n) or real_evict(n)
+    extend(stack, make_reqs(stack, tokens((500, 2)), tokens((600, 2))))
+    assert asked == [asked_for]
 
 
 def test_no_eviction_when_memory_suffices():
