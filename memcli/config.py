@@ -138,6 +138,12 @@ class SemanticsConfig:
         """The behaviours set apart from the profile (equal values included: the user asked)."""
         return {key: getattr(self, key) for key in PROFILE_CHOICES if getattr(self, key) is not None}
 
+    @property
+    def label(self) -> str:
+        """`sglang-0.5.5`, or with overrides `memcli + split_stamp=refresh, lfu_hits=never`."""
+        extra = ", ".join(f"{k}={v}" for k, v in self.overrides().items())
+        return f"{self.profile} + {extra}" if extra else self.profile
+
 
 # Each behaviour's value under each profile.
 PROFILE_CHOICES: dict[str, dict[str, str]] = {

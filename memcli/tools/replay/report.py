@@ -32,6 +32,7 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
         "cached_tokens": p.cached_tokens,
         "hit_rate": _round(p.hit_rate),
         "page_size": result.config.page_size,
+        "semantics": result.config.semantics.label,
         "arrivals": result.arrivals,
         "device": result.device,
         "kernel_backend": result.kernel_backend,
@@ -121,6 +122,7 @@ def replay_tables(result: ReplayResult) -> list[Table]:
     summary = kv_table("summary", [
         ("trace", f"{result.trace.path} ({result.trace.format})"),
         ("arrivals", result.arrivals),
+        ("semantics (profile)", result.config.semantics.label),
         ("device / kernels", f"{result.device} / {result.kernel_backend}"),
         ("requests", s.requests), ("finished", s.finished), ("aborted", s.aborted),
         ("input tokens", result.trace.input_tokens), ("output tokens", s.output_tokens),
