@@ -16,7 +16,7 @@ from rich.tree import Tree
 
 from memcli.errors import IntegrityError
 from memcli.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, RadixKey
-from memcli.mem_cache.integrity import Check, IntegrityReport
+from memcli.mem_cache.integrity import CheckResult, IntegrityReport
 
 
 class ChunkCache(BasePrefixCache):
@@ -76,8 +76,8 @@ class ChunkCache(BasePrefixCache):
         """The cache holds no tokens; what it can get wrong is the page size it frees rows by."""
         ps, allocator_ps = self.page_size, self.allocator.page_size
         return IntegrityReport("chunk cache", [
-            Check("page size agrees with the allocator", ps == allocator_ps,
-                  f"cache {ps}, allocator {allocator_ps}"),
+            CheckResult("page size agrees with the allocator", ps == allocator_ps,
+                        f"cache {ps}, allocator {allocator_ps}"),
         ])
 
     def pretty_print(self) -> Tree:

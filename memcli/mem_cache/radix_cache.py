@@ -29,7 +29,7 @@ from memcli.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, Rad
 from memcli.mem_cache.eviction import EvictionQueue, get_eviction_policy, is_evictable_leaf
 from memcli.mem_cache.integrity import IntegrityReport
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, chain_page_hashes, stored_events
-from memcli.mem_cache.radix_integrity import radix_checks
+from memcli.mem_cache.integrity.radix import radix_checks
 
 _EMPTY_TOKENS = np.empty((0,), dtype=np.int64)
 
