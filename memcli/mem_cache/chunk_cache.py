@@ -11,8 +11,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from rich.text import Text
-from rich.tree import Tree
 
 from memcli.errors import IntegrityError
 from memcli.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, RadixKey
@@ -79,6 +77,3 @@ class ChunkCache(BasePrefixCache):
             CheckResult("page size agrees with the allocator", ps == allocator_ps,
                         f"cache {ps}, allocator {allocator_ps}"),
         ])
-
-    def pretty_print(self) -> Tree:
-        return Tree(Text(f"chunk cache (no prefix sharing)  page_size={self.page_size}"))
