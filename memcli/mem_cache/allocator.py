@@ -23,8 +23,8 @@ from typing import NamedTuple
 import torch
 
 from memcli import kernels
-from memcli.mem_cache.integrity import Check, IntegrityReport
-from memcli.mem_cache.pages import cdiv, decode_new_pages, extend_new_pages  # noqa: F401 (cdiv: re-exported for old importers)
+from memcli.mem_cache.integrity import CheckResult, IntegrityReport
+from memcli.mem_cache.pages import decode_new_pages, extend_new_pages
 
 
 class AllocatorState(NamedTuple):
@@ -225,12 +225,13 @@ class BaseAllocator:
         return IntegrityReport(
             f"allocator(page_size={self.page_size})",
             [
-                Check("free list within range", in_range,
-                      f"{n} free {unit}, valid ids 1..{self.num_pages}"),
-                Check("no duplicate in free list", dup == 0, f"{dup} duplicate {unit}"),
-                Check("slot 0 never free", not zero, "page 0 is padding" if not zero else "page 0 is in the free list"),
-                Check("available + in use == size", avail + used == self.size,
-                      f"available {avail} + in use {used} vs size {self.size}"),
+                CheckResult("free list within range", in_range,
+                            f"{n} free {unit}, valid ids 1..{self.num_pages}"),
+                CheckResult("no duplicate in free list", dup == 0, f"{dup} duplicate {unit}"),
+                CheckResult("slot 0 never free", not zero,
+                            "page 0 is padding" if not zero else "page 0 is in the free list"),
+                CheckResult("available + in use == size", avail + used == self.size,
+                            f"available {avail} + in use {used} vs size {self.size}"),
             ],
         )
 

@@ -19,7 +19,6 @@ from typing import Any, Iterator, NamedTuple, Optional
 
 import numpy as np
 import torch
-from rich.tree import Tree
 
 from memcli.mem_cache.integrity import IntegrityReport
 
@@ -202,10 +201,6 @@ class BasePrefixCache(abc.ABC):
     @abc.abstractmethod
     def check_integrity(self) -> IntegrityReport:
         """Walk the cache and report every invariant with its numbers. Does not mutate."""
-
-    @abc.abstractmethod
-    def pretty_print(self) -> Tree:
-        """A rich Tree of the cache contents (readable without colour). Does not mutate."""
 
     def take_events(self) -> list:
         """KV events queued since the last call (oldest first); clears the queue."""

@@ -3,7 +3,7 @@
 Used when the radix cache is disabled. Every request owns all its slots, from its first
 chunk to its finish. The cache itself owns nothing, so `evictable_size()` and
 `protected_size()` are 0: what requests hold is counted as held by running requests in the
-conservation check (`memcli.mem_cache.check`), once.
+conservation check (`memcli.mem_cache.integrity`), once.
 """
 
 from __future__ import annotations
@@ -11,12 +11,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from rich.text import Text
-from rich.tree import Tree
 
 from memcli.errors import IntegrityError
 from memcli.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, RadixKey
-from memcli.mem_cache.integrity import Check, IntegrityReport
+from memcli.mem_cache.integrity import CheckResult, IntegrityReport
 
 
 def free_row_pages(req_to_token_pool: Any, allocator: Any, rows: list[int], length: int,
@@ -101,9 +99,6 @@ class ChunkCache(BasePrefixCache):
         """The cache holds no tokens; what it can get wrong is the page size it frees rows by."""
         ps, allocator_ps = self.page_size, self.allocator.page_size
         return IntegrityReport("chunk cache", [
-            Check("page size agrees with the allocator", ps == allocator_ps,
-                  f"cache {ps}, allocator {allocator_ps}"),
+            CheckResult("page size agrees with the allocator", ps == allocator_ps,
+                        f"cache {ps}, allocator {allocator_ps}"),
         ])
-
-    def pretty_print(self) -> Tree:
-        return Tree(Text(f"chunk cache (no prefix sharing)  page_size={self.page_size}"))

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.text import Text
-from rich.tree import Tree
-
 from memcli.mem_cache.chunk_cache import ChunkCache
 from memcli.mem_cache.integrity import IntegrityReport
 
@@ -27,6 +24,3 @@ class NullCache(ChunkCache):
     def check_integrity(self) -> IntegrityReport:
         report = super().check_integrity()  # the page size it frees rows by
         return IntegrityReport("null cache", report.checks)
-
-    def pretty_print(self) -> Tree:
-        return Tree(Text(f"null cache (caches nothing)  page_size={self.page_size}"))

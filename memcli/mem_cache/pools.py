@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from memcli.mem_cache.integrity import Check, IntegrityReport
+from memcli.mem_cache.integrity import CheckResult, IntegrityReport
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -69,8 +69,9 @@ class ReqToTokenPool:
         return IntegrityReport(
             "req_to_token_pool",
             [
-                Check("no duplicate free rows", len(set(free)) == len(free), f"{len(free) - len(set(free))} duplicates"),
-                Check(
+                CheckResult("no duplicate free rows", len(set(free)) == len(free),
+                            f"{len(free) - len(set(free))} duplicates"),
+                CheckResult(
                     "free + in use == size",
                     len(free) + len(self.rows_in_use()) == self.size,
                     f"free {len(free)} + in use {len(self.rows_in_use())} vs size {self.size}",

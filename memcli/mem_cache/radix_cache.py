@@ -21,8 +21,6 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import torch
-from rich.text import Text
-from rich.tree import Tree
 
 from memcli.errors import IntegrityError
 from memcli.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, RadixKey
@@ -30,8 +28,8 @@ from memcli.mem_cache.clock import LogicalClock
 from memcli.mem_cache.eviction import EvictionQueue, get_eviction_policy, is_evictable_leaf
 from memcli.mem_cache.integrity import IntegrityReport
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, chain_page_hashes, stored_events
+from memcli.mem_cache.integrity.radix import radix_checks
 from memcli.mem_cache.pages import align_down
-from memcli.mem_cache.radix_integrity import radix_checks
 
 _EMPTY_TOKENS = np.empty((0,), dtype=np.int64)
 
@@ -517,31 +515,6 @@ class RadixCache(BasePrefixCache):
         slots_not_free, eviction_queue, and page_layout when page_size > 1.
         """
         return IntegrityReport("radix cache", radix_checks(self))
-
-    def pretty_print(self, max_nodes: int = 200) -> Tree:
-        """Rich tree: one line per node (tokens, first ids, lock, hits), at most `max_nodes`."""
-        title = Text(
-            f"radix cache  page_size={self.page_size}  total={self._total}  "
-            f"evictable={self._evictable}  protected={self._protected}  nodes={self._num_nodes}"
-        )
-        tree = Tree(title)
-        shown = 0
-        stack = [(child, tree) for child in reversed(list(self.root.children.values()))]
-        while stack and shown < max_nodes:
-            node, branch = stack.pop()
-            sub = branch.add(Text(self._node_label(node)))
-            shown += 1
-            stack.extend((child, sub) for child in reversed(list(node.children.values())))
-        if self._num_nodes > shown:
-            tree.add(Text(f"... {self._num_nodes - shown} more nodes"))
-        return tree
-
-    @staticmethod
-    def _node_label(node: TreeNode) -> str:
-        ids = node.key[:10].tolist()
-        more = "..." if len(node.key) > 10 else ""
-        namespace = f" extra_key={node.extra_key!r}" if node.extra_key is not None else ""
-        return f"{len(node.key)} tokens {ids}{more} lock_ref={node.lock_ref} hits={node.hit_count}{namespace}"
 
 
 # -- integrity walk -------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple
 
 from memcli.errors import OutOfMemoryError, RequestSlotsExhausted
 from memcli.mem_cache import common
-from memcli.mem_cache.check import check_memory
+from memcli.mem_cache.integrity import check_memory
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.policy import AddResult, PrefillAdder, order_waiting, uses_lpm
 from memcli.sched.req import Req

@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-from rich.console import Console
 
 from memcli.errors import IntegrityError
 from memcli.mem_cache.base_prefix_cache import RadixKey
@@ -65,13 +64,6 @@ def test_finishing_twice_raises():
     h.finish(req)
     with pytest.raises(IntegrityError, match="already freed"):
         h.cache.cache_finished_req(req)
-
-
-def test_pretty_print():
-    h = Harness(ChunkCache, page_size=4)
-    console = Console(no_color=True, record=True, width=100, file=open("/dev/null", "w"))
-    console.print(h.cache.pretty_print())
-    assert "chunk cache (no prefix sharing)  page_size=4" in console.export_text()
 
 
 def test_integrity_check_catches_a_page_size_the_allocator_does_not_have():

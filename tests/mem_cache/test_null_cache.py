@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-from rich.console import Console
 
 from memcli.errors import IntegrityError
 from memcli.mem_cache.base_prefix_cache import RadixKey
@@ -52,10 +51,3 @@ def test_unfinished_records_int64_prefix():
     h.prefill(req, 6)
     assert req.prefix_indices.dtype == torch.int64
     assert req.prefix_indices.tolist() == h.pool.req_to_token[req.req_pool_idx, :6].tolist()
-
-
-def test_pretty_print_renders_without_colour():
-    cache = Harness(NullCache, page_size=8).cache
-    console = Console(no_color=True, record=True, width=100, file=open("/dev/null", "w"))
-    console.print(cache.pretty_print())
-    assert "null cache (caches nothing)  page_size=8" in console.export_text()

@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-from rich.console import Console
 
 from memcli.errors import IntegrityError
 from memcli.mem_cache.base_prefix_cache import RadixKey
@@ -326,23 +325,6 @@ def test_disabled_cache_stores_nothing():
     assert cache.insert(key(1, 2, 3)) == 0
     assert cache.total_size() == 0 and match(cache, 1, 2, 3) == []
     assert cache.evict(5) == 0
-
-
-def test_pretty_print_renders_without_colour():
-    cache = make_cache(allocator=False)
-    cache.insert(key(*range(12)), None)
-    cache.insert(key(0, 1, 99, extra="lora"))
-    node = cache.match_prefix(key(*range(12))).last_node
-    cache.inc_lock_ref(node)
-    console = Console(no_color=True, width=120, record=True, file=open("/dev/null", "w"))
-    console.print(cache.pretty_print())
-    text = console.export_text()
-    assert "radix cache  page_size=1  total=15  evictable=3  protected=12  nodes=2" in text
-    assert "12 tokens [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]... lock_ref=1 hits=1" in text
-    assert "extra_key='lora'" in text
-    small = Console(no_color=True, width=120, record=True, file=open("/dev/null", "w"))
-    small.print(cache.pretty_print(max_nodes=1))
-    assert "... 1 more nodes" in small.export_text()
 
 
 def test_values_live_on_the_allocator_device():

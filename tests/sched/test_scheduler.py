@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memcli.mem_cache.check import run_checks
+from memcli.mem_cache.integrity import memory_reports
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.scheduler import Scheduler
 from tests.sched.helpers import small_stack, tokens
@@ -17,7 +17,7 @@ def make_scheduler(stack, cfg, **kw):
 
 
 def assert_all_free(stack):
-    reports = run_checks(stack, [])
+    reports = memory_reports(stack, [])
     assert all(r.ok for r in reports), "\n".join(str(r) for r in reports)
     assert stack.allocator.available_size() + stack.tree_cache.evictable_size() == stack.allocator.size
     assert stack.tree_cache.protected_size() == 0

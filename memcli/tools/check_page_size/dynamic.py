@@ -2,7 +2,7 @@
 paged layout after every step.
 
 One phase = one stack, one scheduler, one workload. After each step (and after the optional
-fault hook) every check of `memcli.mem_cache.page_checks` runs, plus the scheduler-level
+fault hook) every check of `memcli.mem_cache.integrity.run_checks` runs, plus the scheduler-level
 `chunk_alignment`. The phase stops at the first step with a violation; an exception raised
 inside the stack is a violation too (`no_exception`), reported with its step and message.
 When the step budget runs out, the requests still queued or running are aborted (drained)
@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from memcli.tools.check_page_size.workload import AbortPlan, Workload
-from memcli.mem_cache.integrity import Check
-from memcli.mem_cache.page_checks import CHECK_NAMES, Outcome, Violation, run_page_checks
+from memcli.mem_cache.integrity import CHECK_NAMES, CheckResult, failed, passed, run_checks
 from memcli.sched.scheduler import Scheduler, StepRecord
 
 FaultHook = Callable[[Scheduler, StepRecord], None]
@@ -77,8 +76,8 @@ class PhaseResult:
     seconds: float
     checks: list[CheckRow]
     coverage: dict[str, float]
-    violation: Optional[Violation]
-    also_failed: list[Violation] = field(default_factory=list)
+    violation: Optional[CheckResult]
+    also_failed: list[CheckResult] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -91,9 +90,15 @@ class PhaseResult:
             "seconds": round(self.seconds, 3),
             "checks": [c.to_dict() for c in self.checks],
             "coverage": self.coverage,
-            "first_violation": self.violation.to_dict() if self.violation else None,
-            "also_failed_at_that_step": [v.to_dict() for v in self.also_failed],
+            "first_violation": violation_dict(self.violation) if self.violation else None,
+            "also_failed_at_that_step": [violation_dict(v) for v in self.also_failed],
         }
+
+
+def violation_dict(result: CheckResult) -> dict:
+    """A failed check as this tool's JSON prints it (`check`, `step`, `rid`, `positions`, `slots`, `detail`)."""
+    return {"check": result.name, "step": result.step, "rid": result.rid, "positions": list(result.positions),
+            "slots": list(result.slots), "detail": result.detail}
 
 
 def run_phase(name: str, stack, config, workload: Workload, steps: int,
@@ -129,7 +134,7 @@ class _PhaseRun:
         self.abort_plans: list[AbortPlan] = list(workload.aborts)
         self.planned: dict[str, str] = {}
         self.drained: set[str] = set()
-        self.results: dict[str, Check] = {}
+        self.results: dict[str, CheckResult] = {}
         self.steps_checked = 0
         self.idle_points = 0
         self.busiest: dict[str, int] = {}
@@ -141,7 +146,7 @@ class _PhaseRun:
 
     # -- the loop ---------------------------------------------------------------------------
 
-    def loop(self, steps: int, fault_hook: Optional[FaultHook]) -> list[Violation]:
+    def loop(self, steps: int, fault_hook: Optional[FaultHook]) -> list[CheckResult]:
         sched = self.sched
         reported = time.perf_counter()
         while not sched.is_done() and sched.step_count < steps:
@@ -182,7 +187,7 @@ class _PhaseRun:
         queue = sched.waiting or list(sched.pending)
         return queue[-1] if queue else None
 
-    def _drain(self) -> list[Violation]:
+    def _drain(self) -> list[CheckResult]:
         """Abort what the step budget left queued or running, then check the idle state."""
         sched = self.sched
         left = [*sched.pending, *sched.waiting, *sched.active_reqs()]
@@ -195,28 +200,28 @@ class _PhaseRun:
             return [self._exception(step, "while draining the queue after step", exc)]
         return self._check(step, full_tree_walk=True)
 
-    def _exception(self, step: int, where: str, exc: Exception) -> Violation:
+    def _exception(self, step: int, where: str, exc: Exception) -> CheckResult:
         detail = f"{type(exc).__name__} raised inside the stack {where} {step}: {exc}".strip()
-        self.results["no_exception"] = Check("no_exception", False, detail)
-        return Violation("no_exception", detail, step=step)
+        self.results["no_exception"] = failed("no_exception", detail).at_step(step)
+        return self.results["no_exception"]
 
     # -- checks -----------------------------------------------------------------------------
 
-    def _check(self, step: int, full_tree_walk: bool = False) -> list[Violation]:
+    def _check(self, step: int, full_tree_walk: bool = False) -> list[CheckResult]:
         active = self.sched.active_reqs()
         full_tree_walk = full_tree_walk or not active or self.steps_checked % TREE_WALK_EVERY == 0
         try:
-            outcomes = run_page_checks(self.stack, active, full_tree_walk)
+            results = run_checks(self.stack, active, full_tree_walk)
         except Exception as exc:  # noqa: BLE001 - a state too broken to walk is a finding too
             return [self._exception(step, "while checking the state after step", exc)]
-        outcomes.append(self._chunk_alignment())
+        results.append(self._chunk_alignment())
         self.steps_checked += 1
         self.idle_points += not active
-        for outcome in outcomes:
-            self._keep(outcome.check, len(active))
-        return [o.violation.at_step(step) for o in outcomes if o.violation is not None]
+        for result in results:
+            self._keep(result, len(active))
+        return [r.at_step(step) for r in results if not r.ok]
 
-    def _keep(self, check: Check, busy: int) -> None:
+    def _keep(self, check: CheckResult, busy: int) -> None:
         """Keep a failure for good; otherwise the numbers of the busiest step (idle: the last idle one)."""
         name = check.name
         kept = self.results.get(name)
@@ -226,31 +231,30 @@ class _PhaseRun:
             self.results[name] = check
             self.busiest[name] = busy
 
-    def _chunk_alignment(self) -> Outcome:
+    def _chunk_alignment(self) -> CheckResult:
         req = self.sched.chunked_req
         if req is None or req.kv_allocated_len == 0 or req.kv_allocated_len % self.ps == 0:
-            return Outcome(Check("chunk_alignment", True, f"{self.counts['prefill_chunks']} non-final chunks,"
-                                                          f" all ending on a page boundary of {self.ps}"), None)
+            return passed("chunk_alignment", f"{self.counts['prefill_chunks']} non-final chunks,"
+                                             f" all ending on a page boundary of {self.ps}")
         n = req.kv_allocated_len
         slot = int(self.stack.req_to_token_pool.req_to_token[req.req_pool_idx, n - 1])
         detail = (f"request {req.rid} was chunked after {n} tokens: its last computed position {n - 1} is at"
                   f" offset {(n - 1) % self.ps} of a page of {self.ps}; the prefill budget rounds with page size"
                   f" {self.sched.page_size}, the allocator pages by {self.ps}")
-        violation = Violation("chunk_alignment", detail, req.rid, (n - 1,), (slot,))
-        return Outcome(Check("chunk_alignment", False, detail), violation)
+        return failed("chunk_alignment", detail, req.rid, (n - 1,), (slot,))
 
-    def _completion(self) -> list[Violation]:
+    def _completion(self) -> list[CheckResult]:
         oom = {(e.rid, e.step) for e in self.sched.events if e.kind == "oom"}
         for event in self.sched.events:
             if event.kind != "abort" or event.rid in self.planned or event.rid in self.drained:
                 continue
             why = "decode out of memory" if (event.rid, event.step) in oom else "it could never be admitted"
             detail = f"request {event.rid} was aborted by the scheduler at step {event.step} ({why}) although it fits"
-            self.results["completion"] = Check("completion", False, detail)
-            return [Violation("completion", detail, event.rid, step=event.step)]
+            self.results["completion"] = failed("completion", detail, event.rid).at_step(event.step)
+            return [self.results["completion"]]
         done = sum(1 for r in self.reqs if r.finished)
-        self.results["completion"] = Check("completion", True, f"{done} of {len(self.reqs)} requests finished or"
-                                                                " were aborted by the workload")
+        self.results["completion"] = passed("completion", f"{done} of {len(self.reqs)} requests finished or"
+                                                          " were aborted by the workload")
         return []
 
     def checks(self) -> list[CheckRow]:

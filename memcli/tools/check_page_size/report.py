@@ -85,7 +85,7 @@ def components_table(static) -> Table:
 
 
 def checks_table(title: str, checks) -> Table:
-    """Static checks (`Check`) or dynamic ones (`CheckRow`, with a description and "skipped")."""
+    """Static checks (`CheckResult`) or dynamic ones (`CheckRow`, with a description and "skipped")."""
     dynamic = bool(checks) and hasattr(checks[0], "what")
     table = Table(title=title, title_justify="left")
     table.add_column("check")
@@ -135,7 +135,7 @@ def render_phase(phase, console: Console) -> None:
 
 
 def render_violation(violation, also_failed, console: Console) -> None:
-    console.print(f"first violation: step {violation.step}, check {violation.check}")
+    console.print(f"first violation: step {violation.step}, check {violation.name}")
     where = []
     if violation.rid is not None:
         where.append(f"request {violation.rid}")
@@ -147,7 +147,7 @@ def render_violation(violation, also_failed, console: Console) -> None:
         console.print("  " + "; ".join(where), markup=False)
     console.print(f"  {violation.detail}", markup=False)
     if also_failed:
-        console.print("  also failing at that step: " + ", ".join(v.check for v in also_failed))
+        console.print("  also failing at that step: " + ", ".join(v.name for v in also_failed))
 
 
 COMPARISON_ROWS = (
@@ -194,7 +194,7 @@ def render_verdict(result, console: Console) -> None:
         for phase in run.phases:
             if phase.violation is not None:
                 v = phase.violation
-                problems.append(f"page size {run.page_size} {phase.name}: {v.check} at step {v.step}")
+                problems.append(f"page size {run.page_size} {phase.name}: {v.name} at step {v.step}")
     console.print(f"result: {len(problems)} problem(s) found (exit 1)")
     for line in problems:
         console.print(f"  {line}", markup=False)

@@ -99,7 +99,7 @@ class CheckPageSizeResult:
                 "measured_waste_per_request": cov.get("mean_partial_page_waste"),
                 "shortest_hit_prefix": run.cost.shortest_hit,
                 "reuse_lost_per_divergence": run.cost.reuse_lost_per_divergence,
-                "first_violation": f"step {violation.step}: {violation.check}" if violation else None,
+                "first_violation": f"step {violation.step}: {violation.name}" if violation else None,
             })
         return rows
 
@@ -225,7 +225,7 @@ def _run_page_size(config: Config, injections: dict[str, int], trace: Optional[W
 
 def _report(progress: Optional[Progress], page_size: int, phase: PhaseResult) -> None:
     if progress is not None:
-        verdict = "ok" if phase.ok else f"first violation at step {phase.violation.step}: {phase.violation.check}"
+        verdict = "ok" if phase.ok else f"first violation at step {phase.violation.step}: {phase.violation.name}"
         progress(f"page size {page_size}, {phase.name}: {phase.steps} steps in {phase.seconds:.1f} s, {verdict}")
 
 

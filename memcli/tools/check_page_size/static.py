@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from memcli.mem_cache.allocator import cdiv
-from memcli.mem_cache.integrity import Check
+from memcli.mem_cache.pages import cdiv
+from memcli.mem_cache.integrity import CheckResult, failed, passed
 
 ROLES = {
     "config": ("memory.page_size", "the single page size every component receives"),
     "kv_pool": ("KVPool", "KV buffer rows = size + page_size (page 0 is padding)"),
     "allocator": (None, "free list of pages; alloc_extend / alloc_decode page arithmetic"),
     "tree_cache": (None, "match granularity, page-aligned inserts; picks the alloc path"),
-    "scheduler": ("PrefillAdder", "prefill budget rounding (ceil_paged), chunk truncation"),
+    "scheduler": ("PrefillAdder", "prefill budget rounding (pages.align_up), chunk truncation"),
     "null_cache": ("NullCache", "the bench path's tree cache; picks the alloc path"),
 }
 
@@ -37,7 +37,7 @@ class Component:
 @dataclass(frozen=True)
 class StaticResult:
     components: list[Component]
-    checks: list[Check]
+    checks: list[CheckResult]
 
     @property
     def ok(self) -> bool:
@@ -132,46 +132,45 @@ def page_cost(config, page_size: int | None = None) -> PageCost:
     return PageCost(ps, config.memory.max_running_requests, config.pool_size)
 
 
-def _agree(comps: list[Component], want: int) -> Check:
+def _agree(comps: list[Component], want: int) -> CheckResult:
     bad = [c for c in comps if not c.agrees]
     if not bad:
-        return Check("page sizes agree", True, f"all {len(comps)} components hold {want}")
+        return passed("page sizes agree", f"all {len(comps)} components hold {want}")
     listed = ", ".join(f"{c.name} holds {c.page_size}" for c in bad)
-    return Check("page sizes agree", False, f"{listed}; config memory.page_size is {want}")
+    return failed("page sizes agree", f"{listed}; config memory.page_size is {want}")
 
 
-def _power_of_two(comps: list[Component]) -> Check:
+def _power_of_two(comps: list[Component]) -> CheckResult:
     bad = [c for c in comps if c.page_size < 1 or c.page_size & (c.page_size - 1)]
     if bad:
-        return Check("page size a power of two", False, ", ".join(f"{c.name} holds {c.page_size}" for c in bad))
-    return Check("page size a power of two", True, "page sizes " + ", ".join(sorted({str(c.page_size) for c in comps},
-                                                                                  key=int)))
+        return failed("page size a power of two", ", ".join(f"{c.name} holds {c.page_size}" for c in bad))
+    sizes = sorted({c.page_size for c in comps})
+    return passed("page size a power of two", "page sizes " + ", ".join(map(str, sizes)))
 
 
-def _pool_multiple(stack, sizes: list[int]) -> Check:
+def _pool_multiple(stack, sizes: list[int]) -> CheckResult:
     size = stack.kv_pool.size
     bad = [ps for ps in sizes if size % ps or stack.allocator.size % ps]
     detail = f"pool {size} tokens, allocator {stack.allocator.size} tokens"
     if bad:
-        return Check("pool size a multiple of page size", False,
-                     detail + " not multiples of " + ", ".join(map(str, bad)))
+        return failed("pool size a multiple of page size", detail + " not multiples of " + ", ".join(map(str, bad)))
     ps = stack.allocator.page_size
-    return Check("pool size a multiple of page size", True, f"{detail} = {stack.allocator.size // ps} pages of {ps}")
+    return passed("pool size a multiple of page size", f"{detail} = {stack.allocator.size // ps} pages of {ps}")
 
 
-def _chunk_multiple(stack, sizes: list[int]) -> Check:
+def _chunk_multiple(stack, sizes: list[int]) -> CheckResult:
     chunk = stack.config.scheduler.chunked_prefill_size
     if chunk is None:
-        return Check("chunked prefill a multiple of page size", True, "chunked prefill disabled")
+        return passed("chunked prefill a multiple of page size", "chunked prefill disabled")
     bad = [ps for ps in sizes if chunk % ps]
     if bad:
-        return Check("chunked prefill a multiple of page size", False,
-                     f"chunked_prefill_size {chunk} is not a multiple of " + ", ".join(map(str, bad)))
-    return Check("chunked prefill a multiple of page size", True,
-                 f"chunked_prefill_size {chunk} = {chunk // max(sizes)} x {max(sizes)}")
+        return failed("chunked prefill a multiple of page size",
+                      f"chunked_prefill_size {chunk} is not a multiple of " + ", ".join(map(str, bad)))
+    return passed("chunked prefill a multiple of page size",
+                  f"chunked_prefill_size {chunk} = {chunk // max(sizes)} x {max(sizes)}")
 
 
-def _kv_rows(stack) -> Check:
+def _kv_rows(stack) -> CheckResult:
     alloc = stack.allocator
     want = alloc.size + alloc.page_size
     rows = stack.kv_pool.rows
@@ -179,13 +178,13 @@ def _kv_rows(stack) -> Check:
     if rows != want:
         last = f"slots {alloc.num_pages * alloc.page_size}..{want - 1}"
         why = f": the allocator's last page ({last}) runs past the buffer" if rows < want else ": rows wasted"
-        return Check("KV rows == size + page size", False, detail + why)
-    return Check("KV rows == size + page size", True, detail)
+        return failed("KV rows == size + page size", detail + why)
+    return passed("KV rows == size + page size", detail)
 
 
-def _fits_max_request(stack) -> Check:
+def _fits_max_request(stack) -> CheckResult:
     ps, size = stack.allocator.page_size, stack.allocator.size
     context = stack.config.memory.max_context_len
     need = cdiv(context, ps) * ps
     detail = f"max_context_len {context} takes {cdiv(context, ps)} pages ({need} tokens); pool {size} tokens"
-    return Check("pool holds a max-length request", need <= size, detail)
+    return CheckResult("pool holds a max-length request", need <= size, detail)

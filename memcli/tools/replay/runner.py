@@ -26,7 +26,7 @@ import numpy as np
 
 from memcli.config import Config, replace
 from memcli.errors import CapacityError, IntegrityError, MemcliError
-from memcli.mem_cache.check import check_memory
+from memcli.mem_cache.integrity import check_memory
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from memcli.mem_cache.pages import align_up
 from memcli.tools.replay.ceiling import shared_prefix_lens

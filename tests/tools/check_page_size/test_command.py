@@ -82,7 +82,7 @@ def test_each_injected_mismatch_is_reported_with_what_breaks_first(component, ph
     agree = next(c for c in run.static.checks if c.name == "page sizes agree")
     assert not agree.ok and f"{component} holds 1" in agree.detail
     violation = run.phases[phase].violation
-    assert violation is not None and violation.check == check and says in violation.detail
+    assert violation is not None and violation.name == check and says in violation.detail
     assert violation.step is not None
 
 
@@ -129,8 +129,8 @@ def test_planted_faults_are_caught_by_the_right_check(hook, check, others):
     result = run_check_page_size(config("memory.page_size=16"), fault_hook=hook)
     assert result.exit_code == 1
     phase = main_phase(result)
-    assert phase.violation.check == check and phase.violation.step == 40 and phase.violation.rid is not None
-    assert others <= {v.check for v in phase.also_failed}
+    assert phase.violation.name == check and phase.violation.step == 40 and phase.violation.rid is not None
+    assert others <= {v.name for v in phase.also_failed}
     assert phase.steps == 41
     assert next(c for c in phase.checks if c.name == check).status == "fail"
 

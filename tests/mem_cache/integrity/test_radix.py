@@ -4,7 +4,6 @@ import pytest
 
 from memcli.errors import IntegrityError
 from memcli.mem_cache.base_prefix_cache import RadixKey
-from memcli.mem_cache.integrity import Check, IntegrityReport
 from memcli.mem_cache.radix_cache import RadixCache
 from tests.mem_cache.fakes import FakeAllocator
 
@@ -126,15 +125,3 @@ def test_evictable_leaf_missing_from_the_queue():
     cache = build()
     leaf(cache, 7, 8).heap_seq = -5
     assert failed(cache) == {"eviction_queue"}
-
-
-def test_report_value_type():
-    report = IntegrityReport("thing", [Check("a", True, "1 == 1"), Check("b", False, "2 != 3")])
-    assert not report.ok
-    assert [c.name for c in report.failures] == ["b"]
-    assert "[FAIL] b: 2 != 3" in str(report)
-    assert report.to_dict()["checks"][1] == {"name": "b", "ok": False, "detail": "2 != 3"}
-    with pytest.raises(KeyError):
-        report.check("c")
-    with pytest.raises(IntegrityError, match="thing integrity check failed: b: 2 != 3"):
-        report.raise_if_failed()

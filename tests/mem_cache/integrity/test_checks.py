@@ -1,4 +1,4 @@
-"""The per-step paged-layout checks on a small running stack, clean and with planted faults.
+"""`run_checks`: the per-step page-level checks on a small running stack, clean and with planted faults.
 
 Each fault is planted through the public objects (allocator, req_to_token, request pool) and
 must be caught by the check that owns that invariant, naming the request, positions and slots.
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from memcli.config import load_config
-from memcli.mem_cache.page_checks import CHECK_NAMES, failures, run_page_checks
+from memcli.mem_cache.integrity import CHECK_NAMES, failures, run_checks
 from memcli.sched.scheduler import Scheduler
 from memcli.stack import build_stack
 
@@ -36,7 +36,7 @@ def running(page_size: int = 4, cache: str = "radix", steps: int = 4):
 
 
 def found(stack, reqs):
-    return failures(run_page_checks(stack, reqs))
+    return failures(run_checks(stack, reqs))
 
 
 def row_of(stack, req) -> torch.Tensor:
@@ -58,12 +58,12 @@ def test_clean_run_passes_every_check_at_every_step(page_size, cache):
     seen_running = False
     while not sched.is_done():
         sched.step()
-        outcomes = run_page_checks(stack, sched.active_reqs())
-        assert [o.check.name for o in outcomes] == list(CHECK_NAMES)
-        assert failures(outcomes) == [], [str(o.check) for o in outcomes]
+        results = run_checks(stack, sched.active_reqs())
+        assert [r.name for r in results] == list(CHECK_NAMES)
+        assert failures(results) == [], [str(r) for r in results]
         seen_running |= bool(sched.active_reqs())
     assert seen_running
-    idle = {o.check.name: o.check for o in run_page_checks(stack, [])}
+    idle = {r.name: r for r in run_checks(stack, [])}
     assert idle["idle"].ok and "available" in idle["idle"].detail
 
 
@@ -73,12 +73,12 @@ def test_page_freed_while_held_is_caught_by_free_list_and_conservation():
     slot = int(row_of(stack, req)[req.kv_allocated_len - 1])
     stack.allocator.free(torch.tensor([slot]))
     violations = found(stack, sched.active_reqs())
-    names = [v.check for v in violations]
+    names = [v.name for v in violations]
     assert names[0] == "free_list" and "conservation" in names
     first = violations[0]
     assert first.rid == req.rid and req.kv_allocated_len - 1 in range(first.positions[0], first.positions[1] + 1)
     assert f"page {slot // 4}" in first.detail
-    conservation = next(v for v in violations if v.check == "conservation")
+    conservation = next(v for v in violations if v.name == "conservation")
     assert "= 260 vs size 256" in conservation.detail  # one page counted twice: free and held
 
 
@@ -89,7 +89,7 @@ def test_page_freed_twice_shows_as_a_duplicate_in_the_free_list():
     stack.allocator.free(slot)
     stack.allocator.free(slot)
     first = found(stack, sched.active_reqs())[0]
-    assert first.check == "free_list"
+    assert first.name == "free_list"
     assert "2 times (freed twice)" in first.detail and first.slots == (int(slot) // 4 * 4,)
 
 
@@ -99,7 +99,7 @@ def test_page_freed_twice_at_page_size_1():
     slot = torch.tensor([int(row_of(stack, req)[req.kv_allocated_len - 1])])
     stack.allocator.free(slot)
     violations = found(stack, sched.active_reqs())
-    assert [v.check for v in violations][:1] == ["free_list"]
+    assert [v.name for v in violations][:1] == ["free_list"]
     assert f"slot {int(slot)}" in violations[0].detail and violations[0].rid == req.rid
 
 
@@ -112,7 +112,7 @@ def test_slot_both_free_and_owned_with_counts_intact():
     free_page = int(stack.allocator.free_page_ids()[0])
     row[start:req.kv_allocated_len] = torch.arange(req.kv_allocated_len - start, dtype=row.dtype) + free_page * ps
     violations = found(stack, sched.active_reqs())
-    names = [v.check for v in violations]
+    names = [v.name for v in violations]
     assert names[0] == "free_list" and "no_lost_page" in names and "conservation" not in names
     assert violations[0].rid == req.rid and f"page {free_page}" in violations[0].detail
 
@@ -124,7 +124,7 @@ def test_misaligned_row_entry_is_caught_by_row_layout():
     row = row_of(stack, req)
     row[pos] += 1
     first = found(stack, sched.active_reqs())[0]
-    assert first.check == "row_layout" and first.rid == req.rid
+    assert first.name == "row_layout" and first.rid == req.rid
     assert first.positions == (pos,) and first.slots == (int(row[pos]),)
     assert f"expected offset {pos % 16}" in first.detail
 
@@ -136,7 +136,7 @@ def test_non_consecutive_slots_on_one_page_are_caught():
     pos = own_position(req, 4, offset=1)
     row[pos] += 4  # same offset, another page: offsets hold, the run breaks
     first = found(stack, sched.active_reqs())[0]
-    assert first.check == "row_layout" and first.positions == (pos - 1, pos)
+    assert first.name == "row_layout" and first.positions == (pos - 1, pos)
 
 
 def test_page_shared_by_two_requests_outside_the_tree():
@@ -147,7 +147,7 @@ def test_page_shared_by_two_requests_outside_the_tree():
     page_a = int(row_a[own_position(a, 4, offset=0)]) // 4
     row_b[pos_b:pos_b + 4] = torch.arange(4, dtype=row_b.dtype) + page_a * 4
     first = found(stack, sched.active_reqs())[0]
-    assert first.check == "page_sharing" and f"page {page_a}" in first.detail
+    assert first.name == "page_sharing" and f"page {page_a}" in first.detail
     assert a.rid in first.detail and b.rid in first.detail
 
 
@@ -157,7 +157,7 @@ def test_prefix_pointing_outside_the_tree():
     row = row_of(stack, req)
     own_start = own_position(req, 4, offset=0)
     row[0:4] = row[own_start:own_start + 4]
-    names = [v.check for v in found(stack, sched.active_reqs())]
+    names = [v.name for v in found(stack, sched.active_reqs())]
     assert names[0] == "page_sharing"
 
 
@@ -168,13 +168,13 @@ def test_slot_on_page_zero_is_out_of_range():
     pos = own_position(req, 4, offset=0)
     row[pos:pos + 4] = torch.arange(4, dtype=row.dtype)
     first = found(stack, sched.active_reqs())[0]
-    assert first.check == "slot_range" and first.positions == (pos,) and "page 0" in first.detail
+    assert first.name == "slot_range" and first.positions == (pos,) and "page 0" in first.detail
 
 
 def test_lost_page():
     stack, sched = running()
     stack.allocator.alloc(4)  # taken by nobody
-    names = [v.check for v in found(stack, sched.active_reqs())]
+    names = [v.name for v in found(stack, sched.active_reqs())]
     assert names == ["no_lost_page", "conservation"]
 
 
@@ -184,13 +184,13 @@ def test_cached_page_in_the_free_list():
     tree_slot = int(stack.tree_cache.all_values_flatten()[0])
     stack.allocator.free(torch.tensor([tree_slot]))
     violations = found(stack, [])
-    assert violations[0].check == "free_list" and "the tree caches it" in violations[0].detail
-    assert {"conservation", "tree", "idle"} <= {v.check for v in violations}
+    assert violations[0].name == "free_list" and "the tree caches it" in violations[0].detail
+    assert {"conservation", "tree", "idle"} <= {v.name for v in violations}
 
 
 def test_idle_with_a_request_row_still_taken():
     stack, _ = running(steps=0)
     stack.req_to_token_pool.alloc(1)
-    names = [v.check for v in found(stack, [])]
+    names = [v.name for v in found(stack, [])]
     assert "idle" in names and "1 request rows in use" in next(
-        v.detail for v in found(stack, []) if v.check == "idle")
+        v.detail for v in found(stack, []) if v.name == "idle")

@@ -1,0 +1,20 @@
+"""Integrity checks of the memory stack, in one result vocabulary (`CheckResult`).
+
+    result        CheckResult, IntegrityReport: a verdict with its numbers and offenders
+    requests      req_to_token rows, what a request holds, the request-rows check
+    layout        page layout: row_layout, slot_range, page_sharing, free_list, no_lost_page
+    conservation  conservation (tokens, pages) and idle
+    radix         the radix tree walk and the per-step tree check
+    checks        the entry points: run_checks, memory_reports, check_memory
+"""
+
+from memcli.mem_cache.integrity.result import (
+    MAX_OFFENDERS, CheckResult, IntegrityReport, failed, failures, joined, passed,
+)
+from memcli.mem_cache.integrity.checks import CHECK_NAMES, check_memory, memory_reports, run_checks
+from memcli.mem_cache.integrity.requests import held_by_request
+
+__all__ = [
+    "CHECK_NAMES", "MAX_OFFENDERS", "CheckResult", "IntegrityReport", "check_memory", "failed", "failures",
+    "held_by_request", "joined", "memory_reports", "passed", "run_checks",
+]

@@ -1,0 +1,97 @@
+"""What running requests hold: their `req_to_token` rows and their share of the pool.
+
+A request row, in positions (tree_len = last_matched_prefix_len, page aligned):
+
+    [0, tree_len)                  slots of tree pages (shared through the tree, locked)
+    [tree_len, kv_allocated_len)   the request's own pages, the last one possibly partial
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from memcli.mem_cache.pages import cdiv
+from memcli.mem_cache.integrity.result import CheckResult
+
+
+def holds_memory(req: Any) -> bool:
+    """A row, something allocated, not yet freed."""
+    return not req.kv_freed and req.req_pool_idx is not None and req.kv_allocated_len > 0
+
+
+def held_by_request(req: Any, page_size: int) -> tuple[int, int]:
+    """(tokens, pages) a request owns outside the tree; a partly filled last page counts whole."""
+    if req.kv_freed:
+        return 0, 0
+    tree_owned = req.last_matched_prefix_len
+    tokens = req.kv_allocated_len - tree_owned
+    pages = cdiv(req.kv_allocated_len, page_size) - tree_owned // page_size
+    return tokens, pages
+
+
+def rows_in_use(stack: Any) -> int:
+    pool = stack.req_to_token_pool
+    return pool.size - pool.available_size()
+
+
+def request_rows_check(stack: Any, running: list) -> CheckResult:
+    """Rows in use == running (not freed) requests that hold a row."""
+    used = rows_in_use(stack)
+    with_rows = sum(1 for r in running if r.req_pool_idx is not None)
+    return CheckResult("request rows", used == with_rows, f"{used} rows in use, {with_rows} running requests hold one",
+                       {"rows_in_use": used, "requests_with_rows": with_rows})
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The req_to_token rows of the requests holding memory, concatenated on the host.
+
+    Entry i is position `pos[i]` of request `rids[row[i]]`, held in slot `slots[i]`; a row
+    covers positions [0, kv_allocated_len) and its entries are contiguous, in position order.
+    """
+
+    rids: list[str]
+    tree_lens: np.ndarray
+    starts: np.ndarray
+    slots: np.ndarray
+    row: np.ndarray
+    pos: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rids)
+
+    def slot(self, row: int, pos: int) -> int:
+        return int(self.slots[self.starts[row] + pos])
+
+    @cached_property
+    def own(self) -> np.ndarray:
+        """Per entry: True for the request's own part, False for its cached (tree) prefix."""
+        return self.pos >= self.tree_lens[self.row]
+
+
+def take_rows(stack: Any, reqs: Iterable[Any]) -> Rows:
+    """Rows of the requests that hold memory (`holds_memory`); one gather of `req_to_token`."""
+    held = [r for r in reqs if holds_memory(r)]
+    lens = np.array([r.kv_allocated_len for r in held], dtype=np.int64)
+    tree_lens = np.array([r.last_matched_prefix_len for r in held], dtype=np.int64)
+    starts = np.cumsum(lens) - lens
+    if not held:
+        empty = np.empty(0, np.int64)
+        return Rows([], tree_lens, starts, empty, empty, empty)
+    width = int(lens.max())
+    table = stack.req_to_token_pool.req_to_token[:, :width]
+    indices = [r.req_pool_idx for r in held]
+    if table.device.type == "cpu":
+        block = table.numpy()[indices].astype(np.int64)
+    else:  # one gather and one transfer of the rows in use
+        index = torch.tensor(indices, dtype=torch.int64, device=table.device)
+        block = table.index_select(0, index).cpu().numpy().astype(np.int64)
+    slots = block[np.arange(width) < lens[:, None]]
+    row = np.repeat(np.arange(len(held)), lens)
+    pos = np.arange(len(slots)) - np.repeat(starts, lens)
+    return Rows([str(r.rid) for r in held], tree_lens, starts, slots, row, pos)
