@@ -11,16 +11,24 @@ divergent, 2 on bad input (`error:` / `hint:` lines).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
-from memcli.config import load_config
-from memcli.errors import MemcliError
-from memcli.reference.loop import ARRIVALS
-from memcli.reference.observe import StepDiff, run_side_by_side
-from memcli.tools.replay.runner import check_fits
-from memcli.workload.readers import read_trace
-from memcli.workload.spec import output_token_base
+import torch
+
+if not torch.cuda.is_available():
+    # Before any kernel module is imported: Triton decides between compiling and
+    # interpreting when a kernel is decorated (see memcli.reference.loader).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from memcli.config import load_config  # noqa: E402
+from memcli.errors import MemcliError  # noqa: E402
+from memcli.reference.loop import ARRIVALS  # noqa: E402
+from memcli.reference.observe import StepDiff, run_side_by_side  # noqa: E402
+from memcli.tools.replay.runner import check_fits  # noqa: E402
+from memcli.workload.readers import read_trace  # noqa: E402
+from memcli.workload.spec import output_token_base  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
