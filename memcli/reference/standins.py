@@ -18,6 +18,7 @@ import enum
 import functools
 import logging
 import os
+import types
 import typing
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
@@ -151,7 +152,10 @@ class TimeStats:
 
 class SamplingBatchInfo:
     """What `ScheduleBatch.prepare_for_extend/decode` build for sampling: nothing is sampled
-    here, so it only records the batch size."""
+    here, so it only records the batch size. `filter_batch`/`merge_batch` (called by the
+    batch's own filter and merge) keep that count; no penalizer is ever required."""
+
+    penalizer_orchestrator = types.SimpleNamespace(is_required=False)
 
     def __init__(self, batch_size: int):
         self.batch_size = batch_size
@@ -159,6 +163,34 @@ class SamplingBatchInfo:
     @classmethod
     def from_schedule_batch(cls, batch: Any, vocab_size: int) -> "SamplingBatchInfo":
         return cls(len(batch.reqs))
+
+    def filter_batch(self, keep_indices: list, keep_indices_device: Any) -> None:
+        self.batch_size = len(keep_indices)
+
+    def merge_batch(self, other: "SamplingBatchInfo") -> None:
+        self.batch_size += other.batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The fields of SGLang's `ModelConfig` that `ScheduleBatch` reads on the memory paths
+    (a text-only decoder; `vocab_size` only bounds output ids in `Req.check_finished`)."""
+
+    vocab_size: int = 1 << 62
+    hidden_size: int = 1
+    is_matryoshka: bool = False
+    is_encoder_decoder: bool = False
+
+
+class NoSpeculation:
+    """`SpeculativeAlgorithm.NONE` as `ScheduleBatch` asks it (the real enum lives in
+    `speculative/spec_info.py`, which imports the EAGLE workers)."""
+
+    def is_none(self) -> bool:
+        return True
+
+    def is_eagle(self) -> bool:
+        return False
 
 
 def _simple(**attrs: Any) -> Callable[[Path], dict]:

@@ -1,0 +1,84 @@
+"""Step-level differential run: memcli's scheduler against SGLang 0.5.5's loop, step by step.
+
+    python -m memcli.reference.diff TRACE --limit N [--set section.key=value ...]
+        [--arrivals burst|timestamp] [--config FILE] [--max-steps N]
+
+Prints the first divergent step with both sides' observations and state, or
+"0 divergent steps in S steps" with the run times of both sides. Exit 0 when equal, 1 when
+divergent, 2 on bad input (`error:` / `hint:` lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+import torch
+
+if not torch.cuda.is_available():
+    # Before any kernel module is imported: Triton decides between compiling and
+    # interpreting when a kernel is decorated (see memcli.reference.loader).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from memcli.config import load_config  # noqa: E402
+from memcli.errors import MemcliError  # noqa: E402
+from memcli.reference.loop import ARRIVALS  # noqa: E402
+from memcli.reference.observe import StepDiff, run_side_by_side  # noqa: E402
+from memcli.tools.replay.runner import check_fits  # noqa: E402
+from memcli.workload.readers import read_trace  # noqa: E402
+from memcli.workload.spec import output_token_base  # noqa: E402
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m memcli.reference.diff", description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace")
+    parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--arrivals", choices=ARRIVALS, default="burst")
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--max-steps", type=int, default=None)
+    return parser
+
+
+def run(argv: Optional[list[str]] = None) -> tuple[StepDiff, str]:
+    """Parse, load and run; returns the result and the text to print. Raises MemcliError."""
+    args = _parser().parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    trace = read_trace(args.trace, limit=args.limit)
+    if args.arrivals == "timestamp" and not trace.has_timestamps:
+        raise MemcliError(f"{trace.path}: --arrivals timestamp needs arrival times, and this trace has none",
+                          "use --arrivals burst")
+    check_fits(config, trace)
+    result = run_side_by_side(config, trace.requests, args.arrivals, output_token_base(trace), args.max_steps)
+    return result, render(result)
+
+
+def render(result: StepDiff) -> str:
+    times = f"reference {result.reference_s:.2f} s, memcli {result.memcli_s:.2f} s"
+    if result.divergence is None:
+        return f"0 divergent steps in {result.steps} steps ({times})"
+    sglang, memcli = result.divergence
+    lines = [f"first divergent step: {sglang.step} (fields: {', '.join(sglang.differing(memcli)) or 'done'})",
+             "  sglang:"] + [f"    {line}" for line in sglang.lines()]
+    lines += ["  memcli:"] + [f"    {line}" for line in memcli.lines()]
+    lines.append(f"{result.steps} steps run ({times})")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        result, text = run(argv)
+    except MemcliError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        hint = getattr(exc, "hint", None)
+        if hint:
+            print(f"hint: {hint}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0 if result.divergence is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

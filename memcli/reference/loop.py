@@ -1,0 +1,374 @@
+"""A model-free reference scheduler: SGLang 0.5.5's non-overlap loop over SGLang's real objects.
+
+`ReferenceLoop.step()` is one iteration of `Scheduler.event_loop_normal`:
+
+    receive arrivals -> get_next_batch_to_run() -> run_batch() + process_batch_result()
+                                                 \\-> (no batch) self_check_during_idle()
+
+The loop itself (`get_next_batch_to_run`, `get_new_batch_prefill`, `update_running_batch`,
+the memory side of `process_batch_result_prefill/_decode`) is the only part written here,
+following `managers/scheduler.py` and `managers/scheduler_output_processor_mixin.py`; every
+object it drives is SGLang's own: `Req`, `ScheduleBatch` (`init_new`, `prepare_for_extend`,
+`prepare_for_decode`, `retract_decode`, `filter_batch`, `merge_batch`), `PrefillAdder`,
+`SchedulePolicy`, `RadixCache`/`ChunkCache`, the allocator and `ReqToTokenPool`.
+
+What the loop leaves out (none of it is on by default in SGLang, or it needs a model):
+overlap scheduling, mixed chunked prefill, priority scheduling and preemption, HiCache,
+LoRA, grammars, PD disaggregation, DP attention, speculative decoding, logprobs, and
+finishing on EOS or stop strings (a request finishes at its `max_new_tokens`).
+
+Settings from a memcli `Config`, as SGLang's server arguments and environment:
+
+    memory.max_total_tokens -> --max-total-tokens (rounded down to pages: `cfg.pool_size`)
+    memory.max_running_requests -> --max-running-requests (request rows; batch-full limit)
+    memory.max_context_len -> --context-length (request rows of context + 4 columns;
+        max_new_tokens clipped to max_req_len - input_len - 1 at arrival)
+    scheduler.chunked_prefill_size / max_prefill_tokens / policy -> the server args
+    scheduler.init_new_token_ratio -> SGLANG_INIT_NEW_TOKEN_RATIO (schedule_conservativeness 1)
+    scheduler.min_new_token_ratio_factor -> SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
+    scheduler.new_token_ratio_decay_steps -> SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
+    scheduler.retract_decode_steps -> SGLANG_RETRACT_DECODE_STEPS (read at each retraction)
+    scheduler.max_new_tokens_clip -> SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION (schedule_policy's
+        module constant `CLIP_MAX_NEW_TOKENS`, set for the run)
+    cache.kind radix/chunk, cache.eviction_policy lru/lfu -> RadixCache/ChunkCache
+
+Time: the simulated clock advances by memcli's cost model (`memcli.sched.scheduler`), and an
+idle iteration with nothing waiting jumps to the next arrival, so that both schedulers see
+the same arrivals at the same steps. The radix cache's access times come from a
+`LogicalClock` (installed for the loop's lifetime: `close()` restores the previous clock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import deque
+from typing import Any, Optional, Sequence
+
+import torch
+
+from memcli.config import Config
+from memcli.errors import IntegrityError, MemcliError
+from memcli.mem_cache.clock import LogicalClock
+from memcli.reference.loader import Reference, load_reference
+from memcli.reference.standins import ModelConfig, NoSpeculation
+from memcli.workload.spec import RequestSpec
+
+ARRIVALS = ("burst", "timestamp")
+
+
+class ReferenceLoop:
+    """SGLang 0.5.5's scheduler loop (non-overlap) over a list of request specs.
+
+    `step()` runs one loop iteration and returns nothing; `observe.observe_reference` reads
+    what it did. `run()` steps until every request finished. Raises `IntegrityError` when
+    SGLang's own idle leak check fails, and `MemcliError` for a cache kind SGLang's loop
+    does not run here (`none`).
+    """
+
+    def __init__(self, config: Config, requests: Sequence[RequestSpec], arrivals: str = "burst",
+                 output_token_base: int = 1 << 40, ref: Optional[Reference] = None):
+        if arrivals not in ARRIVALS:
+            raise MemcliError(f'unknown arrivals mode "{arrivals}"', f"use one of: {', '.join(ARRIVALS)}")
+        self.ref = ref = ref or load_reference()
+        self.config = config
+        self.clock = LogicalClock()
+        ref.use_clock(self.clock)
+        self._build_stack(config)
+        sched = config.scheduler
+        self.policy = ref.schedule_policy.SchedulePolicy(sched.policy, self.tree_cache, False, False, False)
+        self.server_args = ref.get_global_server_args()
+        self.max_prefill_tokens = sched.max_prefill_tokens
+        self.chunked_prefill_size = sched.chunked_prefill_size
+        self.max_running_requests = config.memory.max_running_requests
+        # tp_worker: max_req_len = min(context_len - 1, max_total_num_tokens - 1)
+        self.max_req_len = min(config.memory.max_context_len - 1, config.pool_size - 1)
+        self.init_new_token_ratio = min(sched.init_new_token_ratio, 1.0)
+        self.min_new_token_ratio = min(self.init_new_token_ratio * sched.min_new_token_ratio_factor, 1.0)
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / sched.new_token_ratio_decay_steps
+        self.new_token_ratio = self.init_new_token_ratio
+        self.sim = config.sim
+        self.pending: deque[tuple[float, RequestSpec]] = deque(
+            (0.0 if arrivals == "burst" else float(spec.arrival_ms or 0.0), spec) for spec in requests)
+        self.num_requests = len(requests)
+        self.waiting_queue: list = []
+        self.running_batch = self._empty_batch()
+        self.last_batch = None
+        self.chunked_req = None
+        self.forward_ct = 0
+        self.step_count = 0
+        self.clock_ms = 0.0
+        self.next_token = output_token_base
+        self.finished_rids: list[str] = []
+        # What the current step did (read by observe.observe_reference).
+        self.step_kind = "idle"
+        self.step_batch = None
+        self.step_evicted = 0
+        self.step_retracted: list[str] = []
+        self.step_finished: list[str] = []
+
+    def _build_stack(self, config: Config) -> None:
+        ref, ps, size = self.ref, config.page_size, config.pool_size
+        kv_pool = ref.tiny_kv_pool(size, ps)
+        if ps == 1:
+            self.allocator = ref.TokenToKVPoolAllocator(size, torch.int64, "cpu", kv_pool, False)
+        else:
+            self.allocator = ref.PagedTokenToKVPoolAllocator(size, ps, torch.int64, "cpu", kv_pool, False)
+        self.req_to_token_pool = ref.ReqToTokenPool(config.memory.max_running_requests,
+                                                    config.memory.max_context_len + 4, "cpu",
+                                                    enable_memory_saver=False)
+        kind = config.cache.kind
+        if kind == "radix":
+            self.tree_cache = ref.RadixCache(self.req_to_token_pool, self.allocator, ps,
+                                             eviction_policy=config.cache.eviction_policy)
+        elif kind == "chunk":
+            self.tree_cache = ref.ChunkCache(self.req_to_token_pool, self.allocator, ps)
+        else:
+            raise MemcliError(f"cache.kind {kind} has no SGLang scheduler counterpart",
+                              "use --set cache.kind=radix or cache.kind=chunk")
+        real_evict = self.tree_cache.evict
+
+        def evict(num_tokens: int, *args, **kwargs):
+            before = self.tree_cache.evictable_size()
+            result = real_evict(num_tokens, *args, **kwargs)
+            self.step_evicted += before - self.tree_cache.evictable_size()
+            return result
+
+        self.tree_cache.evict = evict
+        self.size = size
+
+    def close(self) -> None:
+        """Restore the radix module's clock (the loop installed its own)."""
+        self.ref.restore_clock()
+
+    def _empty_batch(self) -> Any:
+        return self.ref.ScheduleBatch(reqs=[], batch_is_full=False)
+
+    @contextlib.contextmanager
+    def _environment(self):
+        """SGLang's environment knobs for the duration of one step."""
+        policy_module = self.ref.schedule_policy
+        saved_clip, saved_env = policy_module.CLIP_MAX_NEW_TOKENS, os.environ.get("SGLANG_RETRACT_DECODE_STEPS")
+        policy_module.CLIP_MAX_NEW_TOKENS = self.config.scheduler.max_new_tokens_clip
+        os.environ["SGLANG_RETRACT_DECODE_STEPS"] = str(self.config.scheduler.retract_decode_steps)
+        try:
+            yield
+        finally:
+            policy_module.CLIP_MAX_NEW_TOKENS = saved_clip
+            if saved_env is None:
+                os.environ.pop("SGLANG_RETRACT_DECODE_STEPS", None)
+            else:
+                os.environ["SGLANG_RETRACT_DECODE_STEPS"] = saved_env
+
+    # -- the loop ---------------------------------------------------------------------------
+    def is_done(self) -> bool:
+        return len(self.finished_rids) == self.num_requests
+
+    def run(self, max_steps: Optional[int] = None) -> None:
+        while not self.is_done() and (max_steps is None or self.step_count < max_steps):
+            self.step()
+
+    def step(self) -> None:
+        """One iteration of `event_loop_normal`."""
+        self.step_evicted, self.step_retracted, self.step_finished = 0, [], []
+        with self._environment():
+            self._recv_requests()
+            batch = self.get_next_batch_to_run()
+            if batch is not None:
+                self.step_kind = "prefill" if batch.forward_mode.is_extend() else "decode"
+                self.run_batch(batch)
+                self.process_batch_result(batch)
+            else:
+                self.step_kind = "idle"
+                self.self_check_during_idle()
+            self.step_batch = batch
+            self.last_batch = batch
+        self.step_count += 1
+
+    def _recv_requests(self) -> None:
+        while self.pending and self.pending[0][0] <= self.clock_ms:
+            _, spec = self.pending.popleft()
+            sampling_params = self.ref.SamplingParams(max_new_tokens=spec.output_len)
+            sampling_params.normalize(None)  # the tokenizer manager's step: no stop strings
+            req = self.ref.Req(spec.rid, "", spec.input_ids().tolist(), sampling_params,
+                               vocab_size=ModelConfig.vocab_size, extra_key=spec.extra_key)
+            # init_req_max_new_tokens, then _add_request_to_queue (appends)
+            req.sampling_params.max_new_tokens = min(req.sampling_params.max_new_tokens,
+                                                     self.max_req_len - len(req.origin_input_ids) - 1)
+            self._add_request_to_queue(req)
+
+    def _add_request_to_queue(self, req: Any) -> None:
+        self.waiting_queue.append(req)
+        req.time_stats.wait_queue_entry_time = self.clock_ms
+
+    def get_next_batch_to_run(self) -> Any:
+        chunked_req_to_exclude = set()
+        if self.chunked_req is not None:
+            chunked_req_to_exclude.add(self.chunked_req)
+            self.tree_cache.cache_unfinished_req(self.chunked_req, chunked=True)
+            self.req_to_token_pool.free(self.chunked_req.req_pool_idx)
+        last = self.last_batch
+        if last is not None and last.forward_mode.is_extend():
+            if last.chunked_req is not None:
+                chunked_req_to_exclude.add(last.chunked_req)
+            last_bs = last.batch_size()
+            last.filter_batch(chunked_req_to_exclude=list(chunked_req_to_exclude))
+            if last.batch_size() < last_bs:
+                self.running_batch.batch_is_full = False
+            if not last.is_empty() and not last.is_prefill_only:
+                if self.running_batch.is_empty():
+                    self.running_batch = last
+                else:
+                    self.running_batch.merge_batch(last)
+        new_batch = self.get_new_batch_prefill()
+        if new_batch is not None:
+            return new_batch
+        if self.running_batch.is_empty():
+            return None
+        self.running_batch = self.update_running_batch(self.running_batch)
+        return None if self.running_batch.is_empty() else self.running_batch
+
+    def get_new_batch_prefill(self) -> Any:
+        running = self.running_batch
+        if (running.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
+            return None
+        running_bs = len(running.reqs)
+        if self.max_running_requests - running_bs <= 0 and self.chunked_req is None:
+            running.batch_is_full = True
+            return None
+        self.policy.calc_priority(self.waiting_queue)
+        adder = self.ref.schedule_policy.PrefillAdder(
+            self.config.page_size, self.tree_cache, self.allocator, running, self.new_token_ratio,
+            self.max_prefill_tokens, self.chunked_prefill_size, 0, 0)
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input()
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        for req in self.waiting_queue:
+            if len(adder.can_run_list) >= self.max_running_requests - len(running.reqs):
+                running.batch_is_full = True
+            if running.batch_is_full:
+                break
+            req.init_next_round_input(self.tree_cache)
+            res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None, truncation_align_size=None)
+            if res != self.ref.schedule_policy.AddReqResult.CONTINUE:
+                if res == self.ref.schedule_policy.AddReqResult.NO_TOKEN:
+                    running.batch_is_full = True
+                break
+        can_run_list = adder.can_run_list
+        if not can_run_list:
+            return None
+        admitted = set(can_run_list)
+        self.waiting_queue = [r for r in self.waiting_queue if r not in admitted]
+        if adder.new_chunked_req is not None:
+            assert self.chunked_req is None
+            self.chunked_req = adder.new_chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.is_chunked += 1
+        batch = self.ref.ScheduleBatch.init_new(can_run_list, self.req_to_token_pool, self.allocator,
+                                                self.tree_cache, ModelConfig(), False, NoSpeculation(),
+                                                chunked_req=self.chunked_req)
+        batch.prepare_for_extend()
+        batch.decoding_reqs = None
+        return batch
+
+    def update_running_batch(self, batch: Any) -> Any:
+        initial_bs = batch.batch_size()
+        batch.filter_batch()
+        if batch.is_empty():
+            batch.batch_is_full = False
+            return batch
+        if not batch.check_decode_mem(1):
+            retracted, self.new_token_ratio, _ = batch.retract_decode(self.server_args)
+            for req in retracted:
+                self.step_retracted.append(req.rid)
+                self._add_request_to_queue(req)
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+        if batch.batch_size() < initial_bs:
+            batch.batch_is_full = False
+        batch.prepare_for_decode()
+        return batch
+
+    def run_batch(self, batch: Any) -> None:
+        """The simulated forward: advance the clock by memcli's cost model and sample one
+        fresh token id per request (a chunked request's token is never used)."""
+        self.forward_ct += 1
+        if batch.forward_mode.is_extend():
+            kv_read = sum(batch.prefix_lens)
+            self.clock_ms += (self.sim.step_base_ms + self.sim.prefill_token_us * batch.extend_num_tokens / 1e3
+                              + self.sim.kv_read_ns * kv_read / 1e6)
+            tokens = [self._token() if req.is_chunked <= 0 else 0 for req in batch.reqs]
+        else:
+            kv_read = int(batch.seq_lens_cpu.sum())
+            self.clock_ms += (self.sim.step_base_ms + self.sim.decode_req_us * batch.batch_size() / 1e3
+                              + self.sim.kv_read_ns * kv_read / 1e6)
+            tokens = [self._token() for _ in batch.reqs]
+        batch.output_ids = torch.tensor(tokens, dtype=torch.int64)
+
+    def _token(self) -> int:
+        self.next_token += 1
+        return self.next_token - 1
+
+    def process_batch_result(self, batch: Any) -> None:
+        tokens = batch.output_ids.tolist()
+        if batch.forward_mode.is_extend():
+            self._process_prefill(batch, tokens)
+        else:
+            self._process_decode(batch, tokens)
+
+    def _process_prefill(self, batch: Any, tokens: list[int]) -> None:
+        for req, token in zip(batch.reqs, tokens):
+            if req.is_retracted:
+                continue
+            if req.is_chunked > 0:
+                req.is_chunked -= 1
+                continue
+            req.output_ids.append(token)
+            req.check_finished()
+            if req.finished():
+                self._finish(req)
+            else:
+                self.tree_cache.cache_unfinished_req(req)
+
+    def _process_decode(self, batch: Any, tokens: list[int]) -> None:
+        self.allocator.free_group_begin()
+        for req, token in zip(batch.reqs, tokens):
+            if req.is_retracted:
+                continue
+            req.output_ids.append(token)
+            req.check_finished()
+            if req.finished():
+                self._finish(req)
+        self.allocator.free_group_end()
+
+    def _finish(self, req: Any) -> None:
+        self.tree_cache.cache_finished_req(req)
+        self.step_finished.append(req.rid)
+        self.finished_rids.append(req.rid)
+
+    def self_check_during_idle(self) -> None:
+        """`check_memory()` (token pool and request rows), then reset the new-token ratio;
+        with nothing waiting, the simulated clock jumps to the next arrival."""
+        available, evictable = self.allocator.available_size(), self.tree_cache.evictable_size()
+        protected = self.tree_cache.protected_size()
+        if available + evictable != self.size - protected:
+            raise IntegrityError(f"token_to_kv_pool_allocator memory leak detected! max_total_num_tokens={self.size},"
+                                 f" available_size={available}, evictable_size={evictable}, protected_size={protected}")
+        rows = self.req_to_token_pool.available_size()
+        if rows != self.req_to_token_pool.size:
+            raise IntegrityError(f"req_to_token_pool memory leak detected! available_size={rows},"
+                                 f" total_size={self.req_to_token_pool.size}")
+        self.new_token_ratio = self.init_new_token_ratio
+        if self.pending and not self.waiting_queue:
+            self.clock_ms = max(self.clock_ms, self.pending[0][0])
+
+    # -- state for reports --------------------------------------------------------------------
+    def sizes(self) -> tuple[int, int, int]:
+        """(available, evictable, protected) tokens."""
+        return (self.allocator.available_size(), self.tree_cache.evictable_size(), self.tree_cache.protected_size())
+
+    def running_rids(self) -> list[str]:
+        return [r.rid for r in self.running_batch.reqs if not r.finished()]
+
+    def waiting_rids(self) -> list[str]:
+        return [r.rid for r in self.waiting_queue]

@@ -1,0 +1,208 @@
+"""Step observations of both schedulers, and the side-by-side run that compares them.
+
+`StepObservation` is what one scheduler step did, in the same terms on both sides:
+`observe_reference(loop)` reads it from a `ReferenceLoop` after `loop.step()`, and
+`MemcliSide.step()` runs one step of memcli's `Scheduler` and reads it there.
+`run_side_by_side` steps both until the first step whose observations differ.
+
+memcli's scheduler is observed without changing it: `MemcliSide` wraps, on the instance,
+the two cost-model methods (`_prefill_cost_ms`, `_decode_cost_ms`, each called once per
+batch that runs, after its allocation and before its results are processed) to see the
+batch, and the tree cache's `evict` to count evicted tokens; finished and retracted
+requests come from the scheduler's own event log.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+
+from memcli.config import Config
+from memcli.reference.loop import ReferenceLoop
+from memcli.sched.scheduler import Scheduler
+from memcli.stack import build_stack
+from memcli.workload.spec import RequestSpec
+
+COMPARED = ("kind", "rids", "extend_lens", "prefix_lens", "out_cache_loc", "evicted", "retracted", "finished",
+            "available", "evictable", "protected")
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """One scheduler step. Compared fields are `COMPARED`; the rest is context for reports.
+
+    `rids`, `extend_lens`, `prefix_lens` are in batch order; `prefix_lens` is each request's
+    cached prefix at this admission (a chunk's prefix includes its earlier chunks);
+    `extend_lens` is empty for decode. `out_cache_loc` lists the slots written this step.
+    `evicted` is tokens the tree evicted during the step; sizes are in tokens after it.
+    """
+
+    step: int
+    kind: str  # prefill, decode, idle
+    rids: tuple[str, ...]
+    extend_lens: tuple[int, ...]
+    prefix_lens: tuple[int, ...]
+    out_cache_loc: tuple[int, ...]
+    evicted: int
+    retracted: tuple[str, ...]
+    finished: tuple[str, ...]
+    available: int
+    evictable: int
+    protected: int
+    clock_ms: float = field(default=0.0, compare=False)
+    waiting: tuple[str, ...] = field(default=(), compare=False)
+    running: tuple[str, ...] = field(default=(), compare=False)
+    chunked: Optional[str] = field(default=None, compare=False)
+    new_token_ratio: float = field(default=0.0, compare=False)
+
+    def differing(self, other: "StepObservation") -> list[str]:
+        """Names of the compared fields whose values differ."""
+        return [name for name in COMPARED if getattr(self, name) != getattr(other, name)]
+
+    def lines(self) -> list[str]:
+        def short(values: tuple) -> str:
+            text = list(values)
+            return f"{text[:12]}{' ...' if len(text) > 12 else ''} ({len(text)})" if len(text) > 12 else str(text)
+        return [f"kind={self.kind} rids={short(self.rids)}",
+                f"extend_lens={short(self.extend_lens)} prefix_lens={short(self.prefix_lens)}",
+                f"out_cache_loc={short(self.out_cache_loc)}",
+                f"evicted={self.evicted} retracted={list(self.retracted)} finished={list(self.finished)}",
+                f"available={self.available} evictable={self.evictable} protected={self.protected}",
+                f"clock_ms={self.clock_ms:.3f} new_token_ratio={self.new_token_ratio:.4f} chunked={self.chunked}",
+                f"running={short(self.running)} waiting={short(self.waiting)}"]
+
+
+class _Batch(NamedTuple):
+    rids: tuple[str, ...]
+    extend_lens: tuple[int, ...]
+    prefix_lens: tuple[int, ...]
+    out_cache_loc: tuple[int, ...]
+
+
+_NO_BATCH = _Batch((), (), (), ())
+
+
+def _ints(values: Any) -> tuple[int, ...]:
+    if values is None:
+        return ()
+    return tuple(int(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values))
+
+
+def observe_reference(loop: ReferenceLoop) -> StepObservation:
+    """What the step just taken by `loop` did (call right after `loop.step()`)."""
+    batch = loop.step_batch if loop.step_kind != "idle" else None
+    if batch is None:
+        seen = _NO_BATCH
+    elif loop.step_kind == "prefill":
+        seen = _Batch(tuple(r.rid for r in batch.reqs), _ints(batch.extend_lens), _ints(batch.prefix_lens),
+                      _ints(batch.out_cache_loc))
+    else:
+        seen = _Batch(tuple(r.rid for r in batch.reqs), (), (), _ints(batch.out_cache_loc))
+    available, evictable, protected = loop.sizes()
+    chunked = loop.chunked_req.rid if loop.chunked_req is not None else None
+    return StepObservation(loop.step_count - 1, loop.step_kind, *seen, loop.step_evicted, tuple(loop.step_retracted),
+                           tuple(loop.step_finished), available, evictable, protected, loop.clock_ms,
+                           tuple(loop.waiting_rids()), tuple(loop.running_rids()), chunked, loop.new_token_ratio)
+
+
+class MemcliSide:
+    """memcli's stack and `Scheduler` over the same requests, observed step by step."""
+
+    def __init__(self, config: Config, requests: Sequence[RequestSpec], arrivals: str, output_token_base: int):
+        self.stack = build_stack(config)
+        self.scheduler = sched = Scheduler(self.stack, config.scheduler, config.sim, config.page_size,
+                                           output_token_base=output_token_base, record_events=True)
+        for spec in requests:
+            arrival_ms = 0.0 if arrivals == "burst" else float(spec.arrival_ms or 0.0)
+            sched.add_request(sched.new_req(spec.rid, spec.input_ids(), spec.output_len, spec.extra_key, arrival_ms))
+        self._batch = _NO_BATCH
+        self._evicted = 0
+        self._wrap_cost(sched, "_prefill_cost_ms", prefill=True)
+        self._wrap_cost(sched, "_decode_cost_ms", prefill=False)
+        tree = self.stack.tree_cache
+        real_evict = tree.evict
+
+        def evict(num_tokens: int, *args, **kwargs):
+            before = tree.evictable_size()
+            result = real_evict(num_tokens, *args, **kwargs)
+            self._evicted += before - tree.evictable_size()
+            return result
+
+        tree.evict = evict
+
+    def _wrap_cost(self, sched: Scheduler, name: str, prefill: bool) -> None:
+        real = getattr(sched, name)
+
+        def cost(batch):
+            rids = tuple(r.rid for r in batch.reqs)
+            if prefill:
+                self._batch = _Batch(rids, _ints(batch.extend_lens_cpu), _ints(batch.prefix_lens_cpu),
+                                     _ints(batch.out_cache_loc))
+            else:
+                self._batch = _Batch(rids, (), (), _ints(batch.out_cache_loc))
+            return real(batch)
+
+        setattr(sched, name, cost)
+
+    def is_done(self) -> bool:
+        return self.scheduler.is_done()
+
+    def step(self) -> StepObservation:
+        sched = self.scheduler
+        self._batch, self._evicted = _NO_BATCH, 0
+        first_event = len(sched.events)
+        record = sched.step()
+        events = sched.events[first_event:]
+        retracted = tuple(e.rid for e in events if e.kind == "retract")
+        finished = tuple(e.rid for e in events if e.kind in ("finish", "abort"))
+        batch = self._batch if record.kind != "idle" else _NO_BATCH
+        chunked = sched.chunked_req.rid if sched.chunked_req is not None else None
+        return StepObservation(record.step, record.kind, *batch, self._evicted, retracted, finished,
+                               record.available, record.evictable, record.protected, sched.clock_ms,
+                               tuple(r.rid for r in sched.waiting), tuple(r.rid for r in sched.running.reqs),
+                               chunked, sched.new_token_ratio)
+
+
+class StepDiff(NamedTuple):
+    """The result of a side-by-side run."""
+
+    steps: int  # steps compared
+    divergence: Optional[tuple[StepObservation, StepObservation]]  # (sglang, memcli) at the first difference
+    reference_s: float  # wall time of the reference loop's steps
+    memcli_s: float
+
+
+def run_side_by_side(config: Config, requests: Sequence[RequestSpec], arrivals: str, output_token_base: int,
+                     max_steps: Optional[int] = None, ref: Any = None) -> StepDiff:
+    """Step SGLang's loop and memcli's scheduler together until both are done, one of them
+    is done early (a divergence in `kind`), or their observations differ."""
+    loop = ReferenceLoop(config, requests, arrivals, output_token_base, ref=ref)
+    try:
+        mem = MemcliSide(config, requests, arrivals, output_token_base)
+        steps, ref_s, mem_s = 0, 0.0, 0.0
+        while not (loop.is_done() and mem.is_done()) and (max_steps is None or steps < max_steps):
+            start = time.perf_counter()
+            ref_obs = _idle_observation(loop.step_count, loop) if loop.is_done() else _step(loop)
+            middle = time.perf_counter()
+            mem_obs = _idle_observation(mem.scheduler.step_count, None) if mem.is_done() else mem.step()
+            ref_s, mem_s = ref_s + middle - start, mem_s + time.perf_counter() - middle
+            steps += 1
+            if ref_obs != mem_obs or loop.is_done() != mem.is_done():
+                return StepDiff(steps, (ref_obs, mem_obs), ref_s, mem_s)
+        return StepDiff(steps, None, ref_s, mem_s)
+    finally:
+        loop.close()
+
+
+def _step(loop: ReferenceLoop) -> StepObservation:
+    loop.step()
+    return observe_reference(loop)
+
+
+def _idle_observation(step: int, loop: Optional[ReferenceLoop]) -> StepObservation:
+    """Stands for a side that is already done, so that the other side's extra step shows."""
+    sizes = loop.sizes() if loop is not None else (-1, -1, -1)
+    return StepObservation(step, "done", (), (), (), (), 0, (), (), *sizes)
