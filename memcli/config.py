@@ -127,6 +127,21 @@ class SemanticsConfig:
     lru_clock: Optional[Literal["logical", "simulated"]] = None
     # Retracted requests rejoin the waiting queue at its back, or at its front.
     retract_requeue: Optional[Literal["back", "front"]] = None
+    # After a retraction the running batch keeps the victim-sort order, or its original order.
+    retract_batch_order: Optional[Literal["victim_sort", "original"]] = None
+    # A retracted request frees its aligned part and its partial last page in two calls (the
+    # last page freed is handed out first), or everything in one call.
+    retract_free: Optional[Literal["two_calls", "one_call"]] = None
+    # A non-final prefill chunk goes into the tree, and gives back its request row, at the
+    # start of the next step (deferred), or in the step's own result processing, keeping its row.
+    chunked_prefix: Optional[Literal["deferred", "immediate"]] = None
+    # When new requests are admitted: SGLang's `batch_is_full` flag (set when the pool or the
+    # request limit is reached, cleared only when a batch shrinks) or a fresh budget every step.
+    admission_gate: Optional[Literal["batch_is_full", "every_step"]] = None
+    # The next piece of a chunked request: as long as the budget allows, or floored to a page.
+    chunk_alignment: Optional[Literal["unaligned", "page"]] = None
+    # The chunk cache's protected size: the prefix tokens of running requests, or zero.
+    chunk_cache_protected: Optional[Literal["counted", "zero"]] = None
 
     def resolved(self) -> "Semantics":
         """Every behaviour's value in force: the override where one is set, else the profile's."""
@@ -153,6 +168,12 @@ PROFILE_CHOICES: dict[str, dict[str, str]] = {
     "lfu_hits": {"sglang-0.5.5": "never", "memcli": "count"},
     "lru_clock": {"sglang-0.5.5": "logical", "memcli": "simulated"},
     "retract_requeue": {"sglang-0.5.5": "back", "memcli": "front"},
+    "retract_batch_order": {"sglang-0.5.5": "victim_sort", "memcli": "original"},
+    "retract_free": {"sglang-0.5.5": "two_calls", "memcli": "one_call"},
+    "chunked_prefix": {"sglang-0.5.5": "deferred", "memcli": "immediate"},
+    "admission_gate": {"sglang-0.5.5": "batch_is_full", "memcli": "every_step"},
+    "chunk_alignment": {"sglang-0.5.5": "unaligned", "memcli": "page"},
+    "chunk_cache_protected": {"sglang-0.5.5": "counted", "memcli": "zero"},
 }
 
 
@@ -167,6 +188,12 @@ class Semantics:
     lfu_hits: str
     lru_clock: str
     retract_requeue: str
+    retract_batch_order: str
+    retract_free: str
+    chunked_prefix: str
+    admission_gate: str
+    chunk_alignment: str
+    chunk_cache_protected: str
 
 
 @dataclass(frozen=True)

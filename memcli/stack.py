@@ -129,7 +129,7 @@ def evict_rule(behaviour: Semantics) -> EvictRule:
 def radix_semantics(behaviour: Semantics) -> dict[str, Any]:
     """The radix cache's constructor options for the behaviours in force."""
     return {"lru_clock": behaviour.lru_clock, "split_stamp": behaviour.split_stamp,
-            "count_hits": behaviour.lfu_hits == "count"}
+            "count_hits": behaviour.lfu_hits == "count", "retract_free": behaviour.retract_free}
 
 
 def make_tree_cache(kind: str, config: Config, req_to_token_pool: ReqToTokenPool, allocator: BaseAllocator,
@@ -138,7 +138,8 @@ def make_tree_cache(kind: str, config: Config, req_to_token_pool: ReqToTokenPool
         return RadixCache(req_to_token_pool, allocator, page_size, eviction_policy=config.cache.eviction_policy,
                           kv_events=config.cache.kv_events, **radix_semantics(config.behaviour))
     if kind == "chunk":
-        return ChunkCache(req_to_token_pool, allocator, page_size)
+        return ChunkCache(req_to_token_pool, allocator, page_size,
+                          count_protected=config.behaviour.chunk_cache_protected == "counted")
     if kind == "none":
         return NullCache(allocator, req_to_token_pool, page_size)
     raise ConfigError(f"cache.kind: invalid value {kind!r}", hint="cache.kind must be one of radix, chunk, none")

@@ -119,6 +119,11 @@ class BasePrefixCache(abc.ABC):
     def token_to_kv_pool_allocator(self) -> Any:
         return self.allocator
 
+    def tree_protected_size(self) -> int:
+        """Locked tokens the cache itself owns (the conservation checks count these); equal to
+        `protected_size()` except where a cache reports request-held tokens as protected."""
+        return self.protected_size()
+
     def empty_indices(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)
 

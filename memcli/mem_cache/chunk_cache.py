@@ -2,8 +2,10 @@
 
 Used when the radix cache is disabled. Every request owns all its slots, from its first
 chunk to its finish. The cache itself owns nothing, so `evictable_size()` and
-`protected_size()` are 0: what requests hold is counted as held by running requests in the
-conservation check (`memcli.mem_cache.integrity`), once.
+`tree_protected_size()` are 0: what requests hold is counted as held by running requests in
+the conservation check (`memcli.mem_cache.integrity`), once. `protected_size()` is 0 too, or,
+with `count_protected` (SGLang), the tokens of the requests' recorded prefixes, as SGLang
+reports them.
 """
 
 from __future__ import annotations
@@ -46,11 +48,19 @@ class ChunkCache(BasePrefixCache):
     """Prefix cache that caches nothing. `disable` is always True."""
 
     def __init__(self, req_to_token_pool: Any, allocator: Any, page_size: int,
-                 device: Optional[torch.device | str] = None):
+                 device: Optional[torch.device | str] = None, count_protected: bool = False):
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.page_size = page_size
         self.device = torch.device(device if device is not None else allocator.device)
+        self.count_protected = count_protected
+        self._reported_protected = 0
+
+    def protected_size(self) -> int:
+        return self._reported_protected
+
+    def tree_protected_size(self) -> int:
+        return 0
 
     @property
     def disable(self) -> bool:
@@ -69,6 +79,8 @@ class ChunkCache(BasePrefixCache):
 
         Writes `req.prefix_indices` only (the next chunk's prefix, as in SGLang)."""
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(req.fill_ids)]
+        if self.count_protected:
+            self._reported_protected += len(kv) - len(req.prefix_indices)
         req.prefix_indices = kv.to(device=self.device, dtype=torch.int64, copy=True)
 
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
@@ -81,6 +93,8 @@ class ChunkCache(BasePrefixCache):
             raise IntegrityError(f"cache_finished_req on request row {req.req_pool_idx} that was already freed")
         free_row_pages(self.req_to_token_pool, self.allocator, [req.req_pool_idx], req.kv_allocated_len)
         self.req_to_token_pool.free(req.req_pool_idx)
+        if self.count_protected:
+            self._reported_protected -= len(req.prefix_indices)
         req.kv_freed = True  # the one request field this cache writes on finish (as SGLang)
 
     def evict(self, num_tokens: int) -> int:
@@ -93,7 +107,8 @@ class ChunkCache(BasePrefixCache):
         return 0
 
     def reset(self) -> None:
-        """Nothing cached, nothing to forget."""
+        """Nothing cached; the reported protected size starts again from 0."""
+        self._reported_protected = 0
 
     def check_integrity(self) -> IntegrityReport:
         """The cache holds no tokens; what it can get wrong is the page size it frees rows by."""

@@ -87,13 +87,16 @@ class RadixCache(BasePrefixCache):
     before splitting it and creates the upper node fresh (SGLang); `"keep"` gives the upper
     node the old node's times and hit count, and leaves the tail's. `count_hits=False`
     never counts hits (SGLang's plain radix cache: LFU then orders as LRU).
+    `retract_free="two_calls"` frees a retracted request's aligned part and its partial last
+    page in two allocator calls (SGLang: the pages of the second call are handed out first).
     `eviction_log` receives an `EvictionRecord` per evicted node; the caller clears it.
     """
 
     def __init__(self, req_to_token_pool: Any, allocator: Any, page_size: int,
                  eviction_policy: str = "lru", kv_events: bool = False,
                  device: Optional[torch.device | str] = None, disable: bool = False,
-                 lru_clock: str = "simulated", split_stamp: str = "keep", count_hits: bool = True):
+                 lru_clock: str = "simulated", split_stamp: str = "keep", count_hits: bool = True,
+                 retract_free: str = "one_call"):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.req_to_token_pool = req_to_token_pool
@@ -112,6 +115,7 @@ class RadixCache(BasePrefixCache):
         self._logical = LogicalClock() if lru_clock == "logical" else None
         self.refresh_split = split_stamp == "refresh"
         self.count_hits = count_hits
+        self.retract_free_twice = retract_free == "two_calls"
         self._now = 0.0  # the current operation's time on `clock`
         self.eviction_log: list[EvictionRecord] = []
         self.evicted_tokens_total = 0  # every token `evict` ever freed (never reset)
@@ -403,7 +407,8 @@ class RadixCache(BasePrefixCache):
             [aligned, kv_allocated_len) the request's tail (partial last page): freed
         where start = len(prefix_indices) floored to a page and aligned =
         kv_committed_len floored to a page. With is_insert=False all of
-        [start, kv_allocated_len) is freed.
+        [start, kv_allocated_len) is freed: in one call, or with `retract_free_twice` as
+        [start, aligned) then [aligned, kv_allocated_len) (SGLang's order of frees).
 
         Request fields: reads `req_pool_idx`, `kv_allocated_len`, `kv_committed_len`,
         `prefix_indices`, `last_node`; writes only `kv_freed` (as SGLang), last.
@@ -421,6 +426,10 @@ class RadixCache(BasePrefixCache):
             new_prefix_len = self.insert(RadixKey(req.token_ids(aligned), req.extra_key), kv[:aligned])
             self._check_prefix_kept(req, start, new_prefix_len)
             self._free(kv[start:new_prefix_len])
+            start = aligned
+        elif self.retract_free_twice:
+            aligned = max(align_down(min(req.kv_committed_len, allocated), ps), start)
+            self._free(kv[start:aligned])
             start = aligned
         self._free(kv[start:])
         self.req_to_token_pool.free(req.req_pool_idx)

@@ -139,7 +139,7 @@ class MemcliSide:
         def cost(batch):
             rids = tuple(r.rid for r in batch.reqs)
             if prefill:
-                self._batch = _Batch(rids, _ints(batch.extend_lens_cpu), _ints(batch.prefix_lens_cpu),
+                self._batch = _Batch(rids, _ints(batch.extend_plan.extend_lens_cpu), _ints(batch.prefix_lens_cpu),
                                      _ints(batch.out_cache_loc))
             else:
                 self._batch = _Batch(rids, (), (), _ints(batch.out_cache_loc))

@@ -145,11 +145,12 @@ class ScheduleBatch:
                                                self.page_size)
         return common.check_decode_mem(self.token_to_kv_pool_allocator, self.tree_cache, num_pages)
 
-    def retract_decode(self, retract_decode_steps: int) -> tuple[list, float]:
+    def retract_decode(self, retract_decode_steps: int, keep_victim_order: bool = False) -> tuple[list, float]:
         """Release requests until the next decode step fits; at least one when bs > 1.
 
-        Victims: fewest output tokens first, ties by longest prompt. Returns the retracted
-        requests and the new-token ratio of the rest.
+        Victims: fewest output tokens first, ties by longest prompt. The requests kept stay
+        in their order, or with `keep_victim_order` (SGLang) in the victim sort's order.
+        Returns the retracted requests and the new-token ratio of the rest.
         """
         order = sorted(range(len(self.reqs)),
                        key=lambda i: (len(self.reqs[i].output_ids), -self.reqs[i].input_len), reverse=True)
@@ -165,7 +166,7 @@ class ScheduleBatch:
                                    len(order) * retract_decode_steps)
             if self.check_decode_mem(sorted(order)):
                 break
-        self.filter_batch(sorted(order))
+        self.filter_batch(order if keep_victim_order else sorted(order))
         for req in retracted:
             req.reset_for_retract()
         total_out = sum(len(r.output_ids) for r in self.reqs)

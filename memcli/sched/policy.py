@@ -38,8 +38,10 @@ def order_waiting(queue: list, policy: str, tree_cache) -> list:
 
 class PrefillAdder:
     def __init__(self, tree_cache, allocator, running_reqs: list, new_token_ratio: float,
-                 max_prefill_tokens: int, chunked_prefill_size: int | None, page_size: int, clip: int):
+                 max_prefill_tokens: int, chunked_prefill_size: int | None, page_size: int, clip: int,
+                 align_chunks: bool = True):
         self.tree_cache = tree_cache
+        self.align_chunks = align_chunks
         self.allocator = allocator
         self.page_size = page_size
         self.clip = clip
@@ -71,11 +73,16 @@ class PrefillAdder:
         return AddResult.CONTINUE
 
     def add_chunked_req(self, req):
-        """Schedule the next piece of the request being chunked; returns it while still truncated."""
+        """Schedule the next piece of the request being chunked; returns it while still truncated.
+
+        The piece is what the budget allows, floored to a page with `align_chunks` (SGLang
+        does not floor it). With no room at all it is not scheduled (SGLang would schedule an
+        empty or negative piece)."""
         room = int(self.rem_total_tokens)
         if self.rem_chunk_tokens is not None:
             room = min(room, self.rem_chunk_tokens)
-        room = align_down(room, self.page_size)
+        if self.align_chunks:
+            room = align_down(room, self.page_size)
         if room <= 0:
             return req, False
         truncated = req.extend_input_len > room
@@ -111,3 +118,64 @@ class PrefillAdder:
         self.new_chunked_req = req
         self._update_budget(trunc, 0)
         return self.budget_state()
+
+
+class AdmissionGate:
+    """Whether a step may admit new requests, and how many.
+
+    `every_step` (memcli): every step builds a fresh budget, and admits while
+    running + admitted (+ the chunked request) stay under `max_running`.
+
+    `batch_is_full` (SGLang 0.5.5's `running_batch.batch_is_full`): the flag is set when the
+    request limit is reached or the pool budget says NO_TOKEN; while it is set, only a chunked
+    request's next piece runs. It is cleared only when a batch shrinks: a prefill batch whose
+    requests finished or whose chunked request left it, or a decode batch that lost requests
+    (finished or retracted). Requests that finished in a decode step still count against the
+    limit until the next decode update (or idle step) filters them out (`lagging`).
+    """
+
+    def __init__(self, kind: str, max_running: int):
+        if kind not in ("every_step", "batch_is_full"):
+            raise ValueError(f"admission gate {kind!r}: unknown")
+        self.sglang = kind == "batch_is_full"
+        self.max_running = max_running
+        self.full = False
+        self.lagging = 0
+
+    def may_try(self, has_waiting: bool, has_chunked: bool, num_running: int) -> bool:
+        """Before a prefill batch is built: is there anything to try?"""
+        if self.sglang:
+            if (self.full or not has_waiting) and not has_chunked:
+                return False
+            if self.max_running - (num_running + self.lagging) <= 0 and not has_chunked:
+                self.full = True
+                return False
+            return True
+        return (has_waiting or has_chunked) and (num_running < self.max_running or has_chunked)
+
+    def has_room(self, num_running: int, num_admitted: int, has_chunked: bool) -> bool:
+        """Before each waiting request: may one more be admitted?"""
+        if self.sglang:
+            if num_admitted >= self.max_running - (num_running + self.lagging):
+                self.full = True
+            return not self.full
+        return num_running + num_admitted + has_chunked < self.max_running
+
+    def stopped(self, result: AddResult) -> None:
+        """The budget refused a request."""
+        if self.sglang and result == AddResult.NO_TOKEN:
+            self.full = True
+
+    def shrank(self) -> None:
+        """A prefill or decode batch lost requests."""
+        self.full = False
+
+    def finished_in_decode(self, num: int) -> None:
+        if self.sglang:
+            self.lagging += num
+
+    def decode_filtered(self) -> None:
+        """The decode update (or an idle step) dropped the finished requests of the last decode."""
+        if self.lagging:
+            self.lagging = 0
+            self.full = False

@@ -18,7 +18,7 @@ from memcli.errors import OutOfMemoryError, RequestSlotsExhausted
 from memcli.mem_cache import common
 from memcli.mem_cache.integrity import check_memory
 from memcli.sched.batch import ScheduleBatch
-from memcli.sched.policy import AddResult, PrefillAdder, order_waiting, uses_lpm
+from memcli.sched.policy import AddResult, AdmissionGate, PrefillAdder, order_waiting, uses_lpm
 from memcli.sched.req import Req
 
 
@@ -96,7 +96,13 @@ class Scheduler:
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / max(
             sched_config.new_token_ratio_decay_steps, 1)
         self.new_token_ratio = self.init_new_token_ratio
-        self.retract_to_front = stack.config.behaviour.retract_requeue == "front"
+        behaviour = stack.config.behaviour
+        self.retract_to_front = behaviour.retract_requeue == "front"
+        self.retract_keep_victim_order = behaviour.retract_batch_order == "victim_sort"
+        self.defer_chunk_caching = behaviour.chunked_prefix == "deferred"
+        self.align_chunks = behaviour.chunk_alignment == "page"
+        self.gate = AdmissionGate(behaviour.admission_gate, self.max_running)
+        self.chunk_to_cache: Req | None = None  # a chunk that enters the tree next step (deferred)
         if hasattr(self.tree_cache, "clock"):
             self.tree_cache.clock = lambda: self.clock_ms
 
@@ -134,6 +140,7 @@ class Scheduler:
 
     def step(self) -> StepRecord:
         self._admit_arrivals()
+        self._cache_deferred_chunk()
         batch = self.get_new_batch_prefill()
         if batch is not None:
             kind, bs, new_tokens = "prefill", batch.batch_size, batch.extend_num_tokens
@@ -167,7 +174,17 @@ class Scheduler:
             self.waiting.append(req)
             self._event("arrive", req.rid, req.input_len)
 
+    def _cache_deferred_chunk(self) -> None:
+        """SGLang's start of a step: last step's chunk enters the tree, and the chunked request
+        gives back its row (it takes a new one with its next piece)."""
+        req, self.chunk_to_cache = self.chunk_to_cache, None
+        if req is not None:
+            common.cache_unfinished(self.tree_cache, req, chunked=True)
+            common.free_req_rows(self.stack.req_to_token_pool, [req.req_pool_idx])
+            req.req_pool_idx = None
+
     def _idle(self) -> None:
+        self.gate.decode_filtered()
         self.stats.idle_steps += 1
         self.new_token_ratio = self.init_new_token_ratio
         if self.pending and not self.waiting:
@@ -183,7 +200,8 @@ class Scheduler:
         u = common.usage(self.tree_cache, allocator)
         # Pages in use that the tree does not own are held by requests (exact when memory is
         # conserved; the checks verify that separately, request by request).
-        held_pages = (allocator.size - u.available - u.evictable - u.protected) // allocator.page_size
+        tree_protected = self.tree_cache.tree_protected_size()
+        held_pages = (allocator.size - u.available - u.evictable - tree_protected) // allocator.page_size
         held_tokens = sum(r.kv_allocated_len - r.last_matched_prefix_len for r in self.active_reqs() if not r.kv_freed)
         rows = self.stack.req_to_token_pool.size - self.stack.req_to_token_pool.available_size()
         self.stats.peak_request_rows = max(self.stats.peak_request_rows, rows)
@@ -195,15 +213,14 @@ class Scheduler:
 
     # -- prefill --------------------------------------------------------------------------
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        if not self.waiting and self.chunked_req is None:
-            return None
-        if len(self.running.reqs) >= self.max_running and self.chunked_req is None:
+        gate = self.gate
+        if not gate.may_try(bool(self.waiting), self.chunked_req is not None, len(self.running.reqs)):
             return None
         matched = uses_lpm(self.waiting, self.cfg.policy, self.tree_cache)
         self.waiting = order_waiting(self.waiting, self.cfg.policy, self.tree_cache)
         adder = PrefillAdder(self.tree_cache, self.stack.allocator, self.running.reqs, self.new_token_ratio,
                              self.cfg.max_prefill_tokens, self.cfg.chunked_prefill_size, self.page_size,
-                             self.cfg.max_new_tokens_clip)
+                             self.cfg.max_new_tokens_clip, self.align_chunks)
         chunked_pending = self.chunked_req
         if chunked_pending is not None:
             chunked_pending.init_next_round_input(None)
@@ -211,8 +228,7 @@ class Scheduler:
             if added:
                 self.chunked_req = still
         for req in list(self.waiting):
-            slots_used = len(self.running.reqs) + len(adder.can_run_list) + (self.chunked_req is not None)
-            if slots_used >= self.max_running:
+            if not gate.has_room(len(self.running.reqs), len(adder.can_run_list), self.chunked_req is not None):
                 break
             if not matched:
                 req.init_next_round_input(self.tree_cache)
@@ -221,6 +237,7 @@ class Scheduler:
             if req in adder.can_run_list:
                 self.waiting.remove(req)
             if result != AddResult.CONTINUE:
+                gate.stopped(result)
                 break
         if adder.new_chunked_req is not None:
             self.chunked_req = adder.new_chunked_req
@@ -279,7 +296,10 @@ class Scheduler:
         for i, req in enumerate(batch.reqs):
             req.kv_committed_len = len(req.fill_ids)
             if req is self.chunked_req:
-                common.cache_unfinished(self.tree_cache, req, chunked=True)
+                if self.defer_chunk_caching:
+                    self.chunk_to_cache = req
+                else:
+                    common.cache_unfinished(self.tree_cache, req, chunked=True)
                 continue
             req.output_ids.append(self._token())
             if len(req.output_ids) >= req.max_new_tokens:
@@ -287,6 +307,8 @@ class Scheduler:
             else:
                 common.cache_unfinished(self.tree_cache, req)
                 keep.append(i)
+        if len(keep) < len(batch.reqs):
+            self.gate.shrank()
         batch.filter_batch(keep)
         if batch.reqs:
             self.running.merge_batch(batch)
@@ -295,6 +317,7 @@ class Scheduler:
     def update_running_batch(self) -> ScheduleBatch | None:
         """Retract when the next decode step does not fit (or when forced), then allocate it."""
         batch = self.running
+        self.gate.decode_filtered()
         n = self.retract_every
         if n and self.stats.decode_steps % n == n - 1 and len(batch.reqs) > 1:
             self.stats.forced_retractions += 1
@@ -315,7 +338,8 @@ class Scheduler:
         return batch
 
     def _retract(self) -> None:
-        retracted, ratio = self.running.retract_decode(self.cfg.retract_decode_steps)
+        retracted, ratio = self.running.retract_decode(self.cfg.retract_decode_steps, self.retract_keep_victim_order)
+        self.gate.shrank()
         self.new_token_ratio = ratio
         self.stats.retractions += 1
         self.stats.retracted_requests += len(retracted)
@@ -336,7 +360,7 @@ class Scheduler:
         self.running.filter_batch()
 
     def process_decode_result(self, batch: ScheduleBatch) -> None:
-        any_finished = False
+        any_finished = 0
         base, self.next_token = self.next_token, self.next_token + batch.batch_size
         with common.free_group(self.stack.allocator):
             for token, req in enumerate(batch.reqs, base):
@@ -344,8 +368,9 @@ class Scheduler:
                 req.output_ids.append(token)
                 if len(req.output_ids) >= req.max_new_tokens:
                     self._finish(req)
-                    any_finished = True
+                    any_finished += 1
         if any_finished:
+            self.gate.finished_in_decode(any_finished)
             batch.filter_batch()
 
     def _finish(self, req: Req) -> None:
@@ -370,6 +395,8 @@ class Scheduler:
                     return True
         if self.chunked_req is not None and self.chunked_req.rid == rid:
             req, self.chunked_req = self.chunked_req, None
+            if self.chunk_to_cache is req:
+                self.chunk_to_cache = None
             req.aborted = True
             self._finish(req)
             return True

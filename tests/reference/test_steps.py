@@ -98,7 +98,6 @@ def test_reference_loop_evicts_chunks_and_retracts(ref):
     assert evicted > 0 and retracted > 0 and chunked > 0
 
 
-@pytest.mark.xfail(strict=True, reason=CHUNK_INSERT_TIMING)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_memcli_matches_the_reference_step_by_step(ref, case):
     config, requests, base = _load(case)

@@ -32,7 +32,7 @@ def conservation_checks(stack: Any, running: list) -> list[CheckResult]:
         tokens, pages = held_by_request(req, ps)
         held_tokens += tokens
         held_pages += pages
-    avail, evictable, protected = allocator.available_size(), tree.evictable_size(), tree.protected_size()
+    avail, evictable, protected = allocator.available_size(), tree.evictable_size(), tree.tree_protected_size()
     total = avail + evictable + protected + held_pages * ps
     numbers = {"available": avail, "evictable": evictable, "protected": protected, "held": held_pages * ps,
                "size": allocator.size}
@@ -81,7 +81,7 @@ def check_idle(stack: Any, reqs: Iterable[Any]) -> CheckResult:
         return CheckResult("idle", True, f"not idle ({holding} requests hold memory)", {"holding": holding})
     allocator, tree = stack.allocator, stack.tree_cache
     used = rows_in_use(stack)
-    avail, evictable, protected = allocator.available_size(), tree.evictable_size(), tree.protected_size()
+    avail, evictable, protected = allocator.available_size(), tree.evictable_size(), tree.tree_protected_size()
     detail = (f"{used} request rows in use; available {avail} + evictable {evictable} vs size"
               f" {allocator.size}; protected {protected}")
     ok = not used and not protected and avail + evictable == allocator.size

@@ -174,7 +174,7 @@ def _kv_store_note(runner: CaseRunner) -> Optional[str]:
 def idle_state(stack: MemoryStack) -> dict:
     """Invariant 6 after the finish: every row free, available + evictable == size."""
     allocator, tree, pool = stack.allocator, stack.tree_cache, stack.req_to_token_pool
-    available, evictable, protected = allocator.available_size(), tree.evictable_size(), tree.protected_size()
+    available, evictable, protected = allocator.available_size(), tree.evictable_size(), tree.tree_protected_size()
     integrity = allocator.check_integrity()
     ok = (available + evictable == allocator.size and protected == 0 and pool.available_size() == pool.size
           and integrity.ok)
