@@ -1,21 +1,15 @@
-"""The typer app: every command registered one way, with the shared bad-input handling.
-
-A `MemcliError` (bad input) becomes `error:` / `hint:` lines on stderr and its exit code
-(2), without a traceback unless MEMCLI_DEBUG=1.
-"""
+"""The typer app: every command registered one way, with the shared bad-input handling
+(`guard.guarded`: a `MemcliError` becomes `error:` / `hint:` lines and exit code 2)."""
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
 from typing import Callable
 
 import typer
 
-from memcli.cli import bench_one_batch, bench_radix, check_page_size, gen_trace, replay, show_config
+from memcli.cli import bench_one_batch, bench_radix, check_page_size, gen_trace, reference, replay, show_config
+from memcli.cli.guard import guarded
 from memcli.cli.options import list_flags_command
-from memcli.errors import MemcliError
 
 app = typer.Typer(
     name="memcli",
@@ -42,28 +36,6 @@ def _root() -> None:
     """Build, exercise and inspect the KV-cache memory stack of an LLM serving engine."""
 
 
-def report_error(exc: MemcliError) -> None:
-    print(f"error: {exc.message}", file=sys.stderr)
-    if exc.hint:
-        print(f"hint: {exc.hint}", file=sys.stderr)
-
-
-def guarded(func: Callable) -> Callable:
-    """`func` with a `MemcliError` turned into `error:` / `hint:` lines and its exit code."""
-
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        try:
-            return func(*args, **kwargs)
-        except MemcliError as exc:
-            if os.environ.get("MEMCLI_DEBUG") == "1":
-                raise
-            report_error(exc)
-            raise typer.Exit(exc.exit_code) from None
-
-    return wrapper
-
-
 def register(name: str, func: Callable, list_flags: tuple[str, ...] = ()) -> None:
     cls = list_flags_command(list_flags) if list_flags else None
     app.command(name, cls=cls)(guarded(func))
@@ -71,6 +43,7 @@ def register(name: str, func: Callable, list_flags: tuple[str, ...] = ()) -> Non
 
 for _name, _func, _list_flags in COMMANDS:
     register(_name, _func, _list_flags)
+app.add_typer(reference.app)
 
 
 def main() -> None:

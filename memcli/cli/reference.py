@@ -1,0 +1,48 @@
+"""`memcli reference`: SGLang 0.5.5's own code, fetched from PyPI, to check memcli against it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from memcli.cli.guard import guarded
+from memcli.cli.options import JsonOpt
+
+app = typer.Typer(name="reference", no_args_is_help=True, add_completion=False,
+                  help="SGLang 0.5.5's own memory-stack code: fetch it, and diff memcli against it step by step.")
+
+
+@app.command("fetch")
+@guarded
+def fetch(
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Where to keep the wheel"
+                                             " (default: $MEMCLI_CACHE_DIR or ~/.cache/memcli)"),
+    json_out: bool = JsonOpt,
+) -> None:
+    """Download the sglang 0.5.5 wheel (once) and unpack the modules memcli is tested against."""
+    from memcli.reference.fetch import SGLANG_VERSION, fetch_reference, fetch_wheel
+
+    wheel = fetch_wheel(cache_dir)
+    root = fetch_reference(cache_dir)
+    if json_out:
+        print(json.dumps({"command": "reference fetch", "version": SGLANG_VERSION, "wheel": str(wheel),
+                          "extracted": str(root)}, indent=2))
+    else:
+        print(f"sglang {SGLANG_VERSION}: {wheel}\nunpacked: {root}")
+
+
+@app.command("diff", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def diff(ctx: typer.Context,
+         trace: str = typer.Argument(..., metavar="TRACE", help="Trace file (memcli or Mooncake JSONL)")) -> None:
+    """Run memcli's scheduler and SGLang 0.5.5's loop side by side and print the first divergent
+    step. Options: --limit N, --set KEY=VALUE, --arrivals burst|timestamp, --config FILE,
+    --max-steps N. Exit 0 when equal, 1 when they diverge, 2 on bad input."""
+    # A process of its own: the Triton interpreter must be chosen before any kernel is
+    # imported, and this process has imported them already.
+    proc = subprocess.run([sys.executable, "-m", "memcli.reference.diff", trace, *ctx.args])
+    raise typer.Exit(proc.returncode)

@@ -1,0 +1,39 @@
+"""`memcli reference fetch` and `memcli reference diff` from the command line."""
+
+import json
+
+from typer.testing import CliRunner
+
+from memcli.cli.app import app
+
+TRACE = "tests/data/conversation_head300.jsonl"
+
+
+def test_fetch_reports_the_cached_wheel(ref):
+    result = CliRunner().invoke(app, ["reference", "fetch", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["command"] == "reference fetch" and doc["version"] == "0.5.5"
+    assert doc["wheel"].endswith(".whl")
+
+
+def test_diff_finds_no_divergent_step(ref, capfd):
+    result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "6", "--set", "memory.max_total_tokens=90000",
+                                      "--set", "memory.max_context_len=88000"])
+    out = capfd.readouterr().out
+    assert result.exit_code == 0, out
+    assert out.startswith("0 divergent steps in ")
+
+
+def test_diff_shows_the_memcli_profile_diverging(ref, capfd):
+    result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "6", "--set", "memory.max_total_tokens=90000",
+                                      "--set", "memory.max_context_len=88000", "--set", "semantics.profile=memcli"])
+    out = capfd.readouterr().out
+    assert result.exit_code == 1, out
+    assert "first divergent step:" in out and "sglang:" in out and "memcli:" in out
+
+
+def test_diff_bad_input_is_exit_2(ref, capfd):
+    result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--set", "memory.page_size=3"])
+    err = capfd.readouterr().err
+    assert result.exit_code == 2 and "error:" in err and "Traceback" not in err
