@@ -142,6 +142,8 @@ class SemanticsConfig:
     chunk_alignment: Optional[Literal["unaligned", "page"]] = None
     # The chunk cache's protected size: the prefix tokens of running requests, or zero.
     chunk_cache_protected: Optional[Literal["counted", "zero"]] = None
+    # bench-one-batch's decode steps: output_len - 1 (the prefill samples the first token) or output_len.
+    bench_decode_steps: Optional[Literal["output_len_minus_1", "output_len"]] = None
 
     def resolved(self) -> "Semantics":
         """Every behaviour's value in force: the override where one is set, else the profile's."""
@@ -174,6 +176,7 @@ PROFILE_CHOICES: dict[str, dict[str, str]] = {
     "admission_gate": {"sglang-0.5.5": "batch_is_full", "memcli": "every_step"},
     "chunk_alignment": {"sglang-0.5.5": "unaligned", "memcli": "page"},
     "chunk_cache_protected": {"sglang-0.5.5": "counted", "memcli": "zero"},
+    "bench_decode_steps": {"sglang-0.5.5": "output_len_minus_1", "memcli": "output_len"},
 }
 
 
@@ -194,6 +197,7 @@ class Semantics:
     admission_gate: str
     chunk_alignment: str
     chunk_cache_protected: str
+    bench_decode_steps: str
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ def header_line(result: BenchResult) -> str:
     how = ("CUDA events" if result.timing_method == "cuda-events"
            else "synchronized wall clock (no device events on a CPU)")
     return (f"bench-one-batch on {result.device}: timing by {how}; median of {opts['repeat']} timed calls"
-            f" after {opts['warmup']} warm-up calls per phase; tree cache {opts['tree_cache']}.\n"
+            f" after {opts['warmup']} warm-up calls per phase; tree cache {opts['tree_cache']};"
+            f" semantics {result.semantics}.\n"
             "prefill = prepare_for_extend + KV store of the new tokens; decode step = prepare_for_decode +"
             " KV store of one token per request; memory path = alloc_for_extend / alloc_for_decode alone;"
             " free = release of every request; first call includes compilation."
@@ -61,8 +62,9 @@ def case_table(r: CaseResult) -> Table:
     _row(table, "prefill", r.phases["prefill"], fmt_rate(r.prefill_throughput, "tok/s"))
     step = r.phases.get("decode_step")
     if step is not None:
-        _row(table, f"decode step (median of {c.output_len})", step, fmt_rate(r.median_decode_throughput, "tok/s"))
-    table.add_row(f"total (prefill + {c.output_len} steps)", fmt_us(r.total_latency * 1e6), "", "", "", "",
+        _row(table, f"decode step (median of {len(r.decode_step_us)})", step,
+             fmt_rate(r.median_decode_throughput, "tok/s"))
+    table.add_row(f"total (prefill + {len(r.decode_step_us)} steps)", fmt_us(r.total_latency * 1e6), "", "", "", "",
                   fmt_rate(r.overall_throughput, "tok/s"))
     table.add_section()
     kind = f"cached prefix {r.cached_prefix_len:,}" if r.cached_prefix_len else "new"

@@ -9,8 +9,9 @@ Reference terms (SGLang's bench_one_batch, seconds and tokens/s):
     total_latency            prefill_latency + the sum of every decode step's median time
     overall_throughput       batch_size * (input_len + output_len) / total_latency
 
-memcli runs `output_len` decode steps (the reference runs output_len - 1, its prefill samples
-the first token), so every request ends with input_len + output_len KV slots.
+The reference runs output_len - 1 decode steps (its prefill samples the first token), and so
+does the `sglang-0.5.5` profile; the `memcli` profile runs output_len, so that every request
+ends with input_len + output_len KV slots (`semantics.bench_decode_steps`).
 """
 
 from __future__ import annotations
@@ -156,13 +157,15 @@ class BenchResult:
     device: str
     timing_method: str
     cases: list[CaseResult]
+    semantics: str  # the profile and its overrides (`SemanticsConfig.label`)
 
     @property
     def page_sizes(self) -> list[int]:
         return list(dict.fromkeys(r.case.page_size for r in self.cases))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"command": "bench-one-batch", "device": self.device, "timing_method": self.timing_method,
+        return {"command": "bench-one-batch", "semantics": self.semantics, "device": self.device,
+                "timing_method": self.timing_method,
                 "options": self.options, "config": self.config, "phase_descriptions": PHASES,
                 "cases": [r.to_dict() for r in self.cases]}
 

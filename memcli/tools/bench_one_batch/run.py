@@ -72,7 +72,8 @@ def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOpt
                 torch.cuda.empty_cache()
     method = results[0].timing_method if results else ""
     shown = replace(config, cache={"kind": options.tree_cache})
-    return BenchResult(shown.to_dict(), options.to_dict(), describe_device(device), method, results)
+    return BenchResult(shown.to_dict(), options.to_dict(), describe_device(device), method, results,
+                       shown.semantics.label)
 
 
 def describe_device(device: torch.device) -> str:
@@ -142,7 +143,7 @@ def _measure_decode(runner: CaseRunner, timed) -> tuple[list[tuple[PhaseTiming, 
     """(step, memory path) timings of every decode step, each from the state before it."""
     steps = []
     before = runner.allocator.in_use_tokens
-    for _ in range(runner.case.output_len):
+    for _ in range(runner.decode_steps):
         restore = functools.partial(runner.restore_decode, runner.snapshot_decode())
         memory = timed(runner.decode_memory, setup=restore)
         steps.append((timed(runner.decode_step, setup=restore), memory))
@@ -151,7 +152,7 @@ def _measure_decode(runner: CaseRunner, timed) -> tuple[list[tuple[PhaseTiming, 
 
 def _measure_decode_store(runner: CaseRunner, timed) -> Optional[KVStoreFigures]:
     """The KV store of the last decode step alone (None without decode steps or store)."""
-    if not runner.store_kv or runner.case.output_len == 0:
+    if not runner.store_kv or runner.decode_steps == 0:
         return None
     tokens = runner.case.batch_size
     return KVStoreFigures(tokens, tokens * runner.stack.kv_pool.bytes_per_token, timed(runner.store_decode_kv))

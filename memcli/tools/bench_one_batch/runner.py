@@ -60,6 +60,9 @@ class CaseRunner:
         self.pool = stack.req_to_token_pool
         self.tree_cache = stack.tree_cache
         self.store_kv = False  # set by alloc_kv_sources()
+        # SGLang's bench runs output_len - 1 decode steps (its prefill samples the first token).
+        minus_one = stack.config.behaviour.bench_decode_steps == "output_len_minus_1"
+        self.decode_steps = max(case.output_len - minus_one, 0)
         tokens = np.random.default_rng(seed).integers(0, VOCAB_SIZE, (case.batch_size, case.seq_len), dtype=np.int64)
         tokens[:, 0] = np.arange(case.batch_size)  # a distinct first token: requests share no prefix
         self.prompts = tokens[:, : case.input_len]
@@ -248,6 +251,6 @@ class CaseRunner:
         """From an idle stack, run the case's memory path up to the finish (untimed setup)."""
         self.start()
         self.batch.prepare_for_extend()
-        for _ in range(self.case.output_len):
+        for _ in range(self.decode_steps):
             self.batch.prepare_for_decode()
         self.ready_to_finish()

@@ -54,6 +54,14 @@ def test_default_run():
     assert "case 2/2" in result.stderr
 
 
+@pytest.mark.parametrize("profile, steps", [("sglang-0.5.5", 2), ("memcli", 3)])
+def test_decode_steps_follow_the_profile(profile, steps):
+    doc = bench_json("-b", 2, "--input-len", 40, *QUICK, "--set", f"semantics.profile={profile}")
+    (case,) = doc["cases"]
+    assert case["output_len"] == 3 and len(case["decode_step_us"]) == steps
+    assert doc["semantics"] == profile
+
+
 def test_json_is_one_document_with_every_figure():
     doc = bench_json("-b", 2, "--input-len", 40, *QUICK)
     assert doc["command"] == "bench-one-batch" and doc["timing_method"] == "wall-clock (cpu)"
@@ -69,7 +77,7 @@ def test_json_is_one_document_with_every_figure():
     assert case["batch_size"] == 2 and case["input_len"] == 40 and case["output_len"] == 3
     assert case["prefill_throughput"] == pytest.approx(2 * 40 / case["prefill_latency"])
     assert case["total_latency"] == pytest.approx(case["prefill_latency"] + sum(case["decode_step_us"]) / 1e6)
-    assert len(case["decode_step_us"]) == 3
+    assert len(case["decode_step_us"]) == 2  # sglang-0.5.5: output_len - 1 (the prefill samples the first)
     for name in ("prefill", "prefill_memory", "decode_step", "decode_memory", "free", "kv_store_prefill",
                  "copy_prefill", "kv_store_decode"):
         phase = case["phases"][name]
@@ -78,8 +86,8 @@ def test_json_is_one_document_with_every_figure():
     assert set(case["syncs"]) == set(case["phases"]) == set(case["device_us"])
     kv = case["kv_store_prefill"]
     assert kv["tokens"] == 80 and kv["bytes"] == 80 * 4 * 2 * 64 * 2 * 2 and kv["copy_ratio"] > 0
-    assert case["prefill_allocated_tokens"] == 80 and case["decode_allocated_tokens"] == 6
-    assert case["freed_tokens"] == 86 and case["idle"]["ok"]
+    assert case["prefill_allocated_tokens"] == 80 and case["decode_allocated_tokens"] == 2 * 2
+    assert case["freed_tokens"] == 84 and case["idle"]["ok"]
 
 
 def test_several_page_sizes_give_a_comparison_table():
@@ -250,7 +258,7 @@ def test_header_explains_the_device_column_only_on_a_gpu():
 
     def header(method):
         return header_line(SimpleNamespace(options={"repeat": 3, "warmup": 1, "tree_cache": "none"},
-                                           timing_method=method, device="cuda (H200)"))
+                                           timing_method=method, device="cuda (H200)", semantics="memcli"))
 
     assert "queued behind a busy stream" in header("cuda-events")
     assert "queued" not in header("wall-clock (cpu)") and "synchronized wall clock" in header("wall-clock (cpu)")
