@@ -399,3 +399,19 @@ def test_unknown_behaviour_value_names_the_key():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["semantics.evict_amount=some"])
     assert "semantics.evict_amount" in info.value.message
+
+
+def test_show_config_names_the_semantics_in_force():
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(app, ["show-config", "--json", "--set", "semantics.profile=memcli",
+                                      "--set", "semantics.lfu_hits=never"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["command"] == "show-config"
+    assert doc["semantics_in_force"]["profile"] == "memcli"
+    assert doc["semantics_in_force"]["lfu_hits"] == "never"  # the override
+    assert doc["semantics_in_force"]["evict_amount"] == "shortfall"  # the profile's
+    text = CliRunner().invoke(app, ["show-config", "--set", "semantics.lfu_hits=count"]).stdout
+    assert "semantics in force: sglang-0.5.5 + lfu_hits=count" in " ".join(text.split())
+    assert "count (set)" in text

@@ -44,6 +44,7 @@ def verdict(ok: bool) -> str:
 
 def render(result, console: Console) -> None:
     """Print every page size's sections, then the comparison table and the overall verdict."""
+    console.print(f"semantics: {result.semantics}", markup=False)
     for run in result.runs:
         render_run(run, console)
     if len(result.runs) > 1:

@@ -70,6 +70,7 @@ class CheckPageSizeResult:
     steps: int
     injections: dict[str, int]
     runs: list[PageSizeRun]
+    semantics: str  # the profile the dynamic workload runs under, with its overrides
 
     @property
     def ok(self) -> bool:
@@ -106,6 +107,7 @@ class CheckPageSizeResult:
     def to_dict(self) -> dict:
         return {
             "command": "check-page-size",
+            "semantics": self.semantics,
             "ok": self.ok,
             "exit_code": self.exit_code,
             "workload": self.workload,
@@ -192,7 +194,7 @@ def run_check_page_size(config: Config, page_sizes: Optional[Sequence[int]] = No
         cfg = config if ps == config.page_size else replace(config, memory={"page_size": ps})
         runs.append(_run_page_size(cfg, injections, trace, steps, fault_hook, progress))
     name = trace.description if trace is not None else BUILTIN
-    return CheckPageSizeResult(name, steps, injections, runs)
+    return CheckPageSizeResult(name, steps, injections, runs, config.semantics.label)
 
 
 def _run_page_size(config: Config, injections: dict[str, int], trace: Optional[Workload], steps: int,

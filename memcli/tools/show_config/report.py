@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from rich.console import Console
@@ -20,11 +21,21 @@ def derived_sizes(cfg: Config) -> dict[str, int]:
     }
 
 
+def in_force(cfg: Config) -> dict[str, str]:
+    """Every semantics behaviour's value in force: the profile's, or the override."""
+    return dataclasses.asdict(cfg.behaviour)
+
+
 def show_config_document(cfg: Config) -> dict[str, Any]:
-    return {"config": cfg.to_dict(), "derived": derived_sizes(cfg)}
+    return {"command": "show-config", "config": cfg.to_dict(), "semantics_in_force": in_force(cfg),
+            "derived": derived_sizes(cfg)}
 
 
 def render(cfg: Config, console: Console) -> None:
     for section, values in cfg.to_dict().items():
-        console.print(kv_table(section, ((f"{section}.{k}", v) for k, v in values.items())))
+        if section != "semantics":
+            console.print(kv_table(section, ((f"{section}.{k}", v) for k, v in values.items())))
+    overrides = cfg.semantics.overrides()
+    rows = [(f"semantics.{k}", f"{v} (set)" if k in overrides else v) for k, v in in_force(cfg).items()]
+    console.print(kv_table(f"semantics in force: {cfg.semantics.label}", rows))
     console.print(kv_table("derived sizes", derived_sizes(cfg).items()))
