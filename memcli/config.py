@@ -145,11 +145,11 @@ class SemanticsConfig:
     # bench-one-batch's decode steps: output_len - 1 (the prefill samples the first token) or output_len.
     bench_decode_steps: Optional[Literal["output_len_minus_1", "output_len"]] = None
 
-    def resolved(self) -> "Semantics":
-        """Every behaviour's value in force: the override where one is set, else the profile's."""
-        values = {key: getattr(self, key) for key in PROFILE_CHOICES}
-        return Semantics(self.profile, **{key: PROFILE_CHOICES[key][self.profile] if value is None else value
-                                          for key, value in values.items()})
+    def resolved(self) -> "SemanticsConfig":
+        """The same section with every behaviour set: the override where one is set, else the
+        profile's value. What each component is built with."""
+        return dataclasses.replace(self, **{key: PROFILE_CHOICES[key][self.profile] for key in PROFILE_CHOICES
+                                            if getattr(self, key) is None})
 
     def overrides(self) -> dict[str, str]:
         """The behaviours set apart from the profile (equal values included: the user asked)."""
@@ -181,26 +181,6 @@ PROFILE_CHOICES: dict[str, dict[str, str]] = {
 
 
 @dataclass(frozen=True)
-class Semantics:
-    """The behaviours in force (no nulls): what each component is built with."""
-
-    profile: str
-    evict_amount: str
-    page_estimate: str
-    split_stamp: str
-    lfu_hits: str
-    lru_clock: str
-    retract_requeue: str
-    retract_batch_order: str
-    retract_free: str
-    chunked_prefix: str
-    admission_gate: str
-    chunk_alignment: str
-    chunk_cache_protected: str
-    bench_decode_steps: str
-
-
-@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -215,7 +195,7 @@ class Config:
         return self.memory.page_size
 
     @property
-    def behaviour(self) -> Semantics:
+    def behaviour(self) -> SemanticsConfig:
         """The profile's behaviours with the overrides applied."""
         return self.semantics.resolved()
 

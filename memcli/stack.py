@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from memcli.config import Config, Semantics
+from memcli.config import Config, SemanticsConfig
 from memcli.errors import ConfigError
 from memcli.mem_cache.allocator import BaseAllocator, make_allocator
 from memcli.mem_cache.base_prefix_cache import BasePrefixCache, EvictRule
@@ -120,13 +120,13 @@ def build_stack(config: Config, cache_kind: str | None = None,
                        overrides.get("scheduler", ps), null_cache, overrides)
 
 
-def evict_rule(behaviour: Semantics) -> EvictRule:
+def evict_rule(behaviour: SemanticsConfig) -> EvictRule:
     """How the allocation entry points ask the tree for room, for the behaviours in force."""
     return EvictRule(full_need=behaviour.evict_amount == "full_need",
                      page_per_request=behaviour.page_estimate == "one_per_request")
 
 
-def radix_semantics(behaviour: Semantics) -> dict[str, Any]:
+def radix_semantics(behaviour: SemanticsConfig) -> dict[str, Any]:
     """The radix cache's constructor options for the behaviours in force."""
     return {"lru_clock": behaviour.lru_clock, "split_stamp": behaviour.split_stamp,
             "count_hits": behaviour.lfu_hits == "count", "retract_free": behaviour.retract_free}

@@ -386,13 +386,15 @@ def test_semantics_profile_sets_every_behaviour_and_overrides_win():
 
 
 def test_every_behaviour_has_a_value_in_each_profile():
-    from memcli.config import PROFILE_CHOICES, PROFILES, Semantics, SemanticsConfig
+    from memcli.config import PROFILE_CHOICES, PROFILES, SemanticsConfig
 
     keys = [f.name for f in dataclasses.fields(SemanticsConfig) if f.name != "profile"]
-    assert sorted(keys) == sorted(PROFILE_CHOICES) == sorted(f.name for f in dataclasses.fields(Semantics)
-                                                             if f.name != "profile")
+    assert sorted(keys) == sorted(PROFILE_CHOICES)
     for key, choices in PROFILE_CHOICES.items():
         assert set(choices) == set(PROFILES), key
+    for profile in PROFILES:
+        resolved = SemanticsConfig(profile=profile).resolved()
+        assert all(getattr(resolved, key) == PROFILE_CHOICES[key][profile] for key in keys)
 
 
 def test_unknown_behaviour_value_names_the_key():
