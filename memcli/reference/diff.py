@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--arrivals", choices=ARRIVALS, default="burst")
-    parser.add_argument("--config", default=None)
+    parser.add_argument("--config", default=None, help="YAML config (default: the built-in replay config)")
     parser.add_argument("--max-steps", type=int, default=None)
     return parser
 
@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 def run(argv: Optional[list[str]] = None) -> tuple[StepDiff, str]:
     """Parse, load and run; returns the result and the text to print. Raises MemcliError."""
     args = _parser().parse_args(argv)
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, args.overrides, builtin="replay")
     trace = read_trace(args.trace, limit=args.limit)
     if args.arrivals == "timestamp" and not trace.has_timestamps:
         raise MemcliError(f"{trace.path}: --arrivals timestamp needs arrival times, and this trace has none",
