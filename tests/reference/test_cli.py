@@ -19,15 +19,17 @@ def test_fetch_reports_the_cached_wheel(ref):
 
 def test_diff_finds_no_divergent_step(ref, capfd):
     result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "6", "--set", "memory.max_total_tokens=90000",
-                                      "--set", "memory.max_context_len=88000"])
+                                      "--set", "memory.max_context_len=88000", "--set", "scheduler.chunked_prefill_size=1024"])
     out = capfd.readouterr().out
     assert result.exit_code == 0, out
     assert out.startswith("0 divergent steps in ")
 
 
 def test_diff_shows_the_memcli_profile_diverging(ref, capfd):
+    # Chunked prefill: the memcli profile puts a chunk into the tree in the same step.
     result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "6", "--set", "memory.max_total_tokens=90000",
-                                      "--set", "memory.max_context_len=88000", "--set", "semantics.profile=memcli"])
+                                      "--set", "memory.max_context_len=88000", "--set", "scheduler.chunked_prefill_size=1024",
+                                      "--set", "semantics.profile=memcli"])
     out = capfd.readouterr().out
     assert result.exit_code == 1, out
     assert "first divergent step:" in out and "sglang:" in out and "memcli:" in out
