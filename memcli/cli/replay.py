@@ -10,6 +10,7 @@ from typing import Iterator, List, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from memcli.cli.guard import Interrupted
 from memcli.cli.options import JsonOpt, SetOpt
 from memcli.config import load_config
 from memcli.errors import MemcliError
@@ -66,10 +67,16 @@ def replay_command(
                 plot_sweep(result, plot)
         else:
             result = replay(cfg, trace, options, progress_for("replay"), shared)
-            failed = not result.integrity.ok
+            failed = not result.integrity.ok or result.stop is not None
             _emit(json_out, replay_document(result), lambda console: render_replay(result, console))
-            if plot is not None:
+            if plot is not None and result.stop is None:
                 plot_replay(result, plot)
+    if spec is None and result.stop is not None:
+        if result.interrupted:
+            raise Interrupted(result.stop.message)
+        print(f"error: {result.stop.message}", file=sys.stderr)
+        print("hint: check the sim costs and the pool sizes; the result above covers the replay so far",
+              file=sys.stderr)
     if failed:
         raise typer.Exit(1)
 
