@@ -244,6 +244,7 @@ class _MooncakeParser:
             arrival_ms=line.arrival("timestamp"),
             hash_ids=tuple(hash_ids),
             block_size=self.block_size,
+            line=line.no,
         )
 
     def _check_unknown(self, line: _Line, unknown: set[str]) -> None:
@@ -309,6 +310,7 @@ class _MemcliParser:
             extra_key=line.optional_str("extra_key"),
             token_runs=runs,
             block_size=self.block_size,
+            line=line.no,
         )
         self.by_rid[rid] = (line.no, spec)
         return spec

@@ -89,7 +89,8 @@ def check_fits(config: Config, trace: Trace) -> None:
     clip = config.scheduler.max_new_tokens_clip
     for index, spec in enumerate(trace.requests):
         need = spec.input_len + spec.output_len
-        where = f"{trace.path}: request {spec.rid} (#{index + 1})"
+        where = f"{trace.path}:{spec.line}: request {spec.rid} (#{index + 1})" if spec.line else \
+            f"{trace.path}: request {spec.rid} (#{index + 1})"
         if need > context:
             raise CapacityError(
                 f"{where} needs {need} tokens (input {spec.input_len} + output {spec.output_len}),"
