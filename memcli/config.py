@@ -393,6 +393,35 @@ def validate(config: Config) -> None:
         )
 
 
+# Keys a command does not read, and why: set away from their default, the command says so
+# (a `note:` line on stderr, `ignored_keys` in its JSON) instead of silently doing nothing.
+# A section name stands for every key of the section.
+IGNORED_BY: dict[str, dict[str, str]] = {
+    "replay": {
+        "sim.write_kv": "the simulated forward step writes no K/V (bench-one-batch times K/V stores)",
+        "runtime.seed": "token ids come from the trace",
+    },
+    "bench-one-batch": {
+        "sim": "bench-one-batch times real work; the simulated clock is replay's",
+        "scheduler": "static batches: no admission, chunking or retraction",
+        "cache.kind": "--tree-cache picks the prefix cache",
+    },
+}
+
+
+def ignored_keys(config: Config, command: str) -> dict[str, str]:
+    """`{dotted key: why}` for the keys `command` ignores that are set away from their default."""
+    out = {}
+    defaults = Config()
+    for entry, why in IGNORED_BY.get(command, {}).items():
+        section, _, name = entry.partition(".")
+        names = [name] if name else [f.name for f in fields(getattr(defaults, section))]
+        for key in names:
+            if getattr(getattr(config, section), key) != getattr(getattr(defaults, section), key):
+                out[f"{section}.{key}"] = why
+    return out
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`memory.page_size=16` -> (["memory", "page_size"], 16); the value is read as YAML."""
     if "=" not in text:
@@ -403,7 +432,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set {text!r}: key must be section.key", hint=f"sections: {', '.join(SECTIONS)}")
     try:
         value = yaml.safe_load(raw_value) if raw_value.strip() else None
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, TypeError, RecursionError):  # not YAML: the string itself
         value = raw_value
     return keys, value
 
@@ -427,15 +456,19 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 def read_yaml(path: Path) -> dict:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}", hint="pass an existing YAML file to --config") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})", hint="pass a YAML text file to --config") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
         raise ConfigError(f"{path}{where}: not valid YAML", hint="check the indentation and the key: value syntax") from None
+    except (ValueError, TypeError, RecursionError) as exc:  # a constructor's own error (dates, nesting)
+        raise ConfigError(f"{path}: not valid YAML ({type(exc).__name__})", hint="check the values") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):

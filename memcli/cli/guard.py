@@ -37,6 +37,12 @@ def report_error(exc: MemcliError) -> None:
         print(f"hint: {exc.hint}", file=sys.stderr)
 
 
+def note_ignored(ignored: dict[str, str], command: str) -> None:
+    """One `note:` line on stderr per key the command does not read."""
+    for key, why in ignored.items():
+        print(f"note: {key} is ignored by {command}: {why}", file=sys.stderr)
+
+
 class Interrupted(Exception):
     """Ctrl-C, after the command said where it stopped (`line`, printed once)."""
 
