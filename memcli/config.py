@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+import math
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Optional, Union, get_args, get_origin
+from typing import Any, Literal, NamedTuple, Optional, Union, get_args, get_origin
 
 import yaml
 
@@ -266,7 +267,10 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         raise _type_error(path, value, tp)
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an integer beyond any float
+                raise _type_error(path, value, tp) from None
         raise _type_error(path, value, tp)
     raise _type_error(path, value, tp)
 
@@ -307,46 +311,115 @@ def config_from_dict(raw: Any, source: str = "config") -> Config:
     return config
 
 
+class Range(NamedTuple):
+    """Allowed values of a numeric key: `low <= v` (`low < v` when `low_open`), `v <= high`;
+    floats must also be finite."""
+
+    low: float
+    high: Optional[float] = None
+    low_open: bool = False
+
+    def contains(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        return above and (self.high is None or value <= self.high)
+
+    def describe(self) -> str:
+        kind = "an integer" if isinstance(self.low, int) else "a finite number"
+        if self.high is None:
+            return f"{kind} {'>' if self.low_open else '>='} {_num(self.low)}"
+        return f"{kind} in {'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}]"
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+SIZE, COUNT, COST, RATIO = Range(1), Range(0), Range(0.0), Range(0.0, 1.0)
+# Every numeric key and what it may hold (null, where allowed, is not checked here).
+RANGES: dict[str, Range] = {
+    "model.num_layers": SIZE, "model.num_kv_heads": SIZE, "model.head_dim": SIZE,
+    "memory.page_size": SIZE, "memory.max_total_tokens": SIZE, "memory.kv_budget_gib": Range(0.0, 2.0**30, low_open=True),
+    "memory.max_running_requests": SIZE, "memory.max_context_len": Range(2),
+    "scheduler.max_prefill_tokens": SIZE,  # chunked_prefill_size: a page multiple, checked in `validate`
+    "scheduler.init_new_token_ratio": RATIO, "scheduler.min_new_token_ratio_factor": RATIO,
+    "scheduler.new_token_ratio_decay_steps": COUNT, "scheduler.retract_decode_steps": COUNT,
+    "scheduler.max_new_tokens_clip": SIZE,
+    "sim.step_base_ms": COST, "sim.prefill_token_us": COST, "sim.decode_req_us": COST, "sim.kv_read_ns": COST,
+    "runtime.seed": Range(0, 2**63 - 1),
+}
+
+
+def check_ranges(config: Config) -> None:
+    """Raise `ConfigError` for the first numeric key out of its `RANGES` entry (NaN and
+    infinities included), naming the key, the value and the range."""
+    for key, allowed in RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if value is not None and not allowed.contains(value):
+            raise ConfigError(f"{key}: invalid value {value!r}", hint=f"{key} must be {allowed.describe()}")
+
+
 def validate(config: Config) -> None:
-    """Reject impossible sizes; every message names the key and the fix."""
-    mem, model = config.memory, config.model
-    ps = mem.page_size
-    if ps < 1 or ps & (ps - 1):
-        raise ConfigError(f"memory.page_size: invalid value {ps}", hint="page_size must be a power of two (1, 2, 4, ..., 64, 128)")
-    for key in ("num_layers", "num_kv_heads", "head_dim"):
-        if getattr(model, key) < 1:
-            raise ConfigError(f"model.{key}: invalid value {getattr(model, key)}", hint=f"model.{key} must be at least 1")
+    """Reject impossible values; every message names the key, the value and the fix."""
+    mem = config.memory
     if (mem.max_total_tokens is None) == (mem.kv_budget_gib is None):
         raise ConfigError(
             "memory: set exactly one of max_total_tokens and kv_budget_gib",
             hint="for example max_total_tokens: 16384 and kv_budget_gib: null",
         )
-    if mem.kv_budget_gib is not None and mem.kv_budget_gib <= 0:
-        raise ConfigError(f"memory.kv_budget_gib: invalid value {mem.kv_budget_gib}", hint="kv_budget_gib must be positive")
+    ps = mem.page_size
+    if ps < 1 or ps & (ps - 1):
+        raise ConfigError(f"memory.page_size: invalid value {ps}", hint="page_size must be a power of two (1, 2, 4, ..., 64, 128)")
+    check_ranges(config)
     key = "max_total_tokens" if mem.max_total_tokens is not None else "kv_budget_gib"
     if config.pool_size < ps:
         raise ConfigError(
             f"memory.{key}: the pool holds {config.requested_total_tokens} tokens, less than one page of {ps}",
             hint=f"raise memory.{key} to at least {ps} tokens or lower memory.page_size",
         )
-    if mem.max_running_requests < 1:
-        raise ConfigError(f"memory.max_running_requests: invalid value {mem.max_running_requests}", hint="must be at least 1")
-    if mem.max_context_len < 2:
-        raise ConfigError(f"memory.max_context_len: invalid value {mem.max_context_len}", hint="must be at least 2")
     if mem.max_context_len > config.pool_size:
         raise ConfigError(
             f"memory.max_context_len: {mem.max_context_len} is longer than the pool ({config.pool_size} tokens)",
             hint=f"lower memory.max_context_len to at most {config.pool_size} or enlarge the pool ({key})",
         )
     sched = config.scheduler
-    if sched.chunked_prefill_size is not None:
-        if sched.chunked_prefill_size < ps or sched.chunked_prefill_size % ps:
-            raise ConfigError(
-                f"scheduler.chunked_prefill_size: {sched.chunked_prefill_size} is not a positive multiple of page_size {ps}",
-                hint=f"use a multiple of {ps}, for example {max(ps, sched.chunked_prefill_size // ps * ps)}",
-            )
-    if sched.max_prefill_tokens < 1:
-        raise ConfigError(f"scheduler.max_prefill_tokens: invalid value {sched.max_prefill_tokens}", hint="must be at least 1")
+    chunk = sched.chunked_prefill_size
+    if chunk is not None and (chunk < ps or chunk % ps):
+        raise ConfigError(
+            f"scheduler.chunked_prefill_size: {sched.chunked_prefill_size} is not a positive multiple of page_size {ps}",
+            hint=f"use a multiple of {ps}, for example {max(ps, sched.chunked_prefill_size // ps * ps)}",
+        )
+
+
+# Keys a command does not read, and why: set away from their default, the command says so
+# (a `note:` line on stderr, `ignored_keys` in its JSON) instead of silently doing nothing.
+# A section name stands for every key of the section.
+IGNORED_BY: dict[str, dict[str, str]] = {
+    "replay": {
+        "sim.write_kv": "the simulated forward step writes no K/V (bench-one-batch times K/V stores)",
+        "runtime.seed": "token ids come from the trace",
+    },
+    "bench-one-batch": {
+        "sim": "bench-one-batch times real work; the simulated clock is replay's",
+        "scheduler": "static batches: no admission, chunking or retraction",
+        "cache.kind": "--tree-cache picks the prefix cache",
+    },
+}
+
+
+def ignored_keys(config: Config, command: str) -> dict[str, str]:
+    """`{dotted key: why}` for the keys `command` ignores that are set away from their default."""
+    out = {}
+    defaults = Config()
+    for entry, why in IGNORED_BY.get(command, {}).items():
+        section, _, name = entry.partition(".")
+        names = [name] if name else [f.name for f in fields(getattr(defaults, section))]
+        for key in names:
+            if getattr(getattr(config, section), key) != getattr(getattr(defaults, section), key):
+                out[f"{section}.{key}"] = why
+    return out
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -359,7 +432,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set {text!r}: key must be section.key", hint=f"sections: {', '.join(SECTIONS)}")
     try:
         value = yaml.safe_load(raw_value) if raw_value.strip() else None
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, TypeError, RecursionError):  # not YAML: the string itself
         value = raw_value
     return keys, value
 
@@ -383,15 +456,19 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 def read_yaml(path: Path) -> dict:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}", hint="pass an existing YAML file to --config") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})", hint="pass a YAML text file to --config") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
         raise ConfigError(f"{path}{where}: not valid YAML", hint="check the indentation and the key: value syntax") from None
+    except (ValueError, TypeError, RecursionError) as exc:  # a constructor's own error (dates, nesting)
+        raise ConfigError(f"{path}: not valid YAML ({type(exc).__name__})", hint="check the values") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):

@@ -54,3 +54,9 @@ class RequestSlotsExhausted(RuntimeError):
 
 class IntegrityError(RuntimeError):
     """An invariant of the memory stack is broken; the message carries the numbers."""
+
+
+class StalledError(RuntimeError):
+    """The scheduler stopped making progress (the clock is not finite or went back, or no
+    request advanced for a bounded number of steps); the message names the step, the clock
+    and the queues and pool. A replay reports it and exits 1."""

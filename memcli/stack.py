@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from memcli.config import Config, SemanticsConfig
+from memcli.config import Config, SemanticsConfig, replace
 from memcli.errors import ConfigError
+from memcli.footprint import check_footprint
 from memcli.mem_cache.allocator import BaseAllocator, make_allocator
 from memcli.mem_cache.base_prefix_cache import BasePrefixCache, EvictRule
 from memcli.mem_cache.chunk_cache import ChunkCache
@@ -90,7 +91,10 @@ def resolve_backend(config: Config, device: torch.device) -> str:
 
 def build_stack(config: Config, cache_kind: str | None = None,
                 page_size_overrides: dict[str, int] | None = None) -> MemoryStack:
-    """Build pools, allocator and prefix cache. `cache_kind` overrides `cache.kind`."""
+    """Build pools, allocator and prefix cache. `cache_kind` overrides `cache.kind`.
+
+    Raises `CapacityError` before allocating anything when the stack would not fit on the
+    device (`memcli.footprint.check_footprint`)."""
     overrides = dict(page_size_overrides or {})
     unknown = set(overrides) - set(COMPONENTS)
     if unknown:
@@ -99,6 +103,7 @@ def build_stack(config: Config, cache_kind: str | None = None,
     ps = config.page_size
     device = resolve_device(config)
     backend = resolve_backend(config, device)
+    check_footprint(config if cache_kind is None else replace(config, cache={"kind": cache_kind}), device)
     mem, model = config.memory, config.model
     size = config.pool_size
     req_to_token_pool = ReqToTokenPool(mem.max_running_requests, config.req_to_token_cols, device)

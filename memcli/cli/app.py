@@ -8,11 +8,12 @@ from typing import Callable
 import typer
 
 from memcli.cli import bench_one_batch, bench_radix, check_page_size, gen_trace, reference, replay, show_config
-from memcli.cli.guard import guarded
+from memcli.cli.guard import GuardedGroup, guarded
 from memcli.cli.options import list_flags_command
 
 app = typer.Typer(
     name="memcli",
+    cls=GuardedGroup,
     help="Build, exercise and inspect the KV-cache memory stack of an LLM serving engine.",
     no_args_is_help=True,
     add_completion=False,

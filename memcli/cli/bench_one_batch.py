@@ -17,7 +17,8 @@ from memcli.tools.bench_one_batch.cases import Case, plan_cases
 from memcli.tools.bench_one_batch.run import BenchOptions, run_bench_one_batch
 from memcli.tools.bench_one_batch.results import BenchResult
 from memcli.cli.options import LIST_METAVAR, ConfigOpt, JsonOpt, SetOpt, parse_ints
-from memcli.config import load_config
+from memcli.cli.guard import note_ignored
+from memcli.config import ignored_keys, load_config
 from memcli.errors import MemcliError
 from memcli.tools.bench_one_batch.report import render
 from memcli.report.console import print_json, stdout_console
@@ -57,6 +58,8 @@ def bench_one_batch(
 ) -> None:
     """One static batch through the real stack: prefill, decode steps, finish, timed per phase."""
     cfg = load_config(config, set_)
+    ignored = ignored_keys(cfg, NAME)
+    note_ignored(ignored, NAME)
     cases = plan_cases(
         parse_ints("--batch-size", batch_size, DEFAULT_BATCH_SIZES),
         parse_ints("--input-len", input_len, [DEFAULT_INPUT_LEN]),
@@ -70,7 +73,7 @@ def bench_one_batch(
     if result_file is not None:
         _append_results(result_file, result)
     if json_out:
-        print_json(result.to_dict())
+        print_json({**result.to_dict(), "ignored_keys": sorted(ignored)})
     else:
         render(result, stdout_console())
     failed = [r.case.label for r in result.cases if not r.idle.get("ok")]

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from memcli.errors import MemcliError
+
 from memcli.report.console import print_json, stdout_console
 from memcli.tools.bench_radix.report import render
 from memcli.tools.bench_radix.run import DEFAULT_CAPACITY_TOKENS, run_bench_radix
@@ -26,6 +28,9 @@ def bench_radix(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document"),
 ) -> None:
     """Time match + insert + evict of the radix cache against a token-by-token baseline."""
+    if threads < 0:
+        raise MemcliError(f"--threads {threads}: must be 0 (keep torch's setting) or more",
+                          hint="for example --threads 1")
     result = run_bench_radix(trace, requests, page_size, capacity, progress=_stderr_progress,
                              torch_threads=threads or None, repeat=repeat)
     if json_out:

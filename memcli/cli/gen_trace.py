@@ -9,7 +9,7 @@ import typer
 from memcli.errors import MemcliError
 from memcli.report.console import print_json, stdout_console
 from memcli.tools.gen_trace.report import gen_trace_document, render, trace_stats
-from memcli.workload.generate import generate_trace, write_trace
+from memcli.workload.generate import DEFAULT_MAX_TOKENS, check_trace_size, generate_trace, write_trace
 
 
 def gen_trace(
@@ -23,6 +23,8 @@ def gen_trace(
     output_len: int = typer.Option(128, "--output-len", help="Mean output tokens of a request"),
     rate: float = typer.Option(4.0, "--rate", help="Poisson arrivals per second; 0 writes no arrival times"),
     force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists"),
+    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens",
+                                   help="Refuse traces expected to hold more tokens than this"),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document"),
 ) -> None:
     """Write a trace with shared system prompts, multi-turn chats and Poisson arrivals."""
@@ -37,6 +39,8 @@ def gen_trace(
         "output_len": output_len,
         "rate": rate,
     }
+    check_trace_size(max_tokens, requests, system_prompts=system_prompts, system_prompt_len=system_prompt_len,
+                     turns=turns, input_len=input_len, output_len=output_len)
     records = generate_trace(requests, **params)
     num_bytes = write_trace(records, out, overwrite=force)
     stats = trace_stats(records)

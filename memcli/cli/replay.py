@@ -10,8 +10,9 @@ from typing import Iterator, List, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from memcli.cli.guard import Interrupted, note_ignored
 from memcli.cli.options import JsonOpt, SetOpt
-from memcli.config import load_config
+from memcli.config import ignored_keys, load_config
 from memcli.errors import MemcliError
 from memcli.tools.replay.ceiling import shared_prefix_lens
 from memcli.tools.replay.plot import check_plot_path, plot_replay, plot_sweep, require_matplotlib
@@ -51,6 +52,8 @@ def replay_command(
         raise MemcliError("--events writes the stream of one replay; it cannot be combined with --sweep",
                           "leave out --sweep, or --events")
     cfg = load_config(config, set_, builtin="replay")
+    ignored = ignored_keys(cfg, "replay")
+    note_ignored(ignored, "replay")
     trace = read_trace(trace_path, format=trace_format, block_size=block_size, limit=limit)
     options = ReplayOptions(arrivals or default_arrivals(trace), check, events)
     check_options(trace, cfg, options)
@@ -66,10 +69,17 @@ def replay_command(
                 plot_sweep(result, plot)
         else:
             result = replay(cfg, trace, options, progress_for("replay"), shared)
-            failed = not result.integrity.ok
-            _emit(json_out, replay_document(result), lambda console: render_replay(result, console))
-            if plot is not None:
+            failed = not result.integrity.ok or result.stop is not None
+            _emit(json_out, {**replay_document(result), "ignored_keys": sorted(ignored)},
+                  lambda console: render_replay(result, console))
+            if plot is not None and result.stop is None:
                 plot_replay(result, plot)
+    if spec is None and result.stop is not None:
+        if result.interrupted:
+            raise Interrupted(result.stop.message)
+        print(f"error: {result.stop.message}", file=sys.stderr)
+        print("hint: check the sim costs and the pool sizes; the result above covers the replay so far",
+              file=sys.stderr)
     if failed:
         raise typer.Exit(1)
 

@@ -18,6 +18,7 @@ from memcli.errors import OutOfMemoryError, RequestSlotsExhausted
 from memcli.mem_cache import common
 from memcli.mem_cache.integrity import check_memory
 from memcli.sched.batch import ScheduleBatch
+from memcli.sched.progress import ProgressGuard
 from memcli.sched.policy import AddResult, AdmissionGate, PrefillAdder, order_waiting, uses_lpm
 from memcli.sched.req import Req
 
@@ -103,6 +104,7 @@ class Scheduler:
         self.align_chunks = behaviour.chunk_alignment == "page"
         self.gate = AdmissionGate(behaviour.admission_gate, self.max_running)
         self.chunk_to_cache: Req | None = None  # a chunk that enters the tree next step (deferred)
+        self.progress_guard = ProgressGuard()
         if hasattr(self.tree_cache, "clock"):
             self.tree_cache.clock = lambda: self.clock_ms
 
@@ -139,6 +141,8 @@ class Scheduler:
             self.step()
 
     def step(self) -> StepRecord:
+        """One step. Raises `StalledError` (memcli.sched.progress) when the loop stops advancing."""
+        before = self.progress_guard.marks(self)
         self._admit_arrivals()
         self._cache_deferred_chunk()
         batch = self.get_new_batch_prefill()
@@ -157,6 +161,7 @@ class Scheduler:
             kind, bs, new_tokens = "idle", 0, 0
             self._idle()
         record = self._record(kind, bs, new_tokens)
+        self.progress_guard.after_step(self, before)
         self.step_count += 1
         if self.check_every_step:
             self.run_check()

@@ -121,6 +121,27 @@ def _check_params(rate: float, **counts: int) -> None:
 
 
 _LIBRARY_ONLY = ("active_chats", "vocab_size")
+DEFAULT_MAX_TOKENS = 50_000_000  # about 300 MB of JSON and a few GB while generating
+
+
+def expected_tokens(num_requests: int, system_prompts: int, system_prompt_len: int, turns: int,
+                    input_len: int, output_len: int) -> int:
+    """Tokens a trace with these parameters holds on average (prompts written plus the system
+    prompts kept while generating): a turn-t prompt holds the system prompt and t - 1 earlier
+    exchanges plus its own message."""
+    per_request = system_prompt_len + (turns + 1) / 2 * (input_len + output_len)
+    return int(num_requests * per_request + system_prompts * system_prompt_len)
+
+
+def check_trace_size(max_tokens: int, num_requests: int, **params: int) -> None:
+    """Raise `MemcliError` when the trace would hold more than `max_tokens` tokens."""
+    tokens = expected_tokens(num_requests, **params)
+    if tokens > max_tokens:
+        raise MemcliError(
+            f"the trace would hold about {tokens:,} tokens (about {tokens * 6 / 1e9:,.1f} GB of JSON),"
+            f" over --max-tokens {max_tokens:,}",
+            "lower --requests, --system-prompt-len, --turns or the lengths, or raise --max-tokens explicitly",
+        )
 
 
 def write_trace(records: Iterable[dict[str, Any]], path: str | Path, overwrite: bool = False) -> int:

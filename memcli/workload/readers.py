@@ -33,6 +33,7 @@ _INT_ONLY = {int}
 _MOONCAKE_KEY_SET = frozenset(MOONCAKE_KEYS)
 _MEMCLI_KEY_SET = frozenset(MEMCLI_KEYS)
 _decode_json = json.JSONDecoder().decode
+MAX_TOKEN_COUNT = 2**31 - 1  # no request is longer (ranges and arrays of more cannot be built)
 
 
 def read_trace(path: str | Path, format: str = "auto", block_size: int = 512, limit: int | None = None) -> Trace:
@@ -105,6 +106,8 @@ class _Line:
                     "drop the request or give it input tokens",
                 )
             self.fail(f'"{key}" is {value}, must be >= {minimum}', f"{key} is {what} and cannot be negative")
+        if value > MAX_TOKEN_COUNT:
+            self.fail(f'"{key}" is {value}, must be <= {MAX_TOKEN_COUNT}', f"{key} is {what}; no request is that long")
         return value
 
     def arrival(self, key: str) -> float | None:
@@ -244,6 +247,7 @@ class _MooncakeParser:
             arrival_ms=line.arrival("timestamp"),
             hash_ids=tuple(hash_ids),
             block_size=self.block_size,
+            line=line.no,
         )
 
     def _check_unknown(self, line: _Line, unknown: set[str]) -> None:
@@ -309,6 +313,7 @@ class _MemcliParser:
             extra_key=line.optional_str("extra_key"),
             token_runs=runs,
             block_size=self.block_size,
+            line=line.no,
         )
         self.by_rid[rid] = (line.no, spec)
         return spec

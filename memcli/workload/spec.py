@@ -41,7 +41,8 @@ class RequestSpec:
     """One request of a trace. Immutable; compares by identity (it may hold arrays).
 
     `block_size` is the trace's hash-block size for Mooncake requests, and the chunk size
-    that `block_hashes()` uses for memcli requests.
+    that `block_hashes()` uses for memcli requests. `line`: where the request is in its file,
+    for error messages.
     """
 
     rid: str
@@ -52,6 +53,7 @@ class RequestSpec:
     token_runs: tuple[TokenRun, ...] | None = None
     hash_ids: tuple[int, ...] | None = None
     block_size: int = 512
+    line: int | None = None  # line of the trace file it was read from (1-based), if any
 
     def __post_init__(self) -> None:
         if (self.token_runs is None) == (self.hash_ids is None):

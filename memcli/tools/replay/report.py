@@ -26,6 +26,8 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
                            result.scheduling, result.integrity)
     return {
         "command": "replay",
+        "interrupted": result.interrupted,
+        "stalled": result.stop.message if result.stop is not None and result.stop.reason == "stalled" else None,
         "requests": s.requests,
         "input_tokens": p.input_tokens,
         "output_tokens": s.output_tokens,
@@ -113,6 +115,8 @@ def render_replay(result: ReplayResult, console: Console) -> None:
                       f" ({p.page_size} tokens): they can never hit.")
     if result.integrity.failure:
         console.print(f"INTEGRITY FAILURE (replay stopped): {result.integrity.failure}")
+    if result.stop is not None:
+        console.print(f"STOPPED EARLY ({result.stop.reason}): {result.stop.message}")
 
 
 def replay_tables(result: ReplayResult) -> list[Table]:

@@ -94,6 +94,15 @@ class IntegrityStats:
 
 
 @dataclass(frozen=True)
+class Stop:
+    """Why a replay ended before its trace did: `interrupted` (Ctrl-C) or `stalled` (the
+    scheduler's progress guard). `message` is the one line the CLI prints."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
 class ReplayResult:
     trace: TraceInfo
     arrivals: str
@@ -110,3 +119,9 @@ class ReplayResult:
     series: dict[str, np.ndarray]
     first_cached_tokens: np.ndarray
     """Per request in trace order: tokens matched at first admission, -1 if never admitted."""
+    stop: Optional[Stop] = None
+    """Set when the replay stopped early; the rest of the result covers the replay so far."""
+
+    @property
+    def interrupted(self) -> bool:
+        return self.stop is not None and self.stop.reason == "interrupted"

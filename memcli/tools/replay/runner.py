@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from memcli.config import Config, replace
-from memcli.errors import CapacityError, IntegrityError, MemcliError
+from memcli.errors import CapacityError, IntegrityError, MemcliError, StalledError
 from memcli.mem_cache.integrity import check_memory
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from memcli.mem_cache.pages import align_up
@@ -33,7 +33,7 @@ from memcli.tools.replay.ceiling import shared_prefix_lens
 from memcli.tools.replay.metrics import (EvictionLog, StepSeries, eviction_stats, occupancy_stats, prefix_stats,
                                    queue_stats)
 from memcli.tools.replay.result import (AllocationStats, IntegrityStats, ReplayResult, RunSummary, SchedulingStats,
-                                  TraceInfo)
+                                  Stop, TraceInfo)
 from memcli.sched.scheduler import Scheduler
 from memcli.stack import build_stack, resolve_device
 from memcli.timing import torch_threads
@@ -89,7 +89,8 @@ def check_fits(config: Config, trace: Trace) -> None:
     clip = config.scheduler.max_new_tokens_clip
     for index, spec in enumerate(trace.requests):
         need = spec.input_len + spec.output_len
-        where = f"{trace.path}: request {spec.rid} (#{index + 1})"
+        where = f"{trace.path}:{spec.line}: request {spec.rid} (#{index + 1})" if spec.line else \
+            f"{trace.path}: request {spec.rid} (#{index + 1})"
         if need > context:
             raise CapacityError(
                 f"{where} needs {need} tokens (input {spec.input_len} + output {spec.output_len}),"
@@ -150,6 +151,7 @@ class _Run:
         self.series = StepSeries()
         self.evictions = EvictionLog()
         self._progress_at = 0.0
+        self.stop: Optional[Stop] = None
 
     def execute(self, shared: np.ndarray) -> ReplayResult:
         start = time.perf_counter()
@@ -179,13 +181,28 @@ class _Run:
                 self._after_step()
             reports = check_memory(self.stack, sched.active_reqs())
         except IntegrityError as exc:
-            if sched.records and len(self.series) < sched.step_count:
-                self.series.append(sched.records[-1])  # the failing step's record (on_step never saw it)
-            self._harvest_unfinished()
-            self._after_step()
+            self._stopped_mid_step()
             return str(exc), ()
+        except StalledError as exc:
+            self._stopped_mid_step()
+            self.stop = Stop("stalled", str(exc))
+            return None, ()
+        except KeyboardInterrupt:
+            self._stopped_mid_step()
+            done = sched.stats.finished + sched.stats.aborted
+            total = self.trace.num_requests
+            self.stop = Stop("interrupted", f"interrupted at request {min(done + 1, total)} of {total},"
+                                            f" step {sched.step_count} (simulated {sched.clock_ms / 1e3:,.1f} s)")
+            return None, ()
         self._report_progress(force=True)
         return None, tuple(report.to_dict() for report in reports)
+
+    def _stopped_mid_step(self) -> None:
+        sched = self.scheduler
+        if sched.records and len(self.series) < sched.step_count:
+            self.series.append(sched.records[-1])  # the failing step's record (on_step never saw it)
+        self._harvest_unfinished()
+        self._after_step()
 
     def _feed(self) -> None:
         """Hand the scheduler what has arrived; when it is idle, the next request (the
@@ -283,6 +300,7 @@ class _Run:
             ),
             series=series,
             first_cached_tokens=self.cached,
+            stop=self.stop,
         )
 
 

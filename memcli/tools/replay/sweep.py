@@ -138,6 +138,8 @@ def run_sweep(spec: SweepSpec, make_config: Callable[[list[str]], Config], trace
     rows = []
     for value, config in zip(spec.values, configs):
         rows.append(SweepRow(value, replay(config, trace, options, progress_for(f"{spec.key}={value}"), shared)))
+        if rows[-1].result.interrupted:
+            raise KeyboardInterrupt  # no partial sweep: the caller reports the interruption
     reference = _reference(base, trace, options, shared, progress_for("unlimited pool"))
     return SweepResult(spec.key, options.arrivals, base, tuple(rows), reference)
 

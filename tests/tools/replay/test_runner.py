@@ -158,3 +158,12 @@ def test_first_cached_tokens_is_minus_one_only_for_unadmitted(generated):
     result = replay(small_config(), generated, ReplayOptions("burst"))
     assert (result.first_cached_tokens >= 0).all()
     assert np.array_equal(result.first_cached_tokens % 16, np.zeros(generated.num_requests, dtype=np.int64))
+
+
+def test_capacity_errors_name_the_file_and_line(tmp_path):
+    path = tmp_path / "mooncake.jsonl"
+    path.write_text('{"input_length": 10, "output_length": 5, "hash_ids": [1]}\n\n\n'
+                    '{"input_length": 3000, "output_length": 5, "hash_ids": [1, 2, 3, 4, 5, 6]}\n')
+    with pytest.raises(CapacityError) as exc:
+        check_fits(small_config(16, pool=20_000, context=2_000), read_trace(path))
+    assert exc.value.message.startswith(f"{path}:4: request 4 (#2) needs 3005 tokens")
