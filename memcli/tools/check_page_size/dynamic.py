@@ -208,7 +208,7 @@ class _PhaseRun:
     # -- checks -----------------------------------------------------------------------------
 
     def _check(self, step: int, full_tree_walk: bool = False) -> list[CheckResult]:
-        active = self.sched.active_reqs()
+        active = self.sched.memory_holders()
         full_tree_walk = full_tree_walk or not active or self.steps_checked % TREE_WALK_EVERY == 0
         try:
             results = run_checks(self.stack, active, full_tree_walk)

@@ -177,7 +177,7 @@ class _Run:
                     break
                 sched.step()
                 self._after_step()
-            reports = check_memory(self.stack, sched.active_reqs())
+            reports = check_memory(self.stack, sched.memory_holders())
         except IntegrityError as exc:
             if sched.records and len(self.series) < sched.step_count:
                 self.series.append(sched.records[-1])  # the failing step's record (on_step never saw it)
