@@ -22,6 +22,7 @@ import torch
 
 from memcli.config import Config
 from memcli.reference.loop import ReferenceLoop
+from memcli.reference.loop_overlap import reference_loop
 from memcli.sched.scheduler import Scheduler
 from memcli.stack import build_stack
 from memcli.workload.spec import RequestSpec
@@ -177,9 +178,10 @@ class StepDiff(NamedTuple):
 
 def run_side_by_side(config: Config, requests: Sequence[RequestSpec], arrivals: str, output_token_base: int,
                      max_steps: Optional[int] = None, ref: Any = None) -> StepDiff:
-    """Step SGLang's loop and memcli's scheduler together until both are done, one of them
+    """Step SGLang's loop (normal or overlap, as `semantics.event_loop` says) and memcli's
+    scheduler together until both are done, one of them
     is done early (a divergence in `kind`), or their observations differ."""
-    loop = ReferenceLoop(config, requests, arrivals, output_token_base, ref=ref)
+    loop = reference_loop(config, requests, arrivals, output_token_base, ref=ref)
     try:
         mem = MemcliSide(config, requests, arrivals, output_token_base)
         steps, ref_s, mem_s = 0, 0.0, 0.0
