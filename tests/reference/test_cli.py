@@ -25,8 +25,17 @@ def test_diff_finds_no_divergent_step(ref, capfd):
     assert out.startswith("0 divergent steps in ")
 
 
-def test_diff_shows_the_memcli_profile_diverging(ref, capfd):
+def test_diff_runs_the_normal_loop_too(ref, capfd):
     result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "6", "--set", "memory.max_total_tokens=90000",
+                                      "--set", "memory.max_context_len=88000", "--set", "semantics.event_loop=normal"])
+    out = capfd.readouterr().out
+    assert result.exit_code == 0, out
+    assert out.startswith("0 divergent steps in ")
+
+
+def test_diff_shows_the_memcli_profile_diverging(ref, capfd):
+    # Twelve requests: the first six alone run the same under both profiles.
+    result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "12", "--set", "memory.max_total_tokens=90000",
                                       "--set", "memory.max_context_len=88000", "--set", "semantics.profile=memcli"])
     out = capfd.readouterr().out
     assert result.exit_code == 1, out
