@@ -174,6 +174,7 @@ class StepDiff(NamedTuple):
     divergence: Optional[tuple[StepObservation, StepObservation]]  # (sglang, memcli) at the first difference
     reference_s: float  # wall time of the reference loop's steps
     memcli_s: float
+    event_loop: str = "overlap"  # the loop compared (semantics.event_loop)
 
 
 def run_side_by_side(config: Config, requests: Sequence[RequestSpec], arrivals: str, output_token_base: int,
@@ -193,8 +194,8 @@ def run_side_by_side(config: Config, requests: Sequence[RequestSpec], arrivals: 
             ref_s, mem_s = ref_s + middle - start, mem_s + time.perf_counter() - middle
             steps += 1
             if ref_obs != mem_obs or loop.is_done() != mem.is_done():
-                return StepDiff(steps, (ref_obs, mem_obs), ref_s, mem_s)
-        return StepDiff(steps, None, ref_s, mem_s)
+                return StepDiff(steps, (ref_obs, mem_obs), ref_s, mem_s, config.behaviour.event_loop)
+        return StepDiff(steps, None, ref_s, mem_s, config.behaviour.event_loop)
     finally:
         loop.close()
 
