@@ -89,6 +89,8 @@ class OverlapLoop:
             self._launch(kind, batch)
         if self.last_batch is not None:
             self._process(self.result_queue.popleft())
+            if batch is None:
+                s.stats.idle_steps += 1  # no batch, but no idle check either: a result was pending
         elif batch is None:
             s._idle()
         self.last_batch, self.last_kind = batch, kind

@@ -125,7 +125,9 @@ class Scheduler:
         under overlap, the last prefill batch (it joins the running batch next step)."""
         reqs = list(self.running.reqs)
         if self.overlap is not None:
-            reqs += [r for r in self.overlap.unmerged_reqs() if r is not self.chunked_req]
+            # Finished requests stay in the running batch until the next decode update.
+            reqs = [r for r in reqs if not r.finished]
+            reqs += [r for r in self.overlap.unmerged_reqs() if r is not self.chunked_req and not r.finished]
         if self.chunked_req is not None:
             reqs.append(self.chunked_req)
         return reqs
@@ -432,8 +434,9 @@ class Scheduler:
             req.aborted = True
             self._finish(req)
             return True
-        for req in self.running.reqs:
-            if req.rid == rid:
+        launched = self.overlap.unmerged_reqs() if self.overlap is not None else []
+        for req in [*self.running.reqs, *launched]:
+            if req.rid == rid and not req.finished:
                 req.aborted = True
                 self._finish(req)
                 self.running.filter_batch()
