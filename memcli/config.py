@@ -145,6 +145,10 @@ class SemanticsConfig:
     chunk_cache_protected: Optional[Literal["counted", "zero"]] = None
     # bench-one-batch's decode steps: output_len - 1 (the prefill samples the first token) or output_len.
     bench_decode_steps: Optional[Literal["output_len_minus_1", "output_len"]] = None
+    # The scheduler loop: SGLang's `event_loop_overlap` (batch N+1 is launched before the
+    # result of batch N is processed: finishes, frees and the tree update come one iteration
+    # late) or `event_loop_normal` (each batch's result is processed before the next is built).
+    event_loop: Optional[Literal["overlap", "normal"]] = None
 
     def resolved(self) -> "SemanticsConfig":
         """The same section with every behaviour set: the override where one is set, else the
@@ -178,6 +182,7 @@ PROFILE_CHOICES: dict[str, dict[str, str]] = {
     "chunk_alignment": {"sglang-0.5.5": "unaligned", "memcli": "page"},
     "chunk_cache_protected": {"sglang-0.5.5": "counted", "memcli": "zero"},
     "bench_decode_steps": {"sglang-0.5.5": "output_len_minus_1", "memcli": "output_len"},
+    "event_loop": {"sglang-0.5.5": "overlap", "memcli": "normal"},
 }
 
 

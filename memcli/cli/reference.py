@@ -41,7 +41,8 @@ def diff(ctx: typer.Context,
          trace: str = typer.Argument(..., metavar="TRACE", help="Trace file (memcli or Mooncake JSONL)")) -> None:
     """Run memcli's scheduler and SGLang 0.5.5's loop side by side and print the first divergent
     step. Options: --limit N, --set KEY=VALUE, --arrivals burst|timestamp, --config FILE,
-    --max-steps N. Exit 0 when equal, 1 when they diverge, 2 on bad input."""
+    --max-steps N. The loop is semantics.event_loop (overlap, SGLang's default, or --set
+    semantics.event_loop=normal). Exit 0 when equal, 1 when they diverge, 2 on bad input."""
     # A process of its own: the Triton interpreter must be chosen before any kernel is
     # imported, and this process has imported them already.
     proc = subprocess.run([sys.executable, "-m", "memcli.reference.diff", trace, *ctx.args])

@@ -10,6 +10,7 @@ or writes a field of a request (the tree caches' `cache_*_req` do, as in SGLang;
     seq_lens + num_pages (decode)        -> alloc_for_decode -> out_cache_loc
     num_pages                            -> check_decode_mem -> bool
     request (finish, abort, retract)     -> release_req      (tree cache frees)
+    in-flight decode slots (overlap)     -> free_slots
     requests of a static batch           -> release_reqs     (one free where possible)
 
 Extend (prefill) of request i, in its `req_to_token` row:
@@ -199,6 +200,18 @@ def check_decode_mem(allocator, tree_cache, num_pages: int) -> bool:
 def release_req(tree_cache, req, is_insert: bool = True) -> None:
     """Release everything a finished (or, with is_insert=False, retracted) request holds."""
     tree_cache.cache_finished_req(req, is_insert=is_insert)
+
+
+def slot_at(req_to_token_pool, row: int, position: int) -> int:
+    """The KV slot written at `position` of request row `row`."""
+    return int(req_to_token_pool.req_to_token[row, position])
+
+
+def free_slots(allocator, slots: torch.Tensor) -> None:
+    """Give back KV slots that neither a request row nor the tree holds: under overlap
+    scheduling, a decode slot still in flight when its request was released. Paged: frees the
+    page of each slot (the caller frees a slot only when no other slot shares its page)."""
+    allocator.free(slots)
 
 
 def free_req_rows(req_to_token_pool, rows: list[int]) -> None:

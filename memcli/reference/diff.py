@@ -3,6 +3,9 @@
     python -m memcli.reference.diff TRACE --limit N [--set section.key=value ...]
         [--arrivals burst|timestamp] [--config FILE] [--max-steps N]
 
+The loop compared is `semantics.event_loop` (overlap: SGLang's default `event_loop_overlap`;
+`--set semantics.event_loop=normal` for `event_loop_normal`).
+
 Prints the first divergent step with both sides' observations and state, or
 "0 divergent steps in S steps" with the run times of both sides. Exit 0 when equal, 1 when
 divergent, 2 on bad input (`error:` / `hint:` lines).
@@ -56,7 +59,7 @@ def run(argv: Optional[list[str]] = None) -> tuple[StepDiff, str]:
 
 
 def render(result: StepDiff) -> str:
-    times = f"reference {result.reference_s:.2f} s, memcli {result.memcli_s:.2f} s"
+    times = f"{result.event_loop} loop; reference {result.reference_s:.2f} s, memcli {result.memcli_s:.2f} s"
     if result.divergence is None:
         return f"0 divergent steps in {result.steps} steps ({times})"
     sglang, memcli = result.divergence

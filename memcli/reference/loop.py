@@ -12,8 +12,11 @@ object it drives is SGLang's own: `Req`, `ScheduleBatch` (`init_new`, `prepare_f
 `prepare_for_decode`, `retract_decode`, `filter_batch`, `merge_batch`), `PrefillAdder`,
 `SchedulePolicy`, `RadixCache`/`ChunkCache`, the allocator and `ReqToTokenPool`.
 
+`memcli.reference.loop_overlap.OverlapReferenceLoop` is the same loop as `event_loop_overlap`
+(SGLang's default), chosen by `semantics.event_loop` through `reference_loop()`.
+
 What the loop leaves out (none of it is on by default in SGLang, or it needs a model):
-overlap scheduling, mixed chunked prefill, priority scheduling and preemption, HiCache,
+mixed chunked prefill, priority scheduling and preemption, HiCache,
 LoRA, grammars, PD disaggregation, DP attention, speculative decoding, logprobs, and
 finishing on EOS or stop strings (a request finishes at its `max_new_tokens`).
 
@@ -72,6 +75,7 @@ class ReferenceLoop:
             raise MemcliError(f'unknown arrivals mode "{arrivals}"', f"use one of: {', '.join(ARRIVALS)}")
         self.ref = ref = ref or load_reference()
         self.config = config
+        self.enable_overlap = False  # OverlapReferenceLoop: True (reference_loop() picks by the config)
         self.clock = LogicalClock()
         ref.use_clock(self.clock)
         self._build_stack(config)
@@ -265,7 +269,7 @@ class ReferenceLoop:
         if self.chunked_req is not None:
             self.chunked_req.is_chunked += 1
         batch = self.ref.ScheduleBatch.init_new(can_run_list, self.req_to_token_pool, self.allocator,
-                                                self.tree_cache, ModelConfig(), False, NoSpeculation(),
+                                                self.tree_cache, ModelConfig(), self.enable_overlap, NoSpeculation(),
                                                 chunked_req=self.chunked_req)
         batch.prepare_for_extend()
         batch.decoding_reqs = None
@@ -291,13 +295,14 @@ class ReferenceLoop:
 
     def run_batch(self, batch: Any) -> None:
         """The simulated forward: advance the clock by memcli's cost model and sample one
-        fresh token id per request (a chunked request's token is never used)."""
+        fresh token id per request (none for a request still being chunked after this batch:
+        its token is never used)."""
         self.forward_ct += 1
         if batch.forward_mode.is_extend():
             kv_read = sum(batch.prefix_lens)
             self.clock_ms += (self.sim.step_base_ms + self.sim.prefill_token_us * batch.extend_num_tokens / 1e3
                               + self.sim.kv_read_ns * kv_read / 1e6)
-            tokens = [self._token() if req.is_chunked <= 0 else 0 for req in batch.reqs]
+            tokens = [0 if req is batch.chunked_req else self._token() for req in batch.reqs]
         else:
             kv_read = int(batch.seq_lens_cpu.sum())
             self.clock_ms += (self.sim.step_base_ms + self.sim.decode_req_us * batch.batch_size() / 1e3

@@ -22,6 +22,7 @@ import torch
 
 from memcli.config import Config
 from memcli.reference.loop import ReferenceLoop
+from memcli.reference.loop_overlap import reference_loop
 from memcli.sched.scheduler import Scheduler
 from memcli.stack import build_stack
 from memcli.workload.spec import RequestSpec
@@ -173,13 +174,15 @@ class StepDiff(NamedTuple):
     divergence: Optional[tuple[StepObservation, StepObservation]]  # (sglang, memcli) at the first difference
     reference_s: float  # wall time of the reference loop's steps
     memcli_s: float
+    event_loop: str = "overlap"  # the loop compared (semantics.event_loop)
 
 
 def run_side_by_side(config: Config, requests: Sequence[RequestSpec], arrivals: str, output_token_base: int,
                      max_steps: Optional[int] = None, ref: Any = None) -> StepDiff:
-    """Step SGLang's loop and memcli's scheduler together until both are done, one of them
+    """Step SGLang's loop (normal or overlap, as `semantics.event_loop` says) and memcli's
+    scheduler together until both are done, one of them
     is done early (a divergence in `kind`), or their observations differ."""
-    loop = ReferenceLoop(config, requests, arrivals, output_token_base, ref=ref)
+    loop = reference_loop(config, requests, arrivals, output_token_base, ref=ref)
     try:
         mem = MemcliSide(config, requests, arrivals, output_token_base)
         steps, ref_s, mem_s = 0, 0.0, 0.0
@@ -191,8 +194,8 @@ def run_side_by_side(config: Config, requests: Sequence[RequestSpec], arrivals: 
             ref_s, mem_s = ref_s + middle - start, mem_s + time.perf_counter() - middle
             steps += 1
             if ref_obs != mem_obs or loop.is_done() != mem.is_done():
-                return StepDiff(steps, (ref_obs, mem_obs), ref_s, mem_s)
-        return StepDiff(steps, None, ref_s, mem_s)
+                return StepDiff(steps, (ref_obs, mem_obs), ref_s, mem_s, config.behaviour.event_loop)
+        return StepDiff(steps, None, ref_s, mem_s, config.behaviour.event_loop)
     finally:
         loop.close()
 

@@ -28,6 +28,9 @@ class ScheduleBatch:
         self.extend_plan: common.ExtendPlan | None = None  # of the last prepare_for_extend
         self.out_cache_loc: torch.Tensor | None = None
         self._page_hist: _PageHistogram | None = None
+        # SGLang's `enable_overlap`: the next decode's page estimate reads `req.seqlen`, whose
+        # outputs lag one step behind the KV (see `estimated_decode_pages`).
+        self.enable_overlap = stack.config.behaviour.event_loop == "overlap"
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -76,6 +79,7 @@ class ScheduleBatch:
         for req, row, seq in zip(self.reqs, alloc.rows, plan.seq_lens_cpu.tolist()):
             req.req_pool_idx = row
             req.kv_allocated_len = seq
+            req.is_retracted = False
 
     def prepare_for_decode(self) -> None:
         """Allocate one slot per request at column `seq_lens`, then increment `seq_lens`."""
@@ -138,15 +142,32 @@ class ScheduleBatch:
 
     def check_decode_mem(self, keep: list[int] | None = None) -> bool:
         """True when the next decode step fits (evicting the shortfall from the tree)."""
-        if keep is None:
-            num_pages = self.decode_pages_needed(self.page_size)
-        else:
-            num_pages = pages.decode_new_pages(self.seq_lens_cpu[torch.tensor(keep, dtype=torch.int64)],
-                                               self.page_size)
+        num_pages = self.estimated_decode_pages(keep)
         return common.check_decode_mem(self.token_to_kv_pool_allocator, self.tree_cache, num_pages)
 
-    def retract_decode(self, retract_decode_steps: int, keep_victim_order: bool = False) -> tuple[list, float]:
+    def estimated_decode_pages(self, keep: list[int] | None = None) -> int:
+        """SGLang's `new_page_count_next_decode` over all requests (or those at `keep`).
+
+        Normal loop: the pages the next decode opens, from the KV lengths (`(seqlen - 1) % ps
+        == 0` in SGLang's terms). Overlap loop: SGLang counts `seqlen % ps == 0`, exact while
+        the outputs lag the KV by one step, and one page off for requests whose last result
+        was already processed (a prefill step ran in between); the allocation itself always
+        opens the exact pages.
+        """
+        ps = self.page_size
+        if self.enable_overlap and ps > 1:
+            reqs = self.reqs if keep is None else [self.reqs[i] for i in keep]
+            return sum(1 for r in reqs if r.seqlen % ps == 0)
+        if keep is None:
+            return self.decode_pages_needed(ps)
+        return pages.decode_new_pages(self.seq_lens_cpu[torch.tensor(keep, dtype=torch.int64)], ps)
+
+    def retract_decode(self, retract_decode_steps: int, keep_victim_order: bool = False,
+                       release=None) -> tuple[list, float]:
         """Release requests until the next decode step fits; at least one when bs > 1.
+
+        `release(req)` frees a victim (default: `common.release_req(..., is_insert=False)`;
+        the overlap loop keeps the slot of a decode still in flight apart).
 
         Victims: fewest output tokens first, ties by longest prompt. The requests kept stay
         in their order, or with `keep_victim_order` (SGLang) in the victim sort's order.
@@ -161,7 +182,10 @@ class ScheduleBatch:
             idx = order.pop()
             req = self.reqs[idx]
             retracted.append(req)
-            common.release_req(self.tree_cache, req, is_insert=False)
+            if release is None:
+                common.release_req(self.tree_cache, req, is_insert=False)
+            else:
+                release(req)
             common.evict_if_needed(self.tree_cache, self.token_to_kv_pool_allocator,
                                    len(order) * retract_decode_steps)
             if self.check_decode_mem(sorted(order)):

@@ -48,6 +48,7 @@ class Req:
         self.finished = False
         self.aborted = False
         self.retraction_count = 0
+        self.is_retracted = False  # retracted and not prefilled again since (read by overlap results)
         self.first_cached_tokens: int | None = None
         self.admit_ms: float | None = None
         self.finish_ms: float | None = None
@@ -84,6 +85,7 @@ class Req:
     def reset_for_retract(self) -> None:
         """Back to the waiting state after its memory was released."""
         self.retraction_count += 1
+        self.is_retracted = True
         self.prefix_indices = torch.empty(0, dtype=torch.int64, device=self.device)
         self.last_node = None
         self.last_matched_prefix_len = 0

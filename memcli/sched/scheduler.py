@@ -1,10 +1,13 @@
 """The scheduler loop with a simulated forward step.
 
-One `step()`: admit arrivals, then run a prefill batch if the budget admits one (prefill has
-priority), else decode the running batch (retracting when its next step does not fit), else
-idle (the clock jumps to the next arrival and the idle check runs). There is no model: each
-output token is a fresh id, and the simulated clock advances by the cost model of
-`SimConfig`. Every arrival, admission, allocation, finish, retraction and abort is recorded.
+One `step()` of the normal loop (SGLang's `event_loop_normal`): admit arrivals, then run a
+prefill batch if the budget admits one (prefill has priority), else decode the running batch
+(retracting when its next step does not fit), else idle (the clock jumps to the next arrival
+and the idle check runs); each batch's result is processed in its own step. Under
+`semantics.event_loop: overlap` a step is one iteration of SGLang's `event_loop_overlap`
+instead (`memcli.sched.overlap`): the result of a batch is processed one step later. There is
+no model: each output token is a fresh id, and the simulated clock advances by the cost model
+of `SimConfig`. Every arrival, admission, allocation, finish, retraction and abort is recorded.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from memcli.errors import OutOfMemoryError, RequestSlotsExhausted
 from memcli.mem_cache import common
 from memcli.mem_cache.integrity import check_memory
 from memcli.sched.batch import ScheduleBatch
+from memcli.sched.overlap import OverlapLoop
 from memcli.sched.progress import ProgressGuard
 from memcli.sched.policy import AddResult, AdmissionGate, PrefillAdder, order_waiting, uses_lpm
 from memcli.sched.req import Req
@@ -105,6 +109,7 @@ class Scheduler:
         self.gate = AdmissionGate(behaviour.admission_gate, self.max_running)
         self.chunk_to_cache: Req | None = None  # a chunk that enters the tree next step (deferred)
         self.progress_guard = ProgressGuard()
+        self.overlap = OverlapLoop(self) if behaviour.event_loop == "overlap" else None
         if hasattr(self.tree_cache, "clock"):
             self.tree_cache.clock = lambda: self.clock_ms
 
@@ -118,14 +123,27 @@ class Scheduler:
         self.pending.append(req)
 
     def active_reqs(self) -> list[Req]:
-        """Requests that hold memory now: the running batch and the request being chunked."""
+        """Requests that hold memory now: the running batch, the request being chunked and,
+        under overlap, the last prefill batch (it joins the running batch next step)."""
         reqs = list(self.running.reqs)
+        if self.overlap is not None:
+            # Finished requests stay in the running batch until the next decode update.
+            reqs = [r for r in reqs if not r.finished]
+            reqs += [r for r in self.overlap.unmerged_reqs() if r is not self.chunked_req and not r.finished]
         if self.chunked_req is not None:
             reqs.append(self.chunked_req)
         return reqs
 
+    def memory_holders(self) -> list:
+        """What the integrity checks count as holding memory: `active_reqs()` and, under
+        overlap, the slots of released requests that a batch in flight still holds."""
+        if self.overlap is None:
+            return self.active_reqs()
+        return [*self.active_reqs(), *self.overlap.in_flight_slots()]
+
     def is_done(self) -> bool:
-        return not (self.pending or self.waiting or self.running.reqs or self.chunked_req)
+        busy = self.overlap is not None and self.overlap.busy()
+        return not (self.pending or self.waiting or self.running.reqs or self.chunked_req or busy)
 
     def _event(self, kind: str, rid: str, tokens: int = 0) -> None:
         if self.record_events:
@@ -143,6 +161,21 @@ class Scheduler:
     def step(self) -> StepRecord:
         """One step. Raises `StalledError` (memcli.sched.progress) when the loop stops advancing."""
         before = self.progress_guard.marks(self)
+        if self.overlap is not None:
+            kind, bs, new_tokens = self.overlap.iterate()
+        else:
+            kind, bs, new_tokens = self._iterate_normal()
+        record = self._record(kind, bs, new_tokens)
+        self.progress_guard.after_step(self, before)
+        self.step_count += 1
+        if self.check_every_step:
+            self.run_check()
+        if self.on_step is not None:
+            self.on_step(self, record)
+        return record
+
+    def _iterate_normal(self) -> tuple[str, int, int]:
+        """One iteration of `event_loop_normal`; returns (kind, batch size, new tokens)."""
         self._admit_arrivals()
         self._cache_deferred_chunk()
         batch = self.get_new_batch_prefill()
@@ -160,18 +193,11 @@ class Scheduler:
         else:
             kind, bs, new_tokens = "idle", 0, 0
             self._idle()
-        record = self._record(kind, bs, new_tokens)
-        self.progress_guard.after_step(self, before)
-        self.step_count += 1
-        if self.check_every_step:
-            self.run_check()
-        if self.on_step is not None:
-            self.on_step(self, record)
-        return record
+        return kind, bs, new_tokens
 
     def run_check(self) -> None:
         self.stats.checks_run += 1
-        check_memory(self.stack, self.active_reqs())
+        check_memory(self.stack, self.memory_holders())
 
     def _admit_arrivals(self) -> None:
         while self.pending and self.pending[0].arrival_ms <= self.clock_ms:
@@ -179,14 +205,15 @@ class Scheduler:
             self.waiting.append(req)
             self._event("arrive", req.rid, req.input_len)
 
-    def _cache_deferred_chunk(self) -> None:
+    def _cache_deferred_chunk(self, give_back_row: bool = True) -> None:
         """SGLang's start of a step: last step's chunk enters the tree, and the chunked request
         gives back its row (it takes a new one with its next piece)."""
         req, self.chunk_to_cache = self.chunk_to_cache, None
         if req is not None:
             common.cache_unfinished(self.tree_cache, req, chunked=True)
-            common.free_req_rows(self.stack.req_to_token_pool, [req.req_pool_idx])
-            req.req_pool_idx = None
+            if give_back_row:
+                common.free_req_rows(self.stack.req_to_token_pool, [req.req_pool_idx])
+                req.req_pool_idx = None
 
     def _idle(self) -> None:
         self.gate.decode_filtered()
@@ -208,6 +235,8 @@ class Scheduler:
         tree_protected = self.tree_cache.tree_protected_size()
         held_pages = (allocator.size - u.available - u.evictable - tree_protected) // allocator.page_size
         held_tokens = sum(r.kv_allocated_len - r.last_matched_prefix_len for r in self.active_reqs() if not r.kv_freed)
+        if self.overlap is not None:
+            held_tokens += len(self.overlap.in_flight_slots())
         rows = self.stack.req_to_token_pool.size - self.stack.req_to_token_pool.available_size()
         self.stats.peak_request_rows = max(self.stats.peak_request_rows, rows)
         record = StepRecord(self.step_count, self.clock_ms, kind, bs, new_tokens, len(self.running.reqs),
@@ -343,7 +372,9 @@ class Scheduler:
         return batch
 
     def _retract(self) -> None:
-        retracted, ratio = self.running.retract_decode(self.cfg.retract_decode_steps, self.retract_keep_victim_order)
+        release = None if self.overlap is None else (lambda req: self.overlap.release(req, is_insert=False))
+        retracted, ratio = self.running.retract_decode(self.cfg.retract_decode_steps, self.retract_keep_victim_order,
+                                                       release)
         self.gate.shrank()
         self.new_token_ratio = ratio
         self.stats.retractions += 1
@@ -381,7 +412,10 @@ class Scheduler:
     def _finish(self, req: Req) -> None:
         req.finished = True
         req.finish_ms = self.clock_ms
-        common.release_req(self.tree_cache, req, is_insert=True)
+        if self.overlap is not None:
+            self.overlap.release(req, is_insert=True)
+        else:
+            common.release_req(self.tree_cache, req, is_insert=True)
         if req.aborted:
             self.stats.aborted += 1
             self._event("abort", req.rid, req.seqlen)
@@ -405,8 +439,9 @@ class Scheduler:
             req.aborted = True
             self._finish(req)
             return True
-        for req in self.running.reqs:
-            if req.rid == rid:
+        launched = self.overlap.unmerged_reqs() if self.overlap is not None else []
+        for req in [*self.running.reqs, *launched]:
+            if req.rid == rid and not req.finished:
                 req.aborted = True
                 self._finish(req)
                 self.running.filter_batch()

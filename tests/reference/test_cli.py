@@ -25,6 +25,14 @@ def test_diff_finds_no_divergent_step(ref, capfd):
     assert out.startswith("0 divergent steps in ")
 
 
+def test_diff_runs_the_normal_loop_too(ref, capfd):
+    result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "6", "--set", "memory.max_total_tokens=90000",
+                                      "--set", "memory.max_context_len=88000", "--set", "semantics.event_loop=normal"])
+    out = capfd.readouterr().out
+    assert result.exit_code == 0, out
+    assert out.startswith("0 divergent steps in ")
+
+
 def test_diff_shows_the_memcli_profile_diverging(ref, capfd):
     # Chunked prefill: the memcli profile puts a chunk into the tree in the same step.
     result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "6", "--set", "memory.max_total_tokens=90000",

@@ -1,8 +1,8 @@
 """Step-level differential tests: SGLang 0.5.5's scheduler loop (real objects) vs memcli's.
 
-The reference loop must itself be sane on every case (all requests finish, the pool is
-conserved). The comparison with memcli is a strict xfail named after the first divergence
-it hits today, so it flips when memcli's `sglang-0.5.5` profile lands.
+Every case runs in both of SGLang's loops (`semantics.event_loop`: overlap, its default, and
+normal). The reference loop must itself be sane on every case (all requests finish, the pool
+is conserved); memcli's scheduler must match it step by step.
 
 The bundled traces have prompts of up to 87 k tokens; to keep pools small (evictions,
 chunked prefill, retractions) the cases take the first requests that fit a context, and the
@@ -16,7 +16,7 @@ from typing import NamedTuple
 import pytest
 
 from memcli.config import load_config
-from memcli.reference.loop import ReferenceLoop
+from memcli.reference.loop_overlap import reference_loop
 from memcli.reference.observe import observe_reference, run_side_by_side
 from memcli.workload.readers import read_trace
 from memcli.workload.spec import output_token_base
@@ -51,21 +51,28 @@ CASES = [
     Case("synthetic-timestamp-ps1", SYNTHETIC, 40, 12000, None, "timestamp", _settings(1, 24000, 12000, 1024, 16)),
     Case("conversation-burst-ps16", CONVERSATION, 40, 12000, 12, "burst", _settings(16, 24000, 12000, 1024, 16)),
     Case("synthetic-timestamp-ps16", SYNTHETIC, 40, 12000, 12, "timestamp", _settings(16, 24000, 12000, 2048, 16)),
+    # A pool small enough to retract at page size 16 (under overlap: a victim whose decode is in flight).
+    Case("conversation-retract-ps16", CONVERSATION, 40, 12000, 40, "burst", _settings(16, 13000, 12000, 1024, 16)),
 ]
 
 
-def _load(case):
+LOOPS = ("overlap", "normal")
+
+
+def _load(case, event_loop="overlap"):
     trace = read_trace(case.trace, limit=300)
     requests = [r for r in trace.requests if r.input_len + r.output_len <= case.max_len][: case.num_requests]
     if case.output_cap is not None:
         requests = [dataclasses.replace(r, output_len=min(r.output_len, case.output_cap)) for r in requests]
-    return load_config(None, case.settings), requests, output_token_base(trace)
+    config = load_config(None, case.settings + (f"semantics.event_loop={event_loop}",))
+    return config, requests, output_token_base(trace)
 
 
+@pytest.mark.parametrize("event_loop", LOOPS)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_reference_loop_finishes_and_conserves_the_pool(ref, case):
-    config, requests, base = _load(case)
-    loop = ReferenceLoop(config, requests, case.arrivals, base, ref=ref)
+def test_reference_loop_finishes_and_conserves_the_pool(ref, case, event_loop):
+    config, requests, base = _load(case, event_loop)
+    loop = reference_loop(config, requests, case.arrivals, base, ref=ref)
     kinds = set()
     try:
         while not loop.is_done():
@@ -83,9 +90,10 @@ def test_reference_loop_finishes_and_conserves_the_pool(ref, case):
     assert {"prefill", "decode"} <= kinds
 
 
-def test_reference_loop_evicts_chunks_and_retracts(ref):
-    config, requests, base = _load(CASES[0])
-    loop = ReferenceLoop(config, requests, "burst", base, ref=ref)
+@pytest.mark.parametrize("event_loop", LOOPS)
+def test_reference_loop_evicts_chunks_and_retracts(ref, event_loop):
+    config, requests, base = _load(CASES[0], event_loop)
+    loop = reference_loop(config, requests, "burst", base, ref=ref)
     evicted = retracted = chunked = 0
     try:
         while not loop.is_done():
@@ -98,8 +106,9 @@ def test_reference_loop_evicts_chunks_and_retracts(ref):
     assert evicted > 0 and retracted > 0 and chunked > 0
 
 
+@pytest.mark.parametrize("event_loop", LOOPS)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_memcli_matches_the_reference_step_by_step(ref, case):
-    config, requests, base = _load(case)
+def test_memcli_matches_the_reference_step_by_step(ref, case, event_loop):
+    config, requests, base = _load(case, event_loop)
     result = run_side_by_side(config, requests, case.arrivals, base, ref=ref)
     assert result.divergence is None, result.divergence

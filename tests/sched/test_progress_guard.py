@@ -12,7 +12,7 @@ from memcli.stack import build_stack
 
 
 def _scheduler(max_stalled_steps: int = 1000) -> Scheduler:
-    cfg = load_config(None, ["memory.kv_pool=indices", "runtime.device=cpu"])
+    cfg = load_config(None, ["memory.kv_pool=indices", "runtime.device=cpu", "semantics.event_loop=normal"])
     sched = Scheduler(build_stack(cfg), cfg.scheduler, cfg.sim, cfg.page_size)
     sched.progress_guard = ProgressGuard(max_stalled_steps)
     sched.add_request(sched.new_req("r0", list(range(1, 65)), 8))
@@ -44,3 +44,12 @@ def test_a_normal_run_never_trips_the_guard():
     sched = _scheduler(max_stalled_steps=2)
     sched.run()
     assert sched.is_done() and sched.stats.finished == 1
+
+
+def test_the_overlap_loop_is_guarded_too(monkeypatch):
+    cfg = load_config(None, ["memory.kv_pool=indices", "runtime.device=cpu", "semantics.event_loop=overlap"])
+    sched = Scheduler(build_stack(cfg), cfg.scheduler, cfg.sim, cfg.page_size)
+    sched.add_request(sched.new_req("r0", list(range(1, 65)), 8))
+    monkeypatch.setattr(sched, "_prefill_cost_ms", lambda batch: math.nan)
+    with pytest.raises(StalledError, match="clock went from 0.0 to nan ms"):
+        sched.run(max_steps=10)

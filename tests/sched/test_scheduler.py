@@ -180,14 +180,16 @@ def test_abort_releases_everything():
     assert_all_free(stack)
 
 
-def test_events_record_the_lifecycle():
-    cfg, stack = small_stack(1, pool=512)
+@pytest.mark.parametrize("event_loop, allocs", [("normal", 3), ("overlap", 4)])
+def test_events_record_the_lifecycle(event_loop, allocs):
+    cfg, stack = small_stack(1, pool=512, semantics__event_loop=event_loop)
     sched = make_scheduler(stack, cfg)
     sched.add_request(sched.new_req("a", tokens((0, 10)), 3))
     sched.run()
     kinds = [e.kind for e in sched.events]
     assert kinds[:3] == ["arrive", "admit", "alloc"]
-    assert kinds.count("alloc") == 3 and kinds[-1] == "finish"
+    # overlap: one more decode is launched before the result that finishes the request
+    assert kinds.count("alloc") == allocs and "finish" in kinds[-2:]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

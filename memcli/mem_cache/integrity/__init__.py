@@ -12,9 +12,9 @@ from memcli.mem_cache.integrity.result import (
     MAX_OFFENDERS, CheckResult, IntegrityReport, failed, failures, joined, passed,
 )
 from memcli.mem_cache.integrity.checks import CHECK_NAMES, check_memory, memory_reports, run_checks
-from memcli.mem_cache.integrity.requests import held_by_request
+from memcli.mem_cache.integrity.requests import InFlightSlot, held_by_request
 
 __all__ = [
-    "CHECK_NAMES", "MAX_OFFENDERS", "CheckResult", "IntegrityReport", "check_memory", "failed", "failures",
+    "CHECK_NAMES", "MAX_OFFENDERS", "CheckResult", "InFlightSlot", "IntegrityReport", "check_memory", "failed", "failures",
     "held_by_request", "joined", "memory_reports", "passed", "run_checks",
 ]

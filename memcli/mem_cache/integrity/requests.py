@@ -4,6 +4,11 @@ A request row, in positions (tree_len = last_matched_prefix_len, page aligned):
 
     [0, tree_len)                  slots of tree pages (shared through the tree, locked)
     [tree_len, kv_allocated_len)   the request's own pages, the last one possibly partial
+
+Under overlap scheduling one more kind of holder exists: an `InFlightSlot`, the decode slot
+of a request that finished or was retracted while the batch that allocated it was in flight.
+No row holds it any more (the request gave its row back), yet it is not free until that
+batch's result is processed. The checks count it as one page held on its own.
 """
 
 from __future__ import annotations
@@ -19,13 +24,31 @@ from memcli.mem_cache.pages import cdiv
 from memcli.mem_cache.integrity.result import CheckResult
 
 
+@dataclass(frozen=True)
+class InFlightSlot:
+    """A KV slot held by an in-flight batch only: position `position` of request `rid`, whose
+    row was given back (finish or retraction) while the decode (or prefill) that allocated
+    the slot was running. Its page holds no other slot of the request (else it was freed
+    with the request's last page). Holds no row."""
+
+    rid: str
+    position: int
+    slot: int
+    kv_freed = False
+    req_pool_idx = None
+
+
 def holds_memory(req: Any) -> bool:
-    """A row, something allocated, not yet freed."""
+    """A row, something allocated, not yet freed (or an in-flight slot)."""
+    if isinstance(req, InFlightSlot):
+        return True
     return not req.kv_freed and req.req_pool_idx is not None and req.kv_allocated_len > 0
 
 
 def held_by_request(req: Any, page_size: int) -> tuple[int, int]:
     """(tokens, pages) a request owns outside the tree; a partly filled last page counts whole."""
+    if isinstance(req, InFlightSlot):
+        return 1, 1
     if req.kv_freed:
         return 0, 0
     tree_owned = req.last_matched_prefix_len
@@ -75,7 +98,25 @@ class Rows:
 
 
 def take_rows(stack: Any, reqs: Iterable[Any]) -> Rows:
-    """Rows of the requests that hold memory (`holds_memory`); one gather of `req_to_token`."""
+    """Rows of the requests that hold memory (`holds_memory`); one gather of `req_to_token`.
+
+    An `InFlightSlot` is a row of one entry (its position, its slot) after the request rows."""
+    reqs = list(reqs)
+    rows = _request_rows(stack, [r for r in reqs if not isinstance(r, InFlightSlot)])
+    flying = [r for r in reqs if isinstance(r, InFlightSlot)]
+    if not flying:
+        return rows
+    n, first = len(flying), len(rows.rids)
+    positions = np.array([f.position for f in flying], dtype=np.int64)
+    return Rows(rows.rids + [f"{f.rid} (in flight)" for f in flying],
+                np.concatenate([rows.tree_lens, positions]),
+                np.concatenate([rows.starts, len(rows.slots) + np.arange(n, dtype=np.int64)]),
+                np.concatenate([rows.slots, np.array([f.slot for f in flying], dtype=np.int64)]),
+                np.concatenate([rows.row, first + np.arange(n, dtype=np.int64)]),
+                np.concatenate([rows.pos, positions]))
+
+
+def _request_rows(stack: Any, reqs: list) -> Rows:
     held = [r for r in reqs if holds_memory(r)]
     lens = np.array([r.kv_allocated_len for r in held], dtype=np.int64)
     tree_lens = np.array([r.last_matched_prefix_len for r in held], dtype=np.int64)

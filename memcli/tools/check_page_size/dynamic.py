@@ -78,6 +78,7 @@ class PhaseResult:
     coverage: dict[str, float]
     violation: Optional[CheckResult]
     also_failed: list[CheckResult] = field(default_factory=list)
+    event_loop: str = "overlap"  # the scheduler loop (semantics.event_loop)
 
     @property
     def ok(self) -> bool:
@@ -85,7 +86,8 @@ class PhaseResult:
 
     def to_dict(self) -> dict:
         return {
-            "name": self.name, "cache_kind": self.cache_kind, "workload": self.workload, "ok": self.ok,
+            "name": self.name, "event_loop": self.event_loop, "cache_kind": self.cache_kind,
+            "workload": self.workload, "ok": self.ok,
             "pool_tokens": self.pool_tokens, "page_size": self.page_size, "steps": self.steps,
             "seconds": round(self.seconds, 3),
             "checks": [c.to_dict() for c in self.checks],
@@ -116,7 +118,7 @@ def run_phase(name: str, stack, config, workload: Workload, steps: int,
     cache_kind = type(stack.tree_cache).__name__
     return PhaseResult(name, cache_kind, workload.description, stack.allocator.size, stack.allocator.page_size,
                        sched.step_count, time.perf_counter() - start, run.checks(), run.coverage(),
-                       violations[0] if violations else None, violations[1:])
+                       violations[0] if violations else None, violations[1:], config.behaviour.event_loop)
 
 
 class _PhaseRun:
@@ -208,7 +210,7 @@ class _PhaseRun:
     # -- checks -----------------------------------------------------------------------------
 
     def _check(self, step: int, full_tree_walk: bool = False) -> list[CheckResult]:
-        active = self.sched.active_reqs()
+        active = self.sched.memory_holders()
         full_tree_walk = full_tree_walk or not active or self.steps_checked % TREE_WALK_EVERY == 0
         try:
             results = run_checks(self.stack, active, full_tree_walk)

@@ -1,6 +1,9 @@
 """`check-page-size` as a function: static checks, cost of the page size, and a checked paged
 workload, for one or several page sizes, with optional page-size injection.
 
+Phases per page size: the workload in the config's scheduler loop (`semantics.event_loop`,
+the main phase), the bench path, then the workload again in the other loop.
+
     result = run_check_page_size(config, page_sizes=[1, 16], injections={"tree_cache": 1})
     result.exit_code   # 0 consistent, 1 some check failed
 
@@ -26,6 +29,7 @@ from memcli.errors import MemcliError
 from memcli.stack import COMPONENTS, build_stack
 
 DEFAULT_STEPS = 3000
+OTHER_LOOP = {"overlap": "normal", "normal": "overlap"}  # the dynamic workload runs in both loops
 BUILTIN = "default"
 
 Progress = Callable[[str], None]
@@ -211,15 +215,22 @@ def _run_page_size(config: Config, injections: dict[str, int], trace: Optional[W
     phases = []
     if steps > 0:
         dyn_stack = stack if dyn_config is static_config else build_stack(dyn_config, page_size_overrides=injections)
-        kind = dyn_config.cache.kind
-        phases.append(run_phase(f"workload ({kind} cache)", dyn_stack, dyn_config, workload, steps, fault_hook,
-                                progress))
+        kind, loop = dyn_config.cache.kind, dyn_config.behaviour.event_loop
+        phases.append(run_phase(f"workload ({kind} cache, {loop} loop)", dyn_stack, dyn_config, workload, steps,
+                                fault_hook, progress))
         _report(progress, config.page_size, phases[-1])
         bench = bench_workload(dyn_config)
         # The bench path has no tree cache of its own: its tree cache is the null cache.
         bench_injections = {k: v for k, v in injections.items() if k != "tree_cache"}
         bench_stack = build_stack(dyn_config, cache_kind="none", page_size_overrides=bench_injections)
-        phases.append(run_phase("bench path (null cache)", bench_stack, dyn_config, bench, bench.step_bound))
+        phases.append(run_phase(f"bench path (null cache, {loop} loop)", bench_stack, dyn_config, bench,
+                                bench.step_bound))
+        _report(progress, config.page_size, phases[-1])
+        # The same workload in the other scheduler loop (the lag of overlap moves every free).
+        other = replace(dyn_config, semantics={"event_loop": OTHER_LOOP[loop]})
+        other_stack = build_stack(other, page_size_overrides=injections)
+        phases.append(run_phase(f"workload ({kind} cache, {OTHER_LOOP[loop]} loop)", other_stack, other, workload,
+                                steps, progress=progress))
         _report(progress, config.page_size, phases[-1])
     return PageSizeRun(config.page_size, static, page_cost(config), static_adjustments, dyn_adjustments, phases,
                        _notes(config, injections))

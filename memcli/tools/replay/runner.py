@@ -179,7 +179,7 @@ class _Run:
                     break
                 sched.step()
                 self._after_step()
-            reports = check_memory(self.stack, sched.active_reqs())
+            reports = check_memory(self.stack, sched.memory_holders())
         except IntegrityError as exc:
             self._stopped_mid_step()
             return str(exc), ()

@@ -58,7 +58,7 @@ def test_clean_run_passes_every_check_at_every_step(page_size, cache):
     seen_running = False
     while not sched.is_done():
         sched.step()
-        results = run_checks(stack, sched.active_reqs())
+        results = run_checks(stack, sched.memory_holders())
         assert [r.name for r in results] == list(CHECK_NAMES)
         assert failures(results) == [], [str(r) for r in results]
         seen_running |= bool(sched.active_reqs())
@@ -72,7 +72,7 @@ def test_page_freed_while_held_is_caught_by_free_list_and_conservation():
     req = sched.active_reqs()[0]
     slot = int(row_of(stack, req)[req.kv_allocated_len - 1])
     stack.allocator.free(torch.tensor([slot]))
-    violations = found(stack, sched.active_reqs())
+    violations = found(stack, sched.memory_holders())
     names = [v.name for v in violations]
     assert names[0] == "free_list" and "conservation" in names
     first = violations[0]
@@ -88,7 +88,7 @@ def test_page_freed_twice_shows_as_a_duplicate_in_the_free_list():
     slot = torch.tensor([int(row_of(stack, req)[req.kv_allocated_len - 1])])
     stack.allocator.free(slot)
     stack.allocator.free(slot)
-    first = found(stack, sched.active_reqs())[0]
+    first = found(stack, sched.memory_holders())[0]
     assert first.name == "free_list"
     assert "2 times (freed twice)" in first.detail and first.slots == (int(slot) // 4 * 4,)
 
@@ -98,7 +98,7 @@ def test_page_freed_twice_at_page_size_1():
     req = sched.active_reqs()[0]
     slot = torch.tensor([int(row_of(stack, req)[req.kv_allocated_len - 1])])
     stack.allocator.free(slot)
-    violations = found(stack, sched.active_reqs())
+    violations = found(stack, sched.memory_holders())
     assert [v.name for v in violations][:1] == ["free_list"]
     assert f"slot {int(slot)}" in violations[0].detail and violations[0].rid == req.rid
 
@@ -111,7 +111,7 @@ def test_slot_both_free_and_owned_with_counts_intact():
     start = (req.kv_allocated_len - 1) // ps * ps
     free_page = int(stack.allocator.free_page_ids()[0])
     row[start:req.kv_allocated_len] = torch.arange(req.kv_allocated_len - start, dtype=row.dtype) + free_page * ps
-    violations = found(stack, sched.active_reqs())
+    violations = found(stack, sched.memory_holders())
     names = [v.name for v in violations]
     assert names[0] == "free_list" and "no_lost_page" in names and "conservation" not in names
     assert violations[0].rid == req.rid and f"page {free_page}" in violations[0].detail
@@ -123,7 +123,7 @@ def test_misaligned_row_entry_is_caught_by_row_layout():
     pos = own_position(req, 16, offset=1)
     row = row_of(stack, req)
     row[pos] += 1
-    first = found(stack, sched.active_reqs())[0]
+    first = found(stack, sched.memory_holders())[0]
     assert first.name == "row_layout" and first.rid == req.rid
     assert first.positions == (pos,) and first.slots == (int(row[pos]),)
     assert f"expected offset {pos % 16}" in first.detail
@@ -135,7 +135,7 @@ def test_non_consecutive_slots_on_one_page_are_caught():
     row = row_of(stack, req)
     pos = own_position(req, 4, offset=1)
     row[pos] += 4  # same offset, another page: offsets hold, the run breaks
-    first = found(stack, sched.active_reqs())[0]
+    first = found(stack, sched.memory_holders())[0]
     assert first.name == "row_layout" and first.positions == (pos - 1, pos)
 
 
@@ -146,7 +146,7 @@ def test_page_shared_by_two_requests_outside_the_tree():
     pos_b = own_position(b, 4, offset=0)
     page_a = int(row_a[own_position(a, 4, offset=0)]) // 4
     row_b[pos_b:pos_b + 4] = torch.arange(4, dtype=row_b.dtype) + page_a * 4
-    first = found(stack, sched.active_reqs())[0]
+    first = found(stack, sched.memory_holders())[0]
     assert first.name == "page_sharing" and f"page {page_a}" in first.detail
     assert a.rid in first.detail and b.rid in first.detail
 
@@ -157,7 +157,7 @@ def test_prefix_pointing_outside_the_tree():
     row = row_of(stack, req)
     own_start = own_position(req, 4, offset=0)
     row[0:4] = row[own_start:own_start + 4]
-    names = [v.name for v in found(stack, sched.active_reqs())]
+    names = [v.name for v in found(stack, sched.memory_holders())]
     assert names[0] == "page_sharing"
 
 
@@ -167,14 +167,14 @@ def test_slot_on_page_zero_is_out_of_range():
     row = row_of(stack, req)
     pos = own_position(req, 4, offset=0)
     row[pos:pos + 4] = torch.arange(4, dtype=row.dtype)
-    first = found(stack, sched.active_reqs())[0]
+    first = found(stack, sched.memory_holders())[0]
     assert first.name == "slot_range" and first.positions == (pos,) and "page 0" in first.detail
 
 
 def test_lost_page():
     stack, sched = running()
     stack.allocator.alloc(4)  # taken by nobody
-    names = [v.name for v in found(stack, sched.active_reqs())]
+    names = [v.name for v in found(stack, sched.memory_holders())]
     assert names == ["no_lost_page", "conservation"]
 
 

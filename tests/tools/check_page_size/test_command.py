@@ -165,7 +165,11 @@ def test_json_is_one_document():
         "config", "kv_pool", "allocator", "tree_cache", "scheduler", "null_cache"]
     assert run["cost"]["shortest_hit_prefix_tokens"] == 16
     assert {a["key"] for a in run["dynamic_adjustments"]} >= {"memory.max_total_tokens", "memory.kv_pool"}
-    assert [p["name"] for p in run["phases"]] == ["workload (radix cache)", "bench path (null cache)"]
+    assert [p["name"] for p in run["phases"]] == ["workload (radix cache, overlap loop)",
+                                                  "bench path (null cache, overlap loop)",
+                                                  "workload (radix cache, normal loop)"]
+    assert [p["event_loop"] for p in run["phases"]] == ["overlap", "overlap", "normal"]
+    assert all(p["ok"] for p in run["phases"])
     assert run["phases"][0]["coverage"]["drained"] > 0 and len(doc["comparison"]) == 1
     assert result.stderr == ""
 

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# The measured effects of docs/FIDELITY.md: every semantics key flipped alone from the
+# sglang-0.5.5 profile to memcli's value, and the whole memcli profile, replayed on the bundled
+# and the real Mooncake traces, each with the built-in replay config's 4 Mi-token pool and with
+# a pool where eviction matters.
+#
+#   docs/fidelity/measure.sh [OUT_DIR]      (from the repository root, the venv active)
+#
+# Env: MEMCLI   command that runs memcli (default: memcli)
+#      JOBS     replays run at once (default 2)
+#      QUICK=1  the bundled traces only (about a minute)
+# One JSON document per replay goes to OUT_DIR/json (default /tmp/memcli-fidelity; a document
+# already there is reused, so a rerun only does what is missing or failed); the summary,
+# one row per replayed value with its delta against the plain sglang-0.5.5 profile of the same
+# trace, pool, page size and eviction policy, to docs/fidelity/effects.csv.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+OUT=${1:-/tmp/memcli-fidelity}
+MEMCLI=${MEMCLI:-memcli}
+JOBS=${JOBS:-2}
+CSV=$ROOT/docs/fidelity/effects.csv
+REAL=${REAL_TRACES:-/work/shared/traces}
+mkdir -p "$OUT/json"
+
+# Each semantics key and memcli's value (PROFILE_CHOICES in memcli/config.py).
+KEYS="evict_amount=shortfall split_stamp=keep lru_clock=simulated retract_requeue=front
+retract_batch_order=original chunked_prefix=immediate admission_gate=every_step"
+# Keys that cannot act with pages of one token (the page estimate and the chunk floor need a
+# page of several tokens; a retracted request's second free is empty): replayed at page size 1
+# only as a check (the bundled traces and the conversation trace's 4 Mi pool), and at page size
+# 16 where they act (page_estimate, chunk_alignment). lfu_hits is replayed under LFU (under LRU
+# hit counts are never read: checked on the bundled traces), and chunk_cache_protected, which
+# only changes what a chunk cache reports, and bench_decode_steps, which only bench-one-batch
+# reads, are checked on the bundled traces.
+ZERO_AT_PS1="page_estimate=exact chunk_alignment=page retract_free=one_call"
+
+# trace label | file | pool label | --set arguments for the pool (and the trace's longest request)
+TRACES=(
+  "conv300|$ROOT/tests/data/conversation_head300.jsonl|4Mi|"
+  "conv300|$ROOT/tests/data/conversation_head300.jsonl|200k|--set memory.max_total_tokens=200000 --set memory.max_running_requests=64"
+  "syn200|$ROOT/tests/data/synthetic_head200.jsonl|4Mi|"
+  "syn200|$ROOT/tests/data/synthetic_head200.jsonl|200k|--set memory.max_total_tokens=200000 --set memory.max_running_requests=64"
+)
+if [ "${QUICK:-0}" != 1 ]; then
+  TRACES+=(
+    "conversation|$REAL/conversation_trace.jsonl|4Mi|"
+    "conversation|$REAL/conversation_trace.jsonl|1M|--set memory.max_total_tokens=1000000"
+    "synthetic|$REAL/synthetic_trace.jsonl|4Mi|--set memory.max_context_len=196608"
+    "synthetic|$REAL/synthetic_trace.jsonl|1M|--set memory.max_total_tokens=1000000 --set memory.max_context_len=196608"
+  )
+fi
+
+# One job per line: name <TAB> trace file <TAB> memcli arguments.
+jobs_file=$OUT/jobs.tsv
+: > "$jobs_file"
+add() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$jobs_file"; }
+for entry in "${TRACES[@]}"; do
+  IFS='|' read -r label file pool sets <<< "$entry"
+  base="${label}__${pool}"
+  # Page size 1, LRU: the whole profile, then each key alone.
+  add "${base}__ps1__lru__profile" "$file" "$sets --sweep semantics.profile=sglang-0.5.5,memcli"
+  checks=$KEYS
+  if [[ $label == conv300 || $label == syn200 || $base == conversation__4Mi ]]; then checks="$KEYS $ZERO_AT_PS1"; fi
+  for kv in $checks; do
+    add "${base}__ps1__lru__${kv%%=*}" "$file" "$sets --sweep semantics.$kv"
+  done
+  # LFU: hit counts only order anything under it (under LRU they are never read).
+  add "${base}__ps1__lfu__lfu_hits" "$file" "$sets --set cache.eviction_policy=lfu --sweep semantics.lfu_hits=never,count"
+  if [[ $label == conv300 || $label == syn200 ]]; then
+    add "${base}__ps1__lru__lfu_hits" "$file" "$sets --sweep semantics.lfu_hits=count"
+    add "${base}__ps1__lru__chunk_cache_protected" "$file" "$sets --sweep semantics.chunk_cache_protected=zero"
+    add "${base}__ps1__lru__bench_decode_steps" "$file" "$sets --sweep semantics.bench_decode_steps=output_len"
+  fi
+  # Page size 16: the whole profile, and the two keys that only act when a page holds several tokens.
+  ps16="$sets --set memory.page_size=16"
+  add "${base}__ps16__lru__profile" "$file" "$ps16 --sweep semantics.profile=sglang-0.5.5,memcli"
+  add "${base}__ps16__lru__page_estimate" "$file" "$ps16 --sweep semantics.page_estimate=exact"
+  add "${base}__ps16__lru__chunk_alignment" "$file" "$ps16 --sweep semantics.chunk_alignment=page"
+done
+
+run_line() {  # the job on line $1 of jobs.tsv
+  local name file args out t0 try
+  IFS=$'\t' read -r name file args < <(sed -n "${1}p" "$OUT/jobs.tsv")
+  out=$OUT/json/$name.json
+  [ -s "$out" ] && return 0
+  for try in 1 2 3; do  # retried: a replay can fail while the code is being edited
+    t0=$(date +%s.%N)
+    # shellcheck disable=SC2086
+    if $MEMCLI replay "$file" $args --json > "$out.tmp" 2> "$OUT/json/$name.err"; then
+      mv "$out.tmp" "$out"
+      printf '%s\t%s\n' "$name" "$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')" \
+        | tee -a "$OUT/times.tsv" >&2
+      return 0
+    fi
+    echo "failed $name (try $try): $(head -c 300 "$OUT/json/$name.err")" >&2
+    sleep 5
+  done
+  rm -f "$out.tmp"
+}
+export -f run_line
+export OUT MEMCLI
+seq "$(wc -l < "$jobs_file")" | xargs -P "$JOBS" -I{} bash -c 'run_line {}'
+
+python3 - "$OUT/json" "$CSV" <<'EOF'
+import csv, json, pathlib, sys
+
+src, dst = pathlib.Path(sys.argv[1]), sys.argv[2]
+rows = []
+for path in sorted(src.glob("*.json")):
+    trace, pool, ps, policy, key = path.stem.split("__")
+    doc = json.loads(path.read_text())
+    for row in doc["rows"]:
+        rows.append({
+            "trace": trace, "pool": pool, "pool_tokens": row["pool_tokens"], "page_size": row["page_size"],
+            "eviction_policy": policy, "key": key, "value": row["value"],
+            "hit_rate": row["hit_rate"], "cached_tokens": row["cached_tokens"],
+            "evictions": row["evictions"], "tokens_evicted": row["tokens_evicted"],
+            "retractions": row["retractions"], "steps": row["steps"], "wall_time_s": row["wall_time_s"],
+        })
+# The baseline of a row: the plain sglang-0.5.5 profile at the same trace, pool, page size, policy
+# (for LFU, the lfu_hits=never row, which is that profile).
+base = {}
+for r in rows:
+    if (r["key"], r["value"]) in (("profile", "sglang-0.5.5"), ("lfu_hits", "never")):
+        base[(r["trace"], r["pool"], r["page_size"], r["eviction_policy"])] = r
+for r in rows:
+    b = base.get((r["trace"], r["pool"], r["page_size"], r["eviction_policy"]))
+    r["delta_points"] = "" if b is None else f"{100 * (r['hit_rate'] - b['hit_rate']):+.2f}"
+    r["delta_cached_tokens"] = "" if b is None else r["cached_tokens"] - b["cached_tokens"]
+with open(dst, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+print(f"{len(rows)} rows -> {dst}", file=sys.stderr)
+EOF

@@ -1,0 +1,212 @@
+"""SGLang's overlap loop (`event_loop_overlap`): batch N+1 is launched before batch N's result.
+
+One `OverlapLoop.iterate()` is one iteration of SGLang 0.5.5's overlap loop:
+
+    get_next_batch_to_run()   the chunk of last step enters the tree; the last (prefill)
+                              batch, less its chunked request, joins the running batch; a
+                              prefill batch, else the decode update (filter the finished,
+                              retract, allocate)
+    launch it                 the clock advances, its tokens are drawn; it joins the queue
+    process the last result   of the batch launched one iteration earlier: tokens appended,
+                              finishes released, the tree updated
+    (neither a batch nor a last batch: the idle self-check)
+
+What the one-iteration lag does to memory, and how memcli keeps its request fields true:
+
+* A request's outputs lag its KV by one step while its last batch is in flight, so SGLang's
+  decode page estimate counts `seqlen % ps == 0` (`ScheduleBatch.estimated_decode_pages`).
+* A request finishes (or is retracted) while a batch that gave it one more slot is in
+  flight. SGLang frees `origin + max(len(output) - 1, 0)` positions then, and that extra
+  slot when the in-flight batch's result is processed; with ps > 1 only when the slot opened
+  a page of its own (else its page went with the request's last page). `release` sets
+  `kv_committed_len = kv_allocated_len` to what SGLang frees, releases, and keeps the extra
+  slot on the in-flight batch as an `InFlightSlot` (what the integrity checks count), freed
+  exactly once at that batch's result.
+* Finished requests leave the running batch at the next decode update, so their row and
+  admission slot count until then (the admission gate needs no `lagging` count).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from memcli.mem_cache import common
+from memcli.mem_cache.integrity import InFlightSlot
+from memcli.sched.batch import ScheduleBatch
+from memcli.sched.req import Req
+
+
+@dataclass
+class InFlight:
+    """What `process_batch_result` needs of a launched batch (SGLang's `batch.copy()`).
+
+    `seq_lens` are the lengths after the batch (prefill: the fill; decode: the slot + 1);
+    `tokens[i]` is request i's sampled token, None for a chunk that is not the last.
+    `extra` maps a request released while this batch was in flight to its extra slot
+    (None: freed with the request's last page)."""
+
+    kind: str  # prefill, decode
+    reqs: list
+    seq_lens: list[int]
+    tokens: list[Optional[int]]
+    extra: dict = field(default_factory=dict)
+
+
+class OverlapLoop:
+    """The overlap iteration over a `Scheduler`'s state (queues, running batch, gate, clock)."""
+
+    def __init__(self, sched):
+        self.sched = sched
+        self.result_queue: deque[InFlight] = deque()
+        self.last_batch: Optional[ScheduleBatch] = None  # launched last iteration
+        self.last_kind: Optional[str] = None
+
+    # -- state --------------------------------------------------------------------------------
+    def busy(self) -> bool:
+        """A batch is in flight, or its result still has to be processed."""
+        return bool(self.result_queue) or self.last_batch is not None
+
+    def unmerged_reqs(self) -> list[Req]:
+        """Requests of the last prefill batch: they join the running batch next iteration."""
+        if self.last_batch is None or self.last_kind != "prefill":
+            return []
+        return list(self.last_batch.reqs)
+
+    def in_flight_slots(self) -> list[InFlightSlot]:
+        return [slot for flight in self.result_queue for slot in flight.extra.values() if slot is not None]
+
+    # -- one iteration ------------------------------------------------------------------------
+    def iterate(self) -> tuple[str, int, int]:
+        """One loop iteration; returns (kind, batch size, new tokens) of the launched batch."""
+        s = self.sched
+        s._admit_arrivals()
+        kind, batch = self.get_next_batch_to_run()
+        if batch is not None:
+            self._launch(kind, batch)
+        if self.last_batch is not None:
+            self._process(self.result_queue.popleft())
+            if batch is None:
+                s.stats.idle_steps += 1  # no batch, but no idle check either: a result was pending
+        elif batch is None:
+            s._idle()
+        self.last_batch, self.last_kind = batch, kind
+        if batch is None:
+            return "idle", 0, 0
+        return kind, batch.batch_size, batch.extend_num_tokens if kind == "prefill" else batch.batch_size
+
+    def get_next_batch_to_run(self) -> tuple[Optional[str], Optional[ScheduleBatch]]:
+        s = self.sched
+        s._cache_deferred_chunk(give_back_row=s.defer_chunk_caching)
+        last = self.last_batch
+        if last is not None and self.last_kind == "prefill":
+            keep = [i for i, r in enumerate(last.reqs) if not r.finished and r is not s.chunked_req]
+            if len(keep) < len(last.reqs):
+                s.gate.shrank()
+            last.filter_batch(keep)
+            if last.reqs:
+                s.running.merge_batch(last)
+        batch = s.get_new_batch_prefill()
+        if batch is not None:
+            return "prefill", batch
+        if not s.running.reqs:
+            return None, None
+        return self.update_running_batch()
+
+    def update_running_batch(self) -> tuple[Optional[str], Optional[ScheduleBatch]]:
+        """Filter the finished out (they finished in the last result), then SGLang's decode update."""
+        s = self.sched
+        before = len(s.running.reqs)
+        s.running.filter_batch()
+        if len(s.running.reqs) < before:
+            s.gate.shrank()
+        if not s.running.reqs:
+            return None, None
+        decoded = s.update_running_batch()
+        return ("decode", decoded) if decoded is not None else (None, None)
+
+    def _launch(self, kind: str, batch: ScheduleBatch) -> None:
+        s = self.sched
+        if kind == "prefill":
+            s.clock_ms += s._prefill_cost_ms(batch)
+            chunked = s.chunked_req
+            if chunked is not None and chunked in batch.reqs:
+                s.chunk_to_cache = chunked  # enters the tree at the start of the next iteration
+            tokens = [None if r is chunked else s._token() for r in batch.reqs]
+        else:
+            s.clock_ms += s._decode_cost_ms(batch)
+            base = s.next_token
+            s.next_token += batch.batch_size
+            tokens = list(range(base, base + batch.batch_size))
+        self.result_queue.append(InFlight(kind, list(batch.reqs), batch.seq_lens_cpu.tolist(), tokens))
+
+    # -- results ------------------------------------------------------------------------------
+    def _process(self, flight: InFlight) -> None:
+        if flight.kind == "prefill":
+            self._process_prefill(flight)
+        else:
+            with common.free_group(self.sched.stack.allocator):
+                self._process_decode(flight)
+
+    def _skip(self, flight: InFlight, req: Req) -> bool:
+        """Released while in flight: free its extra slot (once), take no token."""
+        if req in flight.extra:
+            slot = flight.extra.pop(req)
+            if slot is not None:
+                common.free_slots(self.sched.stack.allocator,
+                                  torch.tensor([slot.slot], dtype=torch.int64))
+            return True
+        return req.finished or req.is_retracted
+
+    def _process_prefill(self, flight: InFlight) -> None:
+        s = self.sched
+        for req, seq_len, token in zip(flight.reqs, flight.seq_lens, flight.tokens):
+            if self._skip(flight, req):
+                continue
+            req.kv_committed_len = seq_len
+            if token is None:
+                continue  # a chunk: it entered the tree at the start of this iteration
+            req.output_ids.append(token)
+            if len(req.output_ids) >= req.max_new_tokens:
+                s._finish(req)
+            else:
+                common.cache_unfinished(s.tree_cache, req)
+
+    def _process_decode(self, flight: InFlight) -> None:
+        s = self.sched
+        for req, seq_len, token in zip(flight.reqs, flight.seq_lens, flight.tokens):
+            if self._skip(flight, req):
+                continue
+            req.kv_committed_len = seq_len
+            req.output_ids.append(token)
+            if len(req.output_ids) >= req.max_new_tokens:
+                s._finish(req)
+
+    # -- releasing a request ------------------------------------------------------------------
+    def release(self, req: Req, is_insert: bool) -> None:
+        """Release `req` as SGLang does under overlap: its first `origin + max(len(output) - 1,
+        0)` positions now; a slot beyond them (allocated by a batch still in flight) when that
+        batch's result is processed, and only if no freed page holds it."""
+        kv_len = min(req.kv_allocated_len, req.input_len + max(len(req.output_ids) - 1, 0))
+        extra = req.kv_allocated_len - kv_len
+        if extra > 1:
+            raise AssertionError(f"request {req.rid}: {extra} slots in flight, at most one expected")
+        ps = self.sched.page_size
+        slot = None
+        if extra:
+            slot = InFlightSlot(req.rid, kv_len, common.slot_at(self.sched.stack.req_to_token_pool, req.req_pool_idx, kv_len))
+        req.kv_committed_len = req.kv_allocated_len = kv_len
+        common.release_req(self.sched.tree_cache, req, is_insert=is_insert)
+        if extra:
+            flight = self._flight_holding(req)
+            flight.extra[req] = slot if ps == 1 or kv_len % ps == 0 else None
+
+    def _flight_holding(self, req: Req) -> InFlight:
+        """The newest in-flight batch with `req`: the one that allocated its extra slot."""
+        for flight in reversed(self.result_queue):
+            if req in flight.reqs:
+                return flight
+        raise AssertionError(f"request {req.rid} holds a slot beyond its KV but no batch in flight has it")
