@@ -1,0 +1,184 @@
+"""The per-step incremental check: O(what the step changed + running requests), not O(pool).
+
+Reads the `OwnershipLedger` (kept up to date by the operations) and the request rows written
+during the step (`ledger.dirty`), never the whole pool:
+
+    lost_page     no page is out of the allocator without an owner (allocated, never claimed;
+                  released, never freed)                                     (DESIGN 2.3)
+    free_list     the ledger's free pages == the allocator's free count         (2.3)
+    tree          the ledger's tree pages == the tree's size; evictable + protected == total (2.4)
+    conservation  every running request owns exactly the pages it holds; carried pages belong
+                  to a request between chunks                                   (2.3)
+    row_layout    positions written this step sit at offset t % page_size, consecutively (2.2)
+    slot_range    slots written this step are pool pages (not page 0)          (2.1)
+    page_sharing  a written position below the request's tree part is a tree page, above it the
+                  request's own page                                            (2.2)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from memcli.mem_cache.integrity.ownership import CARRIED, FREE, LOOSE, TREE, OwnershipLedger, owner_name
+from memcli.mem_cache.integrity.requests import held_by_request, holds_memory
+from memcli.mem_cache.integrity.result import CheckResult, failed, passed
+
+INCREMENTAL_NAMES = ("lost_page", "free_list", "tree", "conservation", "row_layout", "slot_range", "page_sharing")
+
+
+def check_step(ledger: OwnershipLedger, stack: Any, running: Iterable[Any]) -> list[CheckResult]:
+    """Every incremental check, in `INCREMENTAL_NAMES` order; clears the step's dirty rows."""
+    running = [r for r in running if not r.kv_freed]
+    results = [_lost_pages(ledger), _free_count(ledger, stack), _tree_count(ledger, stack),
+               _held(ledger, running), *_written_rows(ledger, stack, running)]
+    ledger.dirty = []
+    return results
+
+
+def _lost_pages(ledger: OwnershipLedger) -> CheckResult:
+    loose = ledger.counts[LOOSE]
+    if not loose:
+        return passed("lost_page", "every page out of the allocator has an owner")
+    pages = np.flatnonzero(ledger.owner == LOOSE)  # O(pool), only on the way to a failure
+    what = ", ".join(ledger._what(int(p)) for p in pages[:3])
+    return failed("lost_page", f"{loose} pages are out of the allocator but owned by nobody (allocated and never"
+                               f" claimed, or released and never freed), e.g. {what}", slots=tuple(int(p) for p in pages[:8]))
+
+
+def _free_count(ledger: OwnershipLedger, stack: Any) -> CheckResult:
+    alloc = stack.allocator
+    free, avail = ledger.counts[FREE], alloc.available_size() // alloc.page_size
+    detail = f"ledger {free} free pages, allocator {avail}"
+    return passed("free_list", detail) if free == avail else failed("free_list", detail + " (a duplicate or a lost free)")
+
+
+def _tree_count(ledger: OwnershipLedger, stack: Any) -> CheckResult:
+    tree, ps = stack.tree_cache, ledger.page_size
+    total, evictable, protected = tree.total_size(), tree.evictable_size(), tree.tree_protected_size()
+    owned = ledger.counts[TREE] * ps
+    detail = f"ledger {owned} tree tokens, tree total {total} (evictable {evictable} + protected {protected})"
+    if hasattr(tree, "all_values_flatten"):
+        ok = owned == total and evictable + protected == total
+    else:
+        ok = owned == 0
+    return passed("tree", detail) if ok else failed("tree", detail)
+
+
+def _held(ledger: OwnershipLedger, running: list) -> CheckResult:
+    ps = ledger.page_size
+    carried_expected = 0
+    for req in running:
+        pages = held_by_request(req, ps)[1]
+        if req.req_pool_idx is None:
+            carried_expected += pages
+            continue
+        owned = int(ledger.row_pages[req.req_pool_idx])
+        if owned != pages:
+            return failed("conservation", f"request {req.rid} (row {req.req_pool_idx}) holds {pages} pages"
+                                          f" [{req.last_matched_prefix_len}, {req.kv_allocated_len}) but owns"
+                                          f" {owned} in the ledger", str(req.rid))
+    carried = ledger.counts[CARRIED]
+    if carried != carried_expected:
+        return failed("conservation", f"{carried} carried pages, but requests between chunks hold {carried_expected}")
+    owned = int(ledger.row_pages.sum())
+    return passed("conservation", f"{len(running)} running requests own {owned} pages (+ {carried} carried)")
+
+
+def _written_rows(ledger: OwnershipLedger, stack: Any, running: list) -> list[CheckResult]:
+    """row_layout, slot_range, page_sharing over the row positions written this step."""
+    entries = _gather(ledger, stack, running)
+    if entries is None:
+        return [passed(name, "no row written this step") for name in ("row_layout", "slot_range", "page_sharing")]
+    rids, slots, rows, pos, tree_len, first = entries
+    ps = ledger.page_size
+    return [_layout(ps, rids, slots, rows, pos, first), _range(ledger, rids, slots, pos),
+            _sharing(ledger, rids, slots, rows, pos, tree_len)]
+
+
+def _gather(ledger: OwnershipLedger, stack: Any, running: list):
+    """(rids, slots, rows, pos, tree_len, first) of the written positions of running requests;
+    each range starts one position early, so a page continued this step is checked across."""
+    by_row = {r.req_pool_idx: r for r in running if holds_memory(r)}
+    if not ledger.dirty or not by_row:
+        return None
+    rows = np.concatenate([d[0] for d in ledger.dirty])
+    starts = np.concatenate([d[1] for d in ledger.dirty])
+    ends = np.concatenate([d[2] for d in ledger.dirty])
+    lo = np.full(ledger.num_rows, np.iinfo(np.int64).max)
+    hi = np.zeros(ledger.num_rows, dtype=np.int64)
+    np.minimum.at(lo, rows, starts)
+    np.maximum.at(hi, rows, ends)
+    spans = {int(row): (int(lo[row]), int(hi[row])) for row in np.unique(rows) if int(row) in by_row}
+    if not spans:
+        return None
+    table = stack.req_to_token_pool.req_to_token
+    parts, rids, row_runs, pos, tree_len, first = [], [], [], [], [], []
+    for row, (start, end) in spans.items():
+        req = by_row[row]
+        start, end = max(start - 1, 0), min(end, req.kv_allocated_len)
+        if end <= start:
+            continue
+        parts.append(table[row, start:end])
+        n = end - start
+        rids.append(req.rid)
+        row_runs.append(np.full(n, row))
+        pos.append(np.arange(start, end))
+        tree_len.append(np.full(n, req.last_matched_prefix_len))
+        first.append(np.arange(n) == 0)
+    if not parts:
+        return None
+    slots = torch.cat(parts).cpu().numpy().astype(np.int64)
+    row_ids = np.concatenate(row_runs)
+    return rids, slots, row_ids, np.concatenate(pos), np.concatenate(tree_len), np.concatenate(first)
+
+
+def _layout(ps: int, rids, slots, rows, pos, first) -> CheckResult:
+    if ps == 1:
+        return passed("row_layout", f"{len(slots)} written positions (page size 1)")
+    bad_offset = slots % ps != pos % ps
+    bad_run = np.zeros(len(slots), dtype=bool)
+    bad_run[1:] = ~first[1:] & (pos[1:] % ps != 0) & (slots[1:] != slots[:-1] + 1)
+    bad = np.flatnonzero(bad_offset | bad_run)
+    if not len(bad):
+        return passed("row_layout", f"{len(slots)} written positions at offset t % {ps}")
+    i = int(bad[0])
+    rid = _owner_rid(rids, first, i)
+    t, slot = int(pos[i]), int(slots[i])
+    if bad_offset[i]:
+        return failed("row_layout", f"request {rid} position {t}: slot {slot} sits at offset {slot % ps} of page"
+                                    f" {slot // ps}, expected offset {t % ps} (= {t} % {ps})", rid, (t,), (slot,))
+    return failed("row_layout", f"request {rid} positions {t - 1} and {t} are on one page but hold slots"
+                                f" {int(slots[i - 1])} and {slot}, expected {int(slots[i - 1]) + 1}", rid,
+                  (t - 1, t), (int(slots[i - 1]), slot))
+
+
+def _owner_rid(rids: list, first: np.ndarray, i: int) -> str:
+    """The request of entry i: entries come request after request, each run opened by `first`."""
+    return str(rids[int(np.count_nonzero(first[: i + 1])) - 1])
+
+
+def _range(ledger: OwnershipLedger, rids, slots, pos) -> CheckResult:
+    ps = ledger.page_size
+    pages = slots // ps
+    bad = np.flatnonzero((slots < ps) | (pages > ledger.num_pages))
+    if not len(bad):
+        return passed("slot_range", f"{len(slots)} written slots in [{ps}, {(ledger.num_pages + 1) * ps})")
+    return failed("slot_range", f"written slot {int(slots[bad[0]])} (position {int(pos[bad[0]])}) is outside"
+                                f" [{ps}, {(ledger.num_pages + 1) * ps})", positions=(int(pos[bad[0]]),),
+                  slots=(int(slots[bad[0]]),))
+
+
+def _sharing(ledger: OwnershipLedger, rids, slots, rows, pos, tree_len) -> CheckResult:
+    pages = np.clip(slots // ledger.page_size, 0, ledger.num_pages)
+    found = ledger.owner[pages]
+    expected = np.where(pos < tree_len, TREE, rows)
+    bad = np.flatnonzero(found != expected)
+    if not len(bad):
+        return passed("page_sharing", f"{len(slots)} written positions owned by the tree or their request")
+    i = int(bad[0])
+    return failed("page_sharing", f"row {int(rows[i])} position {int(pos[i])}: {ledger._what(int(pages[i]))} is owned"
+                                  f" by {owner_name(int(found[i]))}, expected {owner_name(int(expected[i]))}",
+                  positions=(int(pos[i]),), slots=(int(slots[i]),))
