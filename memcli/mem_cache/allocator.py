@@ -118,7 +118,7 @@ class BaseAllocator:
         self._set_free_list(torch.sort(merged).values)
         self._release, self._num_release = [], 0
 
-    def free(self, indices: torch.Tensor, distinct_pages: bool = False) -> None:
+    def free(self, indices: torch.Tensor, distinct_pages: bool = False, _grouped: bool = False) -> None:
         """Free KV slots. Paged: frees the whole page of every slot given (de-duplicated).
 
         `distinct_pages`: the caller guarantees that no two of `indices` share a page (one
@@ -130,12 +130,15 @@ class BaseAllocator:
         if indices.numel() == 0:
             return
         if self._group is not None:
+            if self.ledger is not None:  # each call on its own: the group's cat would merge a double free
+                entries, divisor = self._freed_entries(indices, distinct_pages)
+                self.ledger.give_back(entries // divisor if divisor > 1 else entries, "allocator.free")
             # Kept until the group ends: an int32 view of a request row (which may be reused
             # before then) is copied, as the int64 conversion the group's cat needs anyway.
             self._group.append(indices.reshape(-1).to(torch.int64))
             return
         entries, divisor = self._freed_entries(indices, distinct_pages)
-        if self.ledger is not None:  # raises on a double free, or a free behind the owner's back
+        if self.ledger is not None and not _grouped:  # raises on a double free, or a free behind the owner's back
             self.ledger.give_back(entries // divisor if divisor > 1 else entries, "allocator.free")
         n = entries.numel()
         if self._in_use_pages - n < 0:
@@ -161,7 +164,7 @@ class BaseAllocator:
     def free_group_end(self) -> None:
         group, self._group = self._group, None
         if group:
-            self.free(torch.cat(group))
+            self.free(torch.cat(group), _grouped=True)  # the ledger saw each call already
 
     def backup_state(self) -> AllocatorState:
         release = torch.cat(self._release) if self._release else self._buf[:0].clone()

@@ -109,10 +109,6 @@ class IntegrityChecker:
 
     def _incremental(self, step: int, running: list) -> None:
         start = time.perf_counter()
-        try:
-            check_memory(self.stack, running, deep=False)  # conservation and rows: O(running)
-        except IntegrityError as exc:
-            raise OwnershipError(f"step {step}: conservation: {exc}", step, "conservation") from None
         for result in check_step(self.ledger, self.stack, running):
             if not result.ok:
                 raise OwnershipError(f"step {step}: {result.name}: {result.detail}", step, result.name)

@@ -17,13 +17,12 @@ during the step (`ledger.dirty`), never the whole pool:
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 import torch
 
 from memcli.mem_cache.integrity.ownership import CARRIED, FREE, LOOSE, TREE, OwnershipLedger, owner_name
-from memcli.mem_cache.integrity.requests import held_by_request, holds_memory
 from memcli.mem_cache.integrity.result import CheckResult, failed, passed
 
 INCREMENTAL_NAMES = ("lost_page", "free_list", "tree", "conservation", "row_layout", "slot_range", "page_sharing")
@@ -31,11 +30,29 @@ INCREMENTAL_NAMES = ("lost_page", "free_list", "tree", "conservation", "row_layo
 
 def check_step(ledger: OwnershipLedger, stack: Any, running: Iterable[Any]) -> list[CheckResult]:
     """Every incremental check, in `INCREMENTAL_NAMES` order; clears the step's dirty rows."""
-    running = [r for r in running if not r.kv_freed]
+    held = _Held.of([r for r in running if not r.kv_freed], ledger.page_size)
     results = [_lost_pages(ledger), _free_count(ledger, stack), _tree_count(ledger, stack),
-               _held(ledger, running), *_written_rows(ledger, stack, running)]
+               _held(ledger, held), *_written_rows(ledger, stack, held)]
     ledger.dirty = []
     return results
+
+
+class _Held(NamedTuple):
+    """The running requests as arrays: row (-1 without one), allocated and tree lengths, pages held."""
+
+    reqs: list
+    rows: np.ndarray
+    allocated: np.ndarray
+    tree_len: np.ndarray
+    pages: np.ndarray
+
+    @classmethod
+    def of(cls, reqs: list, page_size: int) -> "_Held":
+        rows = np.array([-1 if r.req_pool_idx is None else r.req_pool_idx for r in reqs], dtype=np.int64)
+        allocated = np.array([r.kv_allocated_len for r in reqs], dtype=np.int64)
+        tree_len = np.array([r.last_matched_prefix_len for r in reqs], dtype=np.int64)
+        pages = -(-allocated // page_size) - tree_len // page_size
+        return cls(reqs, rows, allocated, tree_len, pages)
 
 
 def _lost_pages(ledger: OwnershipLedger) -> CheckResult:
@@ -44,8 +61,9 @@ def _lost_pages(ledger: OwnershipLedger) -> CheckResult:
         return passed("lost_page", "every page out of the allocator has an owner")
     pages = np.flatnonzero(ledger.owner == LOOSE)  # O(pool), only on the way to a failure
     what = ", ".join(ledger._what(int(p)) for p in pages[:3])
-    return failed("lost_page", f"{loose} pages are out of the allocator but owned by nobody (allocated and never"
-                               f" claimed, or released and never freed), e.g. {what}", slots=tuple(int(p) for p in pages[:8]))
+    return failed("lost_page", f"memory leak detected: {loose} pages are out of the allocator but owned by nobody"
+                               f" (allocated and never claimed, or released and never freed), e.g. {what}",
+                  slots=tuple(int(p) for p in pages[:8]))
 
 
 def _free_count(ledger: OwnershipLedger, stack: Any) -> CheckResult:
@@ -67,29 +85,32 @@ def _tree_count(ledger: OwnershipLedger, stack: Any) -> CheckResult:
     return passed("tree", detail) if ok else failed("tree", detail)
 
 
-def _held(ledger: OwnershipLedger, running: list) -> CheckResult:
-    ps = ledger.page_size
-    carried_expected = 0
-    for req in running:
-        pages = held_by_request(req, ps)[1]
-        if req.req_pool_idx is None:
-            carried_expected += pages
-            continue
-        owned = int(ledger.row_pages[req.req_pool_idx])
-        if owned != pages:
-            return failed("conservation", f"request {req.rid} (row {req.req_pool_idx}) holds {pages} pages"
-                                          f" [{req.last_matched_prefix_len}, {req.kv_allocated_len}) but owns"
-                                          f" {owned} in the ledger", str(req.rid))
-    carried = ledger.counts[CARRIED]
-    if carried != carried_expected:
-        return failed("conservation", f"{carried} carried pages, but requests between chunks hold {carried_expected}")
-    owned = int(ledger.row_pages.sum())
-    return passed("conservation", f"{len(running)} running requests own {owned} pages (+ {carried} carried)")
+def _held(ledger: OwnershipLedger, held: _Held) -> CheckResult:
+    """Conservation, request by request: each row owns the pages its request holds, and the rows
+    of no running request own nothing (counted: the sum over all rows matches)."""
+    has_row = held.rows >= 0
+    owned = ledger.row_pages[held.rows[has_row]]
+    bad = np.flatnonzero(owned != held.pages[has_row])
+    if len(bad):
+        i = int(np.flatnonzero(has_row)[bad[0]])
+        req = held.reqs[i]
+        return failed("conservation", f"memory leak detected: request {req.rid} (row {req.req_pool_idx}) holds"
+                                      f" {int(held.pages[i])} pages [{req.last_matched_prefix_len},"
+                                      f" {req.kv_allocated_len}) but owns {int(owned[bad[0]])} in the ledger", str(req.rid))
+    total = int(ledger.row_pages.sum())
+    if total != int(owned.sum()):
+        return failed("conservation", f"memory leak detected: request rows own {total} pages, running requests"
+                                      f" hold {int(owned.sum())}")
+    carried, expected = ledger.counts[CARRIED], int(held.pages[~has_row].sum())
+    if carried != expected:
+        return failed("conservation", f"memory leak detected: {carried} carried pages, but requests between chunks"
+                                      f" hold {expected}")
+    return passed("conservation", f"{len(held.reqs)} running requests own {total} pages (+ {carried} carried)")
 
 
-def _written_rows(ledger: OwnershipLedger, stack: Any, running: list) -> list[CheckResult]:
+def _written_rows(ledger: OwnershipLedger, stack: Any, held: _Held) -> list[CheckResult]:
     """row_layout, slot_range, page_sharing over the row positions written this step."""
-    entries = _gather(ledger, stack, running)
+    entries = _gather(ledger, stack, held)
     if entries is None:
         return [passed(name, "no row written this step") for name in ("row_layout", "slot_range", "page_sharing")]
     rids, slots, rows, pos, tree_len, first = entries
@@ -98,41 +119,48 @@ def _written_rows(ledger: OwnershipLedger, stack: Any, running: list) -> list[Ch
             _sharing(ledger, rids, slots, rows, pos, tree_len)]
 
 
-def _gather(ledger: OwnershipLedger, stack: Any, running: list):
-    """(rids, slots, rows, pos, tree_len, first) of the written positions of running requests;
-    each range starts one position early, so a page continued this step is checked across."""
-    by_row = {r.req_pool_idx: r for r in running if holds_memory(r)}
-    if not ledger.dirty or not by_row:
+def _gather(ledger: OwnershipLedger, stack: Any, held: _Held):
+    """(rids, slots, rows, pos, tree_len, first) of the positions running requests had written
+    this step, one span per row (vectorised); each span starts one position early, so a page
+    continued this step is checked across its old and new slots."""
+    if not ledger.dirty:
         return None
     rows = np.concatenate([d[0] for d in ledger.dirty])
     starts = np.concatenate([d[1] for d in ledger.dirty])
     ends = np.concatenate([d[2] for d in ledger.dirty])
-    lo = np.full(ledger.num_rows, np.iinfo(np.int64).max)
-    hi = np.zeros(ledger.num_rows, dtype=np.int64)
-    np.minimum.at(lo, rows, starts)
-    np.maximum.at(hi, rows, ends)
-    spans = {int(row): (int(lo[row]), int(hi[row])) for row in np.unique(rows) if int(row) in by_row}
-    if not spans:
+    if len(ledger.dirty) > 1:
+        lo = np.full(ledger.num_rows, np.iinfo(np.int64).max)
+        hi = np.zeros(ledger.num_rows, dtype=np.int64)
+        np.minimum.at(lo, rows, starts)
+        np.maximum.at(hi, rows, ends)
+        rows = np.unique(rows)
+        starts, ends = lo[rows], hi[rows]
+    index = np.full(ledger.num_rows, -1, dtype=np.int64)  # row -> running request
+    with_rows = held.rows >= 0
+    index[held.rows[with_rows]] = np.flatnonzero(with_rows)
+    req = index[rows]
+    live = req >= 0
+    rows, starts, ends, req = rows[live], starts[live], ends[live], req[live]
+    starts = np.maximum(starts - 1, 0)
+    ends = np.minimum(ends, held.allocated[req])
+    keep = ends > starts
+    rows, starts, ends, req = rows[keep], starts[keep], ends[keep], req[keep]
+    if not len(rows):
         return None
+    lens = ends - starts
+    offsets = np.cumsum(lens) - lens
+    row_of = np.repeat(rows, lens)
+    pos = np.arange(int(lens.sum())) - np.repeat(offsets, lens) + np.repeat(starts, lens)
     table = stack.req_to_token_pool.req_to_token
-    parts, rids, row_runs, pos, tree_len, first = [], [], [], [], [], []
-    for row, (start, end) in spans.items():
-        req = by_row[row]
-        start, end = max(start - 1, 0), min(end, req.kv_allocated_len)
-        if end <= start:
-            continue
-        parts.append(table[row, start:end])
-        n = end - start
-        rids.append(req.rid)
-        row_runs.append(np.full(n, row))
-        pos.append(np.arange(start, end))
-        tree_len.append(np.full(n, req.last_matched_prefix_len))
-        first.append(np.arange(n) == 0)
-    if not parts:
-        return None
-    slots = torch.cat(parts).cpu().numpy().astype(np.int64)
-    row_ids = np.concatenate(row_runs)
-    return rids, slots, row_ids, np.concatenate(pos), np.concatenate(tree_len), np.concatenate(first)
+    if table.device.type == "cpu":
+        slots = table.numpy()[row_of, pos].astype(np.int64)
+    else:
+        slots = table[torch.from_numpy(row_of).to(table.device), torch.from_numpy(pos).to(table.device)]
+        slots = slots.cpu().numpy().astype(np.int64)
+    first = np.zeros(len(pos), dtype=bool)
+    first[offsets] = True
+    rids = [held.reqs[i].rid for i in req]
+    return rids, slots, row_of, pos, np.repeat(held.tree_len[req], lens), first
 
 
 def _layout(ps: int, rids, slots, rows, pos, first) -> CheckResult:
