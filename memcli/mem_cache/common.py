@@ -154,7 +154,7 @@ def alloc_for_extend(plan: ExtendPlan, req_to_token_pool, allocator, tree_cache)
         if new_rows:
             req_to_token_pool.free(new_rows)
         raise out_of_memory("prefill", tree_cache, allocator, plan.num_pages * allocator.page_size)
-    if allocator.ledger is not None:
+    if getattr(allocator, "ledger", None) is not None:
         allocator.ledger.extended(rows, new_rows, plan.prefix_lens_cpu, plan.seq_lens_cpu, plan.prefix_tensors,
                                   written.out_cache_loc)
     return ExtendAllocation(written.out_cache_loc, written.req_pool_indices, rows, written.seq_lens)
@@ -189,7 +189,7 @@ def alloc_for_decode(req_to_token_pool, allocator, tree_cache, *, seq_lens: torc
                                        num_pages=num_pages)
     if out is None:
         raise out_of_memory("decode", tree_cache, allocator, num_pages * allocator.page_size)
-    if allocator.ledger is not None:
+    if getattr(allocator, "ledger", None) is not None:
         allocator.ledger.decoded(req_pool_indices, seq_lens_cpu, out)
     return out
 
@@ -210,7 +210,7 @@ def free_req_rows(req_to_token_pool, rows: list[int]) -> None:
     """Give back request rows whose KV slots live on elsewhere (handed over as another
     request's prefix); frees no KV slot. Raises `ValueError` on a double free. With a ledger,
     the pages a row still owns (a chunk's partial page) go with its request (CARRIED)."""
-    if req_to_token_pool.ledger is not None:
+    if getattr(req_to_token_pool, "ledger", None) is not None:
         for row in rows:
             req_to_token_pool.ledger.carry_row(row)
     req_to_token_pool.free(rows)
