@@ -63,7 +63,11 @@ def track(stack: Any, running: Iterable[Any] = ()) -> OwnershipLedger:
     of its current state with the requests `running` that hold memory. Returns it."""
     alloc, pool = stack.allocator, stack.req_to_token_pool
     ledger = OwnershipLedger(alloc.num_pages, alloc.page_size, pool.size, pool.req_to_token)
-    layout = take_layout(stack, list(running))
+    running = list(running)
+    if not running and alloc.available_size() == alloc.size and stack.tree_cache.total_size() == 0:
+        alloc.ledger = pool.ledger = ledger  # an empty stack: every page free, as the ledger starts
+        return ledger
+    layout = take_layout(stack, running)
     rows, own = layout.rows, []
     for i, req in enumerate([r for r in running if r.req_pool_idx is not None and not r.kv_freed
                              and r.kv_allocated_len > 0]):

@@ -115,8 +115,11 @@ def _written_rows(ledger: OwnershipLedger, stack: Any, held: _Held) -> list[Chec
         return [passed(name, "no row written this step") for name in ("row_layout", "slot_range", "page_sharing")]
     rids, slots, rows, pos, tree_len, first = entries
     ps = ledger.page_size
-    return [_layout(ps, rids, slots, rows, pos, first), _range(ledger, rids, slots, pos),
-            _sharing(ledger, rids, slots, rows, pos, tree_len)]
+    in_range = _range(ledger, rids, slots, pos)
+    if not in_range.ok:  # the other two index pages by these slots
+        return [passed("row_layout", "not checked: a slot is out of range"), in_range,
+                passed("page_sharing", "not checked: a slot is out of range")]
+    return [_layout(ps, rids, slots, rows, pos, first), in_range, _sharing(ledger, rids, slots, rows, pos, tree_len)]
 
 
 def _gather(ledger: OwnershipLedger, stack: Any, held: _Held):
@@ -159,7 +162,7 @@ def _gather(ledger: OwnershipLedger, stack: Any, held: _Held):
         slots = slots.cpu().numpy().astype(np.int64)
     first = np.zeros(len(pos), dtype=bool)
     first[offsets] = True
-    rids = [held.reqs[i].rid for i in req]
+    rids = _Rids(held.reqs, req)
     return rids, slots, row_of, pos, np.repeat(held.tree_len[req], lens), first
 
 
@@ -183,6 +186,16 @@ def _layout(ps: int, rids, slots, rows, pos, first) -> CheckResult:
                   (t - 1, t), (int(slots[i - 1]), slot))
 
 
+class _Rids:
+    """The request id of each gathered span, looked up only when a check fails."""
+
+    def __init__(self, reqs: list, index: np.ndarray):
+        self.reqs, self.index = reqs, index
+
+    def __getitem__(self, i: int) -> str:
+        return str(self.reqs[int(self.index[i])].rid)
+
+
 def _owner_rid(rids: list, first: np.ndarray, i: int) -> str:
     """The request of entry i: entries come request after request, each run opened by `first`."""
     return str(rids[int(np.count_nonzero(first[: i + 1])) - 1])
@@ -190,8 +203,9 @@ def _owner_rid(rids: list, first: np.ndarray, i: int) -> str:
 
 def _range(ledger: OwnershipLedger, rids, slots, pos) -> CheckResult:
     ps = ledger.page_size
-    pages = slots // ps
-    bad = np.flatnonzero((slots < ps) | (pages > ledger.num_pages))
+    if len(slots) and slots.min() >= ps and slots.max() < (ledger.num_pages + 1) * ps:
+        return passed("slot_range", f"{len(slots)} written slots in [{ps}, {(ledger.num_pages + 1) * ps})")
+    bad = np.flatnonzero((slots < ps) | (slots >= (ledger.num_pages + 1) * ps))
     if not len(bad):
         return passed("slot_range", f"{len(slots)} written slots in [{ps}, {(ledger.num_pages + 1) * ps})")
     return failed("slot_range", f"written slot {int(slots[bad[0]])} (position {int(pos[bad[0]])}) is outside"
@@ -200,7 +214,7 @@ def _range(ledger: OwnershipLedger, rids, slots, pos) -> CheckResult:
 
 
 def _sharing(ledger: OwnershipLedger, rids, slots, rows, pos, tree_len) -> CheckResult:
-    pages = np.clip(slots // ledger.page_size, 0, ledger.num_pages)
+    pages = slots // ledger.page_size if ledger.page_size > 1 else slots
     found = ledger.owner[pages]
     expected = np.where(pos < tree_len, TREE, rows)
     bad = np.flatnonzero(found != expected)

@@ -70,8 +70,8 @@ def _host(values: Any) -> np.ndarray:
         values = values.detach().reshape(-1)
         if values.device.type != "cpu":
             values = values.cpu()
-        return values.numpy().astype(np.int64, copy=True)
-    return np.asarray(values, dtype=np.int64).reshape(-1).copy()
+        return values.numpy().astype(np.int64, copy=False)  # read at once, never kept
+    return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
 class OwnershipLedger:
@@ -86,6 +86,7 @@ class OwnershipLedger:
         self.row_pages = np.zeros(num_rows, dtype=np.int64)  # pages each request row owns
         self.row_len = np.zeros(num_rows, dtype=np.int64)  # slots written in each row
         self._stamp = np.zeros(num_pages + 1, dtype=np.int64)  # scratch for duplicate detection
+        self._iota = np.arange(1, num_pages + 2, dtype=np.int64)  # 1, 2, ...: sliced, never allocated
         self.dirty: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (rows, starts, ends) written
         self.step: Optional[int] = None  # the step running now (set by the checker), named in errors
         self.reset()
@@ -127,7 +128,7 @@ class OwnershipLedger:
         """Raise when a page occurs twice in one operation (O(len), no sort)."""
         if len(pages) < 2:
             return
-        index = np.arange(1, len(pages) + 1)
+        index = self._iota[: len(pages)]
         self._stamp[pages] = index
         twice = self._stamp[pages] != index
         if twice.any():
@@ -150,12 +151,14 @@ class OwnershipLedger:
         return self.error(check, f"{check} in {op}: {self._what(page)} is owned by {owner_name(owner)}, expected"
                               f" {expected} ({int(bad.sum())} of {len(pages)} pages affected)")
 
-    def _transition(self, pages: np.ndarray, src: int, dst: int, op: str) -> None:
-        """Pages owned by `src` (a state or a row) now belong to `dst`; raises otherwise."""
+    def _transition(self, pages: np.ndarray, src: int, dst: int, op: str, distinct: bool = False) -> None:
+        """Pages owned by `src` (a state or a row) now belong to `dst`; raises otherwise.
+        `distinct`: the caller knows no page occurs twice (skips that check)."""
         if not len(pages):
             return
         self._check_range(pages, op)
-        self._check_distinct(pages, op)
+        if not distinct:
+            self._check_distinct(pages, op)
         found = self.owner[pages]
         bad = found != src
         if bad.any():
@@ -223,8 +226,7 @@ class OwnershipLedger:
             first = np.ones(len(pages), dtype=bool)
             first[1:] = (pages[1:] != pages[:-1]) | (rows[1:] != rows[:-1])
             pages, rows = pages[first], rows[first]
-        self._check_range(pages, op)
-        self._check_distinct(pages, op)
+        self._check_range(pages, op)  # distinct: new pages were checked by `take`, old ones are per row
         found = self.owner[pages]
         loose, carried = found == LOOSE, found == CARRIED
         bad = ~(loose | carried | (found == rows))
