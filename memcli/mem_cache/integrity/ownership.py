@@ -156,8 +156,8 @@ class OwnershipLedger:
         `distinct`: the caller knows no page occurs twice (skips that check)."""
         if not len(pages):
             return
-        self._check_range(pages, op)
         if not distinct:
+            self._check_range(pages, op)
             self._check_distinct(pages, op)
         found = self.owner[pages]
         bad = found != src
@@ -176,8 +176,9 @@ class OwnershipLedger:
     # -- the transitions ---------------------------------------------------------------------
 
     def take(self, pages: Any, op: str = "alloc") -> None:
-        """The allocator hands out `pages` (page ids): FREE -> LOOSE."""
-        self._transition(_host(pages), FREE, LOOSE, op)
+        """The allocator hands out `pages` (page ids): FREE -> LOOSE. The free list holds each FREE
+        page once (every page entered it through `give_back`), so no range or duplicate test."""
+        self._transition(_host(pages), FREE, LOOSE, op, distinct=True)
 
     def give_back(self, pages: Any, op: str = "free") -> None:
         """The allocator puts `pages` (page ids) back: LOOSE -> FREE. A page still owned by a row or
@@ -255,13 +256,15 @@ class OwnershipLedger:
         op = "alloc_for_extend"
         row_ids = np.asarray(rows, dtype=np.int64)
         prefix, seq = prefix_lens.numpy().astype(np.int64), seq_lens.numpy().astype(np.int64)
-        fresh = np.isin(row_ids, np.asarray(new_rows, dtype=np.int64))
+        fresh = np.isin(row_ids, np.asarray(new_rows, dtype=np.int64)) if new_rows else np.zeros(len(rows), bool)
         if self.counts[CARRIED]:
             for i in np.flatnonzero(fresh & (prefix > 0)):
                 pages = self.pages_of(prefix_tensors[i])
                 self._transition(pages[self.owner[pages] == CARRIED], CARRIED, int(row_ids[i]), op)
         self.claim_rows(out_cache_loc, np.repeat(row_ids, seq - prefix), op)
-        self.wrote_rows(row_ids, np.where(fresh, 0, prefix), seq)
+        # A new row's prefix was copied from the tree: its last page is checked with the new part
+        # (the copy's alignment); the rest of it, O(prefix), is left to the full walks.
+        self.wrote_rows(row_ids, np.where(fresh, prefix - prefix % self.page_size - self.page_size, prefix).clip(0), seq)
 
     def decoded(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
         """`alloc_for_decode` wrote one slot per row at column `seq_lens` (the old lengths)."""
