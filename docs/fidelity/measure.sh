@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The measured effects of docs/FIDELITY.md: every semantics key flipped alone from the
-# sglang-0.5.5 profile to memcli's value, and the whole memcli profile, replayed on the bundled
-# and the real Mooncake traces, each with the built-in replay config's 4 Mi-token pool and with
-# a pool where eviction matters.
+# The measured effects of docs/FIDELITY.md: the whole memcli profile against sglang-0.5.5, the
+# event loop flipped alone, and every other semantics key flipped alone to memcli's value from
+# the sglang-0.5.5 profile on the normal loop (--set semantics.event_loop=normal), replayed on
+# the bundled and the real Mooncake traces, each with the built-in replay config's 4 Mi-token
+# pool and with a pool where eviction matters.
 #
 #   docs/fidelity/measure.sh [OUT_DIR]      (from the repository root, the venv active)
 #
@@ -11,8 +12,8 @@
 #      QUICK=1  the bundled traces only (about a minute)
 # One JSON document per replay goes to OUT_DIR/json (default /tmp/memcli-fidelity; a document
 # already there is reused, so a rerun only does what is missing or failed); the summary,
-# one row per replayed value with its delta against the plain sglang-0.5.5 profile of the same
-# trace, pool, page size and eviction policy, to docs/fidelity/effects.csv.
+# one row per replayed value with its baseline (same trace, pool, page size) and its delta
+# against it, to docs/fidelity/effects.csv.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -23,7 +24,9 @@ CSV=$ROOT/docs/fidelity/effects.csv
 REAL=${REAL_TRACES:-/work/shared/traces}
 mkdir -p "$OUT/json"
 
-# Each semantics key and memcli's value (PROFILE_CHOICES in memcli/config.py).
+# Each semantics key and memcli's value (PROFILE_CHOICES in memcli/config.py), flipped on the
+# normal loop: the loop is a key of its own, and the whole-profile rows show it with the rest.
+PIN="--set semantics.event_loop=normal"
 KEYS="evict_amount=shortfall split_stamp=keep lru_clock=simulated retract_requeue=front
 retract_batch_order=original chunked_prefix=immediate admission_gate=every_step"
 # Keys that cannot act with pages of one token (the page estimate and the chunk floor need a
@@ -58,25 +61,27 @@ add() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$jobs_file"; }
 for entry in "${TRACES[@]}"; do
   IFS='|' read -r label file pool sets <<< "$entry"
   base="${label}__${pool}"
-  # Page size 1, LRU: the whole profile, then each key alone.
+  # Page size 1, LRU: the whole profile, the loop alone, then each key alone on the normal loop.
   add "${base}__ps1__lru__profile" "$file" "$sets --sweep semantics.profile=sglang-0.5.5,memcli"
+  add "${base}__ps1__lru__event_loop" "$file" "$sets --sweep semantics.event_loop=normal"
   checks=$KEYS
   if [[ $label == conv300 || $label == syn200 || $base == conversation__4Mi ]]; then checks="$KEYS $ZERO_AT_PS1"; fi
   for kv in $checks; do
-    add "${base}__ps1__lru__${kv%%=*}" "$file" "$sets --sweep semantics.$kv"
+    add "${base}__ps1__lru__${kv%%=*}" "$file" "$sets $PIN --sweep semantics.$kv"
   done
   # LFU: hit counts only order anything under it (under LRU they are never read).
-  add "${base}__ps1__lfu__lfu_hits" "$file" "$sets --set cache.eviction_policy=lfu --sweep semantics.lfu_hits=never,count"
+  add "${base}__ps1__lfu__lfu_hits" "$file" "$sets $PIN --set cache.eviction_policy=lfu --sweep semantics.lfu_hits=never,count"
   if [[ $label == conv300 || $label == syn200 ]]; then
-    add "${base}__ps1__lru__lfu_hits" "$file" "$sets --sweep semantics.lfu_hits=count"
-    add "${base}__ps1__lru__chunk_cache_protected" "$file" "$sets --sweep semantics.chunk_cache_protected=zero"
-    add "${base}__ps1__lru__bench_decode_steps" "$file" "$sets --sweep semantics.bench_decode_steps=output_len"
+    add "${base}__ps1__lru__lfu_hits" "$file" "$sets $PIN --sweep semantics.lfu_hits=count"
+    add "${base}__ps1__lru__chunk_cache_protected" "$file" "$sets $PIN --sweep semantics.chunk_cache_protected=zero"
+    add "${base}__ps1__lru__bench_decode_steps" "$file" "$sets $PIN --sweep semantics.bench_decode_steps=output_len"
   fi
   # Page size 16: the whole profile, and the two keys that only act when a page holds several tokens.
   ps16="$sets --set memory.page_size=16"
   add "${base}__ps16__lru__profile" "$file" "$ps16 --sweep semantics.profile=sglang-0.5.5,memcli"
-  add "${base}__ps16__lru__page_estimate" "$file" "$ps16 --sweep semantics.page_estimate=exact"
-  add "${base}__ps16__lru__chunk_alignment" "$file" "$ps16 --sweep semantics.chunk_alignment=page"
+  add "${base}__ps16__lru__event_loop" "$file" "$ps16 --sweep semantics.event_loop=normal"
+  add "${base}__ps16__lru__page_estimate" "$file" "$ps16 $PIN --sweep semantics.page_estimate=exact"
+  add "${base}__ps16__lru__chunk_alignment" "$file" "$ps16 $PIN --sweep semantics.chunk_alignment=page"
 done
 
 run_line() {  # the job on line $1 of jobs.tsv
@@ -118,14 +123,22 @@ for path in sorted(src.glob("*.json")):
             "evictions": row["evictions"], "tokens_evicted": row["tokens_evicted"],
             "retractions": row["retractions"], "steps": row["steps"], "wall_time_s": row["wall_time_s"],
         })
-# The baseline of a row: the plain sglang-0.5.5 profile at the same trace, pool, page size, policy
-# (for LFU, the lfu_hits=never row, which is that profile).
+# The baseline of a row, at the same trace, pool and page size: the plain sglang-0.5.5 profile
+# for the whole profile and the loop; that profile on the normal loop for every other key; and
+# under LFU its lfu_hits=never row.
+BASELINES = {("profile", "sglang-0.5.5"): "sglang-0.5.5", ("event_loop", "normal"): "sglang-0.5.5 + event_loop=normal",
+             ("lfu_hits", "never"): "sglang-0.5.5 + event_loop=normal, lfu"}
+def baseline_of(r):
+    if r["eviction_policy"] == "lfu":
+        return BASELINES[("lfu_hits", "never")]
+    return BASELINES[("profile", "sglang-0.5.5")] if r["key"] in ("profile", "event_loop") else BASELINES[("event_loop", "normal")]
 base = {}
 for r in rows:
-    if (r["key"], r["value"]) in (("profile", "sglang-0.5.5"), ("lfu_hits", "never")):
-        base[(r["trace"], r["pool"], r["page_size"], r["eviction_policy"])] = r
+    if (r["key"], r["value"]) in BASELINES and (r["key"] == "lfu_hits") == (r["eviction_policy"] == "lfu"):
+        base[(r["trace"], r["pool"], r["page_size"], BASELINES[(r["key"], r["value"])])] = r
 for r in rows:
-    b = base.get((r["trace"], r["pool"], r["page_size"], r["eviction_policy"]))
+    r["baseline"] = baseline_of(r)
+    b = base.get((r["trace"], r["pool"], r["page_size"], r["baseline"]))
     r["delta_points"] = "" if b is None else f"{100 * (r['hit_rate'] - b['hit_rate']):+.2f}"
     r["delta_cached_tokens"] = "" if b is None else r["cached_tokens"] - b["cached_tokens"]
 with open(dst, "w", newline="") as f:

@@ -25,6 +25,7 @@ from memcli.workload.readers import FORMATS, read_trace
 
 def replay_command(
     trace_path: Path = typer.Argument(..., metavar="TRACE", help="Trace file: memcli or Mooncake JSONL"),
+    check_level: Optional[str] = typer.Argument(None, metavar="[full]", help="After --check: full", show_default=False),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (default: the built-in replay config)"),
     set_: List[str] = SetOpt,
     trace_format: str = typer.Option("auto", "--format", help=f"Trace format: {', '.join(FORMATS)}"),
@@ -33,7 +34,9 @@ def replay_command(
     arrivals: Optional[str] = typer.Option(
         None, "--arrivals", help="timestamp (trace times on the simulated clock; default when the trace has times),"
         " burst (all at t=0; default otherwise) or sequential (one request at a time)"),
-    check: bool = typer.Option(False, "--check", help="Run the integrity check after every step"),
+    check: bool = typer.Option(
+        False, "--check", help="Check integrity after every step, incrementally (what the step changed, plus sampled"
+        " full walks on idle steps); `--check full`: the full walk of the pool after every step (slow on large pools)"),
     sweep: Optional[str] = typer.Option(None, "--sweep", help="KEY=v1,v2,...: one replay per value, one row each"),
     json_out: bool = JsonOpt,
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write occupancy and running requests over time (PNG)"),
@@ -55,7 +58,9 @@ def replay_command(
     ignored = ignored_keys(cfg, "replay")
     note_ignored(ignored, "replay")
     trace = read_trace(trace_path, format=trace_format, block_size=block_size, limit=limit)
-    options = ReplayOptions(arrivals or default_arrivals(trace), check, events)
+    if check_level is not None and (check_level != "full" or not check):
+        raise MemcliError(f'unexpected argument "{check_level}"', "the one word after TRACE is full, in --check full")
+    options = ReplayOptions(arrivals or default_arrivals(trace), check, events, check_level=check_level or "incremental")
     check_options(trace, cfg, options)
     show = progress or sys.stderr.isatty()
     with _progress(show) as progress_for:

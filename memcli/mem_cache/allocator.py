@@ -33,12 +33,16 @@ class AllocatorState(NamedTuple):
     free_pages: torch.Tensor
     release_pages: torch.Tensor
     in_use_pages: int
+    ledger: object = None  # the ownership ledger's state, when one is attached
 
 
 class BaseAllocator:
     """Shared bookkeeping; subclasses define the free-list order."""
 
     page_size: int
+    # The ownership ledger (`integrity.track`), attached only while checking incrementally:
+    # the allocator moves pages FREE -> LOOSE when it hands them out, LOOSE -> FREE when freed.
+    ledger = None
 
     def __init__(self, size: int, page_size: int, device: torch.device, backend: str = "torch",
                  need_sort: bool = False, debug: bool = False):
@@ -89,6 +93,8 @@ class BaseAllocator:
         self._group: list[torch.Tensor] | None = None
         self.num_frees = 0  # calls that returned pages (a free group counts once)
         self.freed_tokens = 0
+        if self.ledger is not None:
+            self.ledger.reset()
 
     @property
     def num_free_pages(self) -> int:
@@ -112,7 +118,7 @@ class BaseAllocator:
         self._set_free_list(torch.sort(merged).values)
         self._release, self._num_release = [], 0
 
-    def free(self, indices: torch.Tensor, distinct_pages: bool = False) -> None:
+    def free(self, indices: torch.Tensor, distinct_pages: bool = False, _grouped: bool = False) -> None:
         """Free KV slots. Paged: frees the whole page of every slot given (de-duplicated).
 
         `distinct_pages`: the caller guarantees that no two of `indices` share a page (one
@@ -124,11 +130,16 @@ class BaseAllocator:
         if indices.numel() == 0:
             return
         if self._group is not None:
+            if self.ledger is not None:  # each call on its own: the group's cat would merge a double free
+                entries, divisor = self._freed_entries(indices, distinct_pages)
+                self.ledger.give_back(entries // divisor if divisor > 1 else entries, "allocator.free")
             # Kept until the group ends: an int32 view of a request row (which may be reused
             # before then) is copied, as the int64 conversion the group's cat needs anyway.
             self._group.append(indices.reshape(-1).to(torch.int64))
             return
         entries, divisor = self._freed_entries(indices, distinct_pages)
+        if self.ledger is not None and not _grouped:  # raises on a double free, or a free behind the owner's back
+            self.ledger.give_back(entries // divisor if divisor > 1 else entries, "allocator.free")
         n = entries.numel()
         if self._in_use_pages - n < 0:
             raise ValueError(
@@ -153,17 +164,20 @@ class BaseAllocator:
     def free_group_end(self) -> None:
         group, self._group = self._group, None
         if group:
-            self.free(torch.cat(group))
+            self.free(torch.cat(group), _grouped=True)  # the ledger saw each call already
 
     def backup_state(self) -> AllocatorState:
         release = torch.cat(self._release) if self._release else self._buf[:0].clone()
-        return AllocatorState(self._free_list().clone(), release, self._in_use_pages)
+        ledger = self.ledger.snapshot() if self.ledger is not None else None
+        return AllocatorState(self._free_list().clone(), release, self._in_use_pages, ledger)
 
     def restore_state(self, state: AllocatorState) -> None:
         self._set_free_list(state.free_pages.clone())
         self._release = [state.release_pages.clone()] if state.release_pages.numel() else []
         self._num_release = state.release_pages.numel()
         self._in_use_pages = state.in_use_pages
+        if self.ledger is not None and state.ledger is not None:
+            self.ledger.restore(state.ledger)
 
     def alloc_extend_write(self, req_to_token: torch.Tensor, rows: list[int], prefix_lens_cpu: torch.Tensor,
                            seq_lens_cpu: torch.Tensor, prefixes: list[torch.Tensor], num_pages: int,
@@ -262,6 +276,8 @@ class TokenToKVPoolAllocator(BaseAllocator):
         return self._ring_slice(self._head, n)
 
     def _advance(self, n: int) -> None:
+        if self.ledger is not None:
+            self.ledger.take(self._head_view(n), "allocator.alloc")
         self._head = (self._head + n) % self.num_pages
         self._num_free -= n
 
@@ -331,6 +347,8 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         return self._buf[self._head : self._head + n]
 
     def _advance(self, n: int) -> None:
+        if self.ledger is not None:
+            self.ledger.take(self._head_view(n), "allocator.alloc")
         self._head += n
         self._num_free -= n
 

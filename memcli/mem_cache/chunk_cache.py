@@ -41,6 +41,9 @@ def free_row_pages(req_to_token_pool: Any, allocator: Any, rows: list[int], leng
         if row_index is None:
             row_index = torch.tensor(rows, dtype=torch.int64, device=table.device)
         page_starts = table[row_index, 0:length:ps]
+    ledger = getattr(allocator, "ledger", None)
+    if ledger is not None:
+        ledger.release_rows(page_starts, rows, "free_row_pages")
     allocator.free(page_starts, distinct_pages=True)
 
 

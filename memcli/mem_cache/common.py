@@ -32,6 +32,7 @@ import torch
 from memcli.errors import IntegrityError, OutOfMemoryError, RequestSlotsExhausted
 from memcli.mem_cache import pages
 from memcli.mem_cache.chunk_cache import free_row_pages
+from memcli.mem_cache.integrity.ownership import IN_FLIGHT
 from memcli.mem_cache.null_cache import NullCache
 
 
@@ -155,6 +156,9 @@ def alloc_for_extend(plan: ExtendPlan, req_to_token_pool, allocator, tree_cache)
         if new_rows:
             req_to_token_pool.free(new_rows)
         raise out_of_memory("prefill", tree_cache, allocator, plan.num_pages * allocator.page_size)
+    if getattr(allocator, "ledger", None) is not None:
+        allocator.ledger.extended(rows, new_rows, plan.prefix_lens_cpu, plan.seq_lens_cpu, plan.prefix_tensors,
+                                  written.out_cache_loc)
     return ExtendAllocation(written.out_cache_loc, written.req_pool_indices, rows, written.seq_lens)
 
 
@@ -187,6 +191,8 @@ def alloc_for_decode(req_to_token_pool, allocator, tree_cache, *, seq_lens: torc
                                        num_pages=num_pages)
     if out is None:
         raise out_of_memory("decode", tree_cache, allocator, num_pages * allocator.page_size)
+    if getattr(allocator, "ledger", None) is not None:
+        allocator.ledger.decoded(req_pool_indices, seq_lens_cpu, out)
     return out
 
 
@@ -207,16 +213,32 @@ def slot_at(req_to_token_pool, row: int, position: int) -> int:
     return int(req_to_token_pool.req_to_token[row, position])
 
 
+def hold_in_flight(req_to_token_pool, row: int, slot: int) -> None:
+    """Under overlap scheduling, the page of a decode slot still in flight leaves its request
+    row before the row is released (it is freed later through `free_slots`). Only the
+    ownership ledger, when checking is on, records anything."""
+    ledger = getattr(req_to_token_pool, "ledger", None)
+    if ledger is not None:
+        ledger.move(torch.tensor([slot], dtype=torch.int64), row, IN_FLIGHT, "decode slot in flight")
+
+
 def free_slots(allocator, slots: torch.Tensor) -> None:
     """Give back KV slots that neither a request row nor the tree holds: under overlap
     scheduling, a decode slot still in flight when its request was released. Paged: frees the
     page of each slot (the caller frees a slot only when no other slot shares its page)."""
+    ledger = getattr(allocator, "ledger", None)
+    if ledger is not None:
+        ledger.release(slots, IN_FLIGHT, "free of a decode slot in flight")
     allocator.free(slots)
 
 
 def free_req_rows(req_to_token_pool, rows: list[int]) -> None:
     """Give back request rows whose KV slots live on elsewhere (handed over as another
-    request's prefix); frees no KV slot. Raises `ValueError` on a double free."""
+    request's prefix); frees no KV slot. Raises `ValueError` on a double free. With a ledger,
+    the pages a row still owns (a chunk's partial page) go with its request (CARRIED)."""
+    if getattr(req_to_token_pool, "ledger", None) is not None:
+        for row in rows:
+            req_to_token_pool.ledger.carry_row(row)
     req_to_token_pool.free(rows)
 
 

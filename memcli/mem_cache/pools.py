@@ -26,6 +26,8 @@ TORCH_DTYPES = {
 class ReqToTokenPool:
     """`size` request rows of `cols` int32 slot ids on `device`; rows are handed out FIFO."""
 
+    ledger = None  # the ownership ledger, while checking incrementally (`integrity.track`)
+
     def __init__(self, size: int, cols: int, device: torch.device):
         self.size = size
         self.cols = cols
@@ -57,6 +59,8 @@ class ReqToTokenPool:
             if not 0 <= r < self.size or not self._in_use[r] or r in seen:
                 raise ValueError(f"request row {r} freed twice or never allocated")
             seen.add(r)
+        if self.ledger is not None:  # a row must own no page when it goes back (else a page is lost)
+            self.ledger.rows_released(rows)
         for r in rows:
             self._in_use[r] = False
         self.free_slots.extend(rows)

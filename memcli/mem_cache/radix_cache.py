@@ -28,6 +28,7 @@ from memcli.mem_cache.clock import LogicalClock
 from memcli.mem_cache.eviction import EvictionQueue, get_eviction_policy, is_evictable_leaf
 from memcli.mem_cache.integrity import IntegrityReport
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, chain_page_hashes, stored_events
+from memcli.mem_cache.integrity.ownership import TREE
 from memcli.mem_cache.integrity.radix import radix_checks
 from memcli.mem_cache.pages import align_down
 
@@ -331,6 +332,9 @@ class RadixCache(BasePrefixCache):
     def _delete_leaf(self, node: TreeNode, now: float) -> int:
         size = len(node.key)
         if self.allocator is not None:
+            ledger = getattr(self.allocator, "ledger", None)
+            if ledger is not None:
+                ledger.release(node.value, TREE, "evict")
             self.allocator.free(node.value)
         parent = node.parent
         del parent.children[self._child_key(node.extra_key, node.key, 0)]
@@ -415,7 +419,7 @@ class RadixCache(BasePrefixCache):
         """
         if req.kv_freed:
             raise IntegrityError(f"cache_finished_req on request row {req.req_pool_idx} that was already freed")
-        ps = self.page_size
+        ps, row, op = self.page_size, req.req_pool_idx, "cache_finished_req"
         allocated = req.kv_allocated_len
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :allocated].to(torch.int64)
         start = align_down(len(req.prefix_indices), ps)
@@ -425,13 +429,14 @@ class RadixCache(BasePrefixCache):
             aligned = max(align_down(min(req.kv_committed_len, allocated), ps), start)
             new_prefix_len = self.insert(RadixKey(req.token_ids(aligned), req.extra_key), kv[:aligned])
             self._check_prefix_kept(req, start, new_prefix_len)
-            self._free(kv[start:new_prefix_len])
+            self._to_tree(kv[new_prefix_len:aligned], row, op)
+            self._free(kv[start:new_prefix_len], row, op)
             start = aligned
         elif self.retract_free_twice:
             aligned = max(align_down(min(req.kv_committed_len, allocated), ps), start)
-            self._free(kv[start:aligned])
+            self._free(kv[start:aligned], row, op)
             start = aligned
-        self._free(kv[start:])
+        self._free(kv[start:], row, op)
         self.req_to_token_pool.free(req.req_pool_idx)
         self.dec_lock_ref(req.last_node)
         req.kv_freed = True
@@ -460,7 +465,9 @@ class RadixCache(BasePrefixCache):
         key = RadixKey(req.fill_ids[:aligned], req.extra_key)
         new_prefix_len = self.insert(key, kv[:aligned])
         self._check_prefix_kept(req, start, new_prefix_len)
-        self._free(kv[start:new_prefix_len])
+        op = "cache_unfinished_req"
+        self._to_tree(kv[new_prefix_len:aligned], req.req_pool_idx, op)
+        self._free(kv[start:new_prefix_len], req.req_pool_idx, op)
         self._begin()
         node, tree_len, values = self._walk(key.token_ids, key.extra_key, count_hit=False)
         if tree_len != aligned:
@@ -468,6 +475,9 @@ class RadixCache(BasePrefixCache):
         new_indices = self._cat(values)
         if start < tree_len:
             row[start:tree_len] = new_indices[start:].to(row.dtype)
+            ledger = getattr(self.allocator, "ledger", None)
+            if ledger is not None:
+                ledger.wrote(req.req_pool_idx, start, tree_len)
         self.inc_lock_ref(node)
         self.dec_lock_ref(req.last_node)
         req.prefix_indices = torch.cat([new_indices, kv[tree_len:]])
@@ -483,9 +493,19 @@ class RadixCache(BasePrefixCache):
                 f" {new_prefix_len}); it was evicted while the request did not hold a lock on it"
             )
 
-    def _free(self, slots: torch.Tensor) -> None:
+    def _free(self, slots: torch.Tensor, row: int, op: str) -> None:
+        """Free the request row `row`'s own `slots` (the ledger, when attached, checks they are)."""
         if len(slots) > 0:
+            ledger = getattr(self.allocator, "ledger", None)
+            if ledger is not None:
+                ledger.release(slots, row, op)
             self.allocator.free(slots)
+
+    def _to_tree(self, slots: torch.Tensor, row: int, op: str) -> None:
+        """`slots` of request row `row` were just inserted: the tree owns their pages now."""
+        ledger = getattr(self.allocator, "ledger", None)
+        if ledger is not None and len(slots) > 0:
+            ledger.move(slots, row, TREE, op)
 
     # -- inspection ---------------------------------------------------------------------
 

@@ -198,11 +198,14 @@ class OverlapLoop:
         slot = None
         if extra:
             slot = InFlightSlot(req.rid, kv_len, common.slot_at(self.sched.stack.req_to_token_pool, req.req_pool_idx, kv_len))
+        own_page = bool(extra) and (ps == 1 or kv_len % ps == 0)  # else the tail's page holds it
+        if own_page:
+            common.hold_in_flight(self.sched.stack.req_to_token_pool, req.req_pool_idx, slot.slot)
         req.kv_committed_len = req.kv_allocated_len = kv_len
         common.release_req(self.sched.tree_cache, req, is_insert=is_insert)
         if extra:
             flight = self._flight_holding(req)
-            flight.extra[req] = slot if ps == 1 or kv_len % ps == 0 else None
+            flight.extra[req] = slot if own_page else None
 
     def _flight_holding(self, req: Req) -> InFlight:
         """The newest in-flight batch with `req`: the one that allocated its extra slot."""

@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 
 from memcli.errors import OutOfMemoryError, RequestSlotsExhausted
 from memcli.mem_cache import common
-from memcli.mem_cache.integrity import check_memory
+from memcli.mem_cache.integrity import CheckPolicy, IntegrityChecker, check_memory
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.overlap import OverlapLoop
 from memcli.sched.progress import ProgressGuard
@@ -72,7 +72,8 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, stack, sched_config, sim_config, page_size: int, output_token_base: int = 1 << 40,
                  check_every_step: bool = False, retract_every: int = 0, record_events: bool = True,
-                 on_step: Callable[["Scheduler", StepRecord], None] | None = None):
+                 on_step: Callable[["Scheduler", StepRecord], None] | None = None,
+                 checker: IntegrityChecker | None = None):
         self.stack = stack
         self.cfg = sched_config
         self.sim = sim_config
@@ -81,6 +82,9 @@ class Scheduler:
         self.device = stack.req_to_token_pool.device
         self.max_running = stack.req_to_token_pool.size
         self.check_every_step = check_every_step
+        # What runs after each step: the full walk (check_every_step) or the caller's checker;
+        # by default sampled full walks on idle steps only.
+        self.checker = checker or IntegrityChecker(stack, CheckPolicy("full" if check_every_step else "none"))
         self.retract_every = retract_every
         self.record_events = record_events
         self.on_step = on_step
@@ -168,8 +172,8 @@ class Scheduler:
         record = self._record(kind, bs, new_tokens)
         self.progress_guard.after_step(self, before)
         self.step_count += 1
-        if self.check_every_step:
-            self.run_check()
+        if self.checker.after_step(record.step, self.memory_holders(), idle=kind == "idle"):
+            self.stats.checks_run += 1
         if self.on_step is not None:
             self.on_step(self, record)
         return record
@@ -221,7 +225,6 @@ class Scheduler:
         self.new_token_ratio = self.init_new_token_ratio
         if self.pending and not self.waiting:
             self.clock_ms = max(self.clock_ms, self.pending[0].arrival_ms)
-        self.run_check()
 
     def _record(self, kind: str, bs: int, new_tokens: int) -> StepRecord:
         evicted = getattr(self.tree_cache, "evicted_tokens_total", 0)

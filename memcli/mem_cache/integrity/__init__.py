@@ -6,6 +6,9 @@
     conservation  conservation (tokens, pages) and idle
     radix         the radix tree walk and the per-step tree check
     checks        the entry points: run_checks, memory_reports, check_memory
+    ownership     the ownership ledger: who owns each page, kept by the operations (checking only)
+    incremental   the per-step check over the ledger: O(what the step changed)
+    checker       when checks run: CheckPolicy, IntegrityChecker (the scheduler's hook), track
 """
 
 from memcli.mem_cache.integrity.result import (
@@ -13,8 +16,11 @@ from memcli.mem_cache.integrity.result import (
 )
 from memcli.mem_cache.integrity.checks import CHECK_NAMES, check_memory, memory_reports, run_checks
 from memcli.mem_cache.integrity.requests import InFlightSlot, held_by_request
+from memcli.mem_cache.integrity.ownership import OwnershipError
+from memcli.mem_cache.integrity.checker import CheckPolicy, CheckStats, IntegrityChecker, track, untrack
 
 __all__ = [
-    "CHECK_NAMES", "MAX_OFFENDERS", "CheckResult", "InFlightSlot", "IntegrityReport", "check_memory", "failed", "failures",
+    "CHECK_NAMES", "MAX_OFFENDERS", "CheckPolicy", "CheckStats", "InFlightSlot", "IntegrityChecker", "OwnershipError", "track",
+    "untrack", "CheckResult", "IntegrityReport", "check_memory", "failed", "failures",
     "held_by_request", "joined", "memory_reports", "passed", "run_checks",
 ]

@@ -90,6 +90,8 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
         },
         "integrity": {
             "ok": i.ok, "mode": i.mode, "checks_run": i.checks_run, "failure": i.failure,
+            "failure_step": i.failure_step, "failure_check": i.failure_check,
+            "incremental_checks": i.incremental_checks, "full_walks": i.full_walks, "check_s": _round(i.check_s, 3),
             "everything_free_at_end": i.everything_free,
             "end": {"available": i.end_available, "evictable": i.end_evictable, "protected": i.end_protected,
                     "rows_in_use": i.end_rows_in_use},
@@ -171,7 +173,9 @@ def replay_tables(result: ReplayResult) -> list[Table]:
         ("waiting, mean / max", f"{q.queue.mean_waiting:,.1f} / {q.queue.max_waiting:,}"),
     ])
     integrity = kv_table("integrity", [
-        ("checks", i.mode), ("checks run", i.checks_run), ("result", "ok" if i.ok else "FAILED"),
+        ("checks", i.mode), ("checks run", i.checks_run),
+        ("incremental / full walks", f"{i.incremental_checks:,} / {i.full_walks:,} ({i.check_s:,.2f} s)"),
+        ("result", "ok" if i.ok else "FAILED"),
         ("everything free at the end", i.everything_free),
     ])
     return [summary, prefix, allocation, eviction, scheduling, integrity]

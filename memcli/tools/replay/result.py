@@ -69,8 +69,11 @@ class SchedulingStats:
 
 @dataclass(frozen=True)
 class IntegrityStats:
-    """`mode`: "every step" (--check) or "idle steps and end". `failure` is the first
-    violation's message (the replay stopped there). `end_*`: the pool when the replay ended."""
+    """`mode`: "every step" (--check: incremental), "every step (full)" (--check full) or "idle
+    steps and end". `failure` is the first violation's message (the replay stopped there), with
+    the step (0-based) and the check that found it when known. `end_*`: the pool when the
+    replay ended. `full_walks`: whole-pool walks (sampled on idle steps, every step under
+    --check full, and the final one); `check_s`: wall time spent checking."""
 
     mode: str
     checks_run: int
@@ -81,6 +84,11 @@ class IntegrityStats:
     end_protected: int
     end_rows_in_use: int
     pool_tokens: int
+    full_walks: int = 0
+    incremental_checks: int = 0
+    check_s: float = 0.0
+    failure_step: Optional[int] = None
+    failure_check: Optional[str] = None
 
     @property
     def ok(self) -> bool:

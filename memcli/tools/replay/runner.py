@@ -26,7 +26,7 @@ import numpy as np
 
 from memcli.config import Config, replace
 from memcli.errors import CapacityError, IntegrityError, MemcliError, StalledError
-from memcli.mem_cache.integrity import check_memory
+from memcli.mem_cache.integrity import CheckPolicy, IntegrityChecker, check_memory
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from memcli.mem_cache.pages import align_up
 from memcli.tools.replay.ceiling import shared_prefix_lens
@@ -45,11 +45,23 @@ RECORDS_KEPT = 4096  # the scheduler's own step records are trimmed to this many
 
 @dataclass(frozen=True)
 class ReplayOptions:
-    """How to replay. `events_path`: write the KV events stream there (JSON lines)."""
+    """How to replay. `events_path`: write the KV events stream there (JSON lines).
+
+    `check_every_step`: check after every step, incrementally (`check_level="incremental"`:
+    the ownership ledger, O(what the step changed)) or by the full walk (`"full"`: O(pool)).
+    Idle steps walk the whole pool at most once per `walk_every` idle steps, within
+    `walk_budget` of the wall time (`memcli.mem_cache.integrity.CheckPolicy`)."""
 
     arrivals: str = "timestamp"
     check_every_step: bool = False
     events_path: Optional[Path] = None
+    check_level: str = "incremental"
+    walk_every: int = CheckPolicy.walk_every
+    walk_budget: float = CheckPolicy.walk_budget
+
+    @property
+    def check_policy(self) -> CheckPolicy:
+        return CheckPolicy(self.check_level if self.check_every_step else "none", self.walk_every, self.walk_budget)
 
 
 @dataclass(frozen=True)
@@ -152,6 +164,7 @@ class _Run:
         self.evictions = EvictionLog()
         self._progress_at = 0.0
         self.stop: Optional[Stop] = None
+        self.failure_at: tuple[Optional[int], Optional[str]] = (None, None)
 
     def execute(self, shared: np.ndarray) -> ReplayResult:
         start = time.perf_counter()
@@ -161,6 +174,7 @@ class _Run:
                 self.stack, self.config.scheduler, self.config.sim, self.config.page_size,
                 output_token_base=output_token_base(self.trace), check_every_step=self.options.check_every_step,
                 record_events=False, on_step=self._on_step,
+                checker=IntegrityChecker(self.stack, self.options.check_policy),
             )
             failure, reports = self._loop()
         wall_s = time.perf_counter() - start
@@ -181,6 +195,7 @@ class _Run:
                 self._after_step()
             reports = check_memory(self.stack, sched.memory_holders())
         except IntegrityError as exc:
+            self.failure_at = (getattr(exc, "step", None), getattr(exc, "check", None))
             self._stopped_mid_step()
             return str(exc), ()
         except StalledError as exc:
@@ -292,16 +307,25 @@ class _Run:
             scheduling=SchedulingStats(stats.retractions, stats.retracted_requests, stats.recomputed_tokens,
                                        stats.aborted, queue_stats(series)),
             integrity=IntegrityStats(
-                mode="every step" if self.options.check_every_step else "idle steps and end",
+                mode=_mode(self.options),
                 checks_run=stats.checks_run + (failure is None), failure=failure, final_reports=reports,
                 end_available=alloc.available_size(), end_evictable=tree.evictable_size(),
                 end_protected=tree.protected_size(), end_rows_in_use=rows.size - rows.available_size(),
-                pool_tokens=pool,
+                pool_tokens=pool, full_walks=sched.checker.stats.full_walks + (failure is None),
+                incremental_checks=sched.checker.stats.incremental,
+                check_s=sched.checker.stats.incremental_s + sched.checker.stats.walk_s,
+                failure_step=self.failure_at[0], failure_check=self.failure_at[1],
             ),
             series=series,
             first_cached_tokens=self.cached,
             stop=self.stop,
         )
+
+
+def _mode(options: ReplayOptions) -> str:
+    if not options.check_every_step:
+        return "idle steps and end"
+    return "every step" if options.check_level == "incremental" else f"every step ({options.check_level})"
 
 
 def _write_events(fh, events: list, step: int, time_ms: float) -> None:

@@ -1,0 +1,233 @@
+"""The per-step incremental check: O(what the step changed + running requests), not O(pool).
+
+Reads the `OwnershipLedger` (kept up to date by the operations) and the request rows written
+during the step (`ledger.dirty`), never the whole pool:
+
+    lost_page     no page is out of the allocator without an owner (allocated, never claimed;
+                  released, never freed)                                     (DESIGN 2.3)
+    free_list     the ledger's free pages == the allocator's free count         (2.3)
+    tree          the ledger's tree pages == the tree's size; evictable + protected == total (2.4)
+    conservation  every running request owns exactly the pages it holds; carried pages belong
+                  to a request between chunks                                   (2.3)
+    row_layout    positions written this step sit at offset t % page_size, consecutively (2.2)
+    slot_range    slots written this step are pool pages (not page 0)          (2.1)
+    page_sharing  a written position below the request's tree part is a tree page, above it the
+                  request's own page                                            (2.2)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, NamedTuple
+
+import numpy as np
+import torch
+
+from memcli.mem_cache.integrity.ownership import CARRIED, FREE, IN_FLIGHT, LOOSE, TREE, OwnershipLedger, owner_name
+from memcli.mem_cache.integrity.requests import InFlightSlot
+from memcli.mem_cache.integrity.result import CheckResult, failed, passed
+
+INCREMENTAL_NAMES = ("lost_page", "free_list", "tree", "conservation", "row_layout", "slot_range", "page_sharing")
+
+
+def check_step(ledger: OwnershipLedger, stack: Any, running: Iterable[Any]) -> list[CheckResult]:
+    """Every incremental check, in `INCREMENTAL_NAMES` order; clears the step's dirty rows."""
+    running = list(running)
+    flying = [r for r in running if isinstance(r, InFlightSlot)]
+    held = _Held.of([r for r in running if not r.kv_freed and not isinstance(r, InFlightSlot)], ledger.page_size)
+    results = [_lost_pages(ledger), _free_count(ledger, stack), _tree_count(ledger, stack),
+               _held(ledger, held, len(flying)), *_written_rows(ledger, stack, held)]
+    ledger.dirty = []
+    return results
+
+
+class _Held(NamedTuple):
+    """The running requests as arrays: row (-1 without one), allocated and tree lengths, pages held."""
+
+    reqs: list
+    rows: np.ndarray
+    allocated: np.ndarray
+    tree_len: np.ndarray
+    pages: np.ndarray
+
+    @classmethod
+    def of(cls, reqs: list, page_size: int) -> "_Held":
+        rows = np.array([-1 if r.req_pool_idx is None else r.req_pool_idx for r in reqs], dtype=np.int64)
+        allocated = np.array([r.kv_allocated_len for r in reqs], dtype=np.int64)
+        tree_len = np.array([r.last_matched_prefix_len for r in reqs], dtype=np.int64)
+        pages = -(-allocated // page_size) - tree_len // page_size
+        return cls(reqs, rows, allocated, tree_len, pages)
+
+
+def _lost_pages(ledger: OwnershipLedger) -> CheckResult:
+    loose = ledger.counts[LOOSE]
+    if not loose:
+        return passed("lost_page", "every page out of the allocator has an owner")
+    pages = np.flatnonzero(ledger.owner == LOOSE)  # O(pool), only on the way to a failure
+    what = ", ".join(ledger._what(int(p)) for p in pages[:3])
+    return failed("lost_page", f"memory leak detected: {loose} pages are out of the allocator but owned by nobody"
+                               f" (allocated and never claimed, or released and never freed), e.g. {what}",
+                  slots=tuple(int(p) for p in pages[:8]))
+
+
+def _free_count(ledger: OwnershipLedger, stack: Any) -> CheckResult:
+    alloc = stack.allocator
+    free, avail = ledger.counts[FREE], alloc.available_size() // alloc.page_size
+    detail = f"ledger {free} free pages, allocator {avail}"
+    return passed("free_list", detail) if free == avail else failed("free_list", detail + " (a duplicate or a lost free)")
+
+
+def _tree_count(ledger: OwnershipLedger, stack: Any) -> CheckResult:
+    tree, ps = stack.tree_cache, ledger.page_size
+    total, evictable, protected = tree.total_size(), tree.evictable_size(), tree.tree_protected_size()
+    owned = ledger.counts[TREE] * ps
+    detail = f"ledger {owned} tree tokens, tree total {total} (evictable {evictable} + protected {protected})"
+    if hasattr(tree, "all_values_flatten"):
+        ok = owned == total and evictable + protected == total
+    else:
+        ok = owned == 0
+    return passed("tree", detail) if ok else failed("tree", detail)
+
+
+def _held(ledger: OwnershipLedger, held: _Held, num_in_flight: int) -> CheckResult:
+    """Conservation, request by request: each row owns the pages its request holds, and the rows
+    of no running request own nothing (counted: the sum over all rows matches)."""
+    has_row = held.rows >= 0
+    owned = ledger.row_pages[held.rows[has_row]]
+    bad = np.flatnonzero(owned != held.pages[has_row])
+    if len(bad):
+        i = int(np.flatnonzero(has_row)[bad[0]])
+        req = held.reqs[i]
+        return failed("conservation", f"memory leak detected: request {req.rid} (row {req.req_pool_idx}) holds"
+                                      f" {int(held.pages[i])} pages [{req.last_matched_prefix_len},"
+                                      f" {req.kv_allocated_len}) but owns {int(owned[bad[0]])} in the ledger", str(req.rid))
+    total = int(ledger.row_pages.sum())
+    if total != int(owned.sum()):
+        return failed("conservation", f"memory leak detected: request rows own {total} pages, running requests"
+                                      f" hold {int(owned.sum())}")
+    carried, expected = ledger.counts[CARRIED], int(held.pages[~has_row].sum())
+    if carried != expected:
+        return failed("conservation", f"memory leak detected: {carried} carried pages, but requests between chunks"
+                                      f" hold {expected}")
+    if ledger.counts[IN_FLIGHT] != num_in_flight:
+        return failed("conservation", f"memory leak detected: the ledger has {ledger.counts[IN_FLIGHT]} pages of"
+                                      f" decode slots in flight, the batches in flight hold {num_in_flight}")
+    return passed("conservation", f"{len(held.reqs)} running requests own {total} pages (+ {carried} carried,"
+                                  f" {num_in_flight} in flight)")
+
+
+def _written_rows(ledger: OwnershipLedger, stack: Any, held: _Held) -> list[CheckResult]:
+    """row_layout, slot_range, page_sharing over the row positions written this step."""
+    entries = _gather(ledger, stack, held)
+    if entries is None:
+        return [passed(name, "no row written this step") for name in ("row_layout", "slot_range", "page_sharing")]
+    rids, slots, rows, pos, tree_len, first = entries
+    ps = ledger.page_size
+    in_range = _range(ledger, rids, slots, pos)
+    if not in_range.ok:  # the other two index pages by these slots
+        return [passed("row_layout", "not checked: a slot is out of range"), in_range,
+                passed("page_sharing", "not checked: a slot is out of range")]
+    return [_layout(ps, rids, slots, rows, pos, first), in_range, _sharing(ledger, rids, slots, rows, pos, tree_len)]
+
+
+def _gather(ledger: OwnershipLedger, stack: Any, held: _Held):
+    """(rids, slots, rows, pos, tree_len, first) of the positions running requests had written
+    this step, one span per row (vectorised); each span starts one position early, so a page
+    continued this step is checked across its old and new slots."""
+    if not ledger.dirty:
+        return None
+    rows = np.concatenate([d[0] for d in ledger.dirty])
+    starts = np.concatenate([d[1] for d in ledger.dirty])
+    ends = np.concatenate([d[2] for d in ledger.dirty])
+    if len(ledger.dirty) > 1:
+        lo = np.full(ledger.num_rows, np.iinfo(np.int64).max)
+        hi = np.zeros(ledger.num_rows, dtype=np.int64)
+        np.minimum.at(lo, rows, starts)
+        np.maximum.at(hi, rows, ends)
+        rows = np.unique(rows)
+        starts, ends = lo[rows], hi[rows]
+    index = np.full(ledger.num_rows, -1, dtype=np.int64)  # row -> running request
+    with_rows = held.rows >= 0
+    index[held.rows[with_rows]] = np.flatnonzero(with_rows)
+    req = index[rows]
+    live = req >= 0
+    rows, starts, ends, req = rows[live], starts[live], ends[live], req[live]
+    starts = np.maximum(starts - 1, 0)
+    ends = np.minimum(ends, held.allocated[req])
+    keep = ends > starts
+    rows, starts, ends, req = rows[keep], starts[keep], ends[keep], req[keep]
+    if not len(rows):
+        return None
+    lens = ends - starts
+    offsets = np.cumsum(lens) - lens
+    row_of = np.repeat(rows, lens)
+    pos = np.arange(int(lens.sum())) - np.repeat(offsets, lens) + np.repeat(starts, lens)
+    table = stack.req_to_token_pool.req_to_token
+    if table.device.type == "cpu":
+        slots = table.numpy()[row_of, pos].astype(np.int64)
+    else:
+        slots = table[torch.from_numpy(row_of).to(table.device), torch.from_numpy(pos).to(table.device)]
+        slots = slots.cpu().numpy().astype(np.int64)
+    first = np.zeros(len(pos), dtype=bool)
+    first[offsets] = True
+    rids = _Rids(held.reqs, req)
+    return rids, slots, row_of, pos, np.repeat(held.tree_len[req], lens), first
+
+
+def _layout(ps: int, rids, slots, rows, pos, first) -> CheckResult:
+    if ps == 1:
+        return passed("row_layout", f"{len(slots)} written positions (page size 1)")
+    bad_offset = slots % ps != pos % ps
+    bad_run = np.zeros(len(slots), dtype=bool)
+    bad_run[1:] = ~first[1:] & (pos[1:] % ps != 0) & (slots[1:] != slots[:-1] + 1)
+    bad = np.flatnonzero(bad_offset | bad_run)
+    if not len(bad):
+        return passed("row_layout", f"{len(slots)} written positions at offset t % {ps}")
+    i = int(bad[0])
+    rid = _owner_rid(rids, first, i)
+    t, slot = int(pos[i]), int(slots[i])
+    if bad_offset[i]:
+        return failed("row_layout", f"request {rid} position {t}: slot {slot} sits at offset {slot % ps} of page"
+                                    f" {slot // ps}, expected offset {t % ps} (= {t} % {ps})", rid, (t,), (slot,))
+    return failed("row_layout", f"request {rid} positions {t - 1} and {t} are on one page but hold slots"
+                                f" {int(slots[i - 1])} and {slot}, expected {int(slots[i - 1]) + 1}", rid,
+                  (t - 1, t), (int(slots[i - 1]), slot))
+
+
+class _Rids:
+    """The request id of each gathered span, looked up only when a check fails."""
+
+    def __init__(self, reqs: list, index: np.ndarray):
+        self.reqs, self.index = reqs, index
+
+    def __getitem__(self, i: int) -> str:
+        return str(self.reqs[int(self.index[i])].rid)
+
+
+def _owner_rid(rids: list, first: np.ndarray, i: int) -> str:
+    """The request of entry i: entries come request after request, each run opened by `first`."""
+    return str(rids[int(np.count_nonzero(first[: i + 1])) - 1])
+
+
+def _range(ledger: OwnershipLedger, rids, slots, pos) -> CheckResult:
+    ps = ledger.page_size
+    if len(slots) and slots.min() >= ps and slots.max() < (ledger.num_pages + 1) * ps:
+        return passed("slot_range", f"{len(slots)} written slots in [{ps}, {(ledger.num_pages + 1) * ps})")
+    bad = np.flatnonzero((slots < ps) | (slots >= (ledger.num_pages + 1) * ps))
+    if not len(bad):
+        return passed("slot_range", f"{len(slots)} written slots in [{ps}, {(ledger.num_pages + 1) * ps})")
+    return failed("slot_range", f"written slot {int(slots[bad[0]])} (position {int(pos[bad[0]])}) is outside"
+                                f" [{ps}, {(ledger.num_pages + 1) * ps})", positions=(int(pos[bad[0]]),),
+                  slots=(int(slots[bad[0]]),))
+
+
+def _sharing(ledger: OwnershipLedger, rids, slots, rows, pos, tree_len) -> CheckResult:
+    pages = slots // ledger.page_size if ledger.page_size > 1 else slots
+    found = ledger.owner[pages]
+    expected = np.where(pos < tree_len, TREE, rows)
+    bad = np.flatnonzero(found != expected)
+    if not len(bad):
+        return passed("page_sharing", f"{len(slots)} written positions owned by the tree or their request")
+    i = int(bad[0])
+    return failed("page_sharing", f"row {int(rows[i])} position {int(pos[i])}: {ledger._what(int(pages[i]))} is owned"
+                                  f" by {owner_name(int(found[i]))}, expected {owner_name(int(expected[i]))}",
+                  positions=(int(pos[i]),), slots=(int(slots[i]),))

@@ -1,0 +1,307 @@
+"""Incremental integrity: who owns every page, kept up to date by the operations themselves.
+
+An `OwnershipLedger` is attached to a stack only while checking (`track`); without one every
+hook is a single `is not None` test. Each page (a slot when page_size == 1) has one owner:
+
+    FREE     in the allocator's free list (or its pending release list)
+    LOOSE    out of the allocator, owned by nobody: between an alloc and its claim, or between
+             a release and the allocator's free. Never at the end of an operation sequence.
+    TREE     a radix tree node
+    CARRIED  a chunked request's partial page while it has no request row (between
+             `free_req_rows` and its next extend, under deferred chunk caching)
+    r >= 0   request row r (the request's own pages, [last_matched_prefix_len, kv_allocated_len))
+
+Transitions, and who makes them:
+
+    allocator alloc (any path)     FREE -> LOOSE           `take`
+    alloc_for_extend / _decode     LOOSE|CARRIED|r -> r    `claim_rows`
+    tree insert (cache_*_req)      r -> TREE               `move`
+    cache frees, eviction          r|TREE -> LOOSE         `release`
+    allocator free                 LOOSE -> FREE           `give_back`
+    free_req_rows (hand-over)      r -> CARRIED            `carry_row`
+    request row freed              (r must own nothing)    `rows_released`
+
+A transition from an unexpected owner raises `IntegrityError` at once, naming the page, its
+owner and the operation: a double free, a free of a page still in use, a page handed out
+twice, a row released with pages it still owns (a lost page). What an operation cannot see
+(a page allocated and never claimed, a row written out of layout) is checked at the end of
+the step by `check_step`, in O(what the step changed + running requests).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from memcli.errors import IntegrityError
+
+FREE, LOOSE, TREE, CARRIED, PADDING, IN_FLIGHT = -1, -2, -3, -4, -5, -6
+_NAMES = {FREE: "free", LOOSE: "nobody (allocated, unclaimed)", TREE: "the tree", CARRIED: "a chunked request (carried)",
+          PADDING: "padding (page 0)", IN_FLIGHT: "a decode slot in flight (overlap)"}
+MAX_DIRTY = 4096  # dirty row ranges kept per step before they are merged per row
+
+
+class OwnershipError(IntegrityError):
+    """An operation broke page ownership (or a step check failed): `step` and `check` say where."""
+
+    def __init__(self, message: str, step: Optional[int] = None, check: Optional[str] = None):
+        super().__init__(message)
+        self.step, self.check = step, check
+
+
+class LedgerState(NamedTuple):
+    """A copy of the ledger (`snapshot` / `restore`), taken with the allocator's state."""
+
+    owner: np.ndarray
+    row_pages: np.ndarray
+    row_len: np.ndarray
+    counts: dict
+
+
+def owner_name(owner: int) -> str:
+    return _NAMES.get(int(owner), f"request row {int(owner)}")
+
+
+def _host(values: Any) -> np.ndarray:
+    """A 1-D int64 numpy copy of slot or page ids (tensor, list or array)."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().reshape(-1)
+        if values.device.type != "cpu":
+            values = values.cpu()
+        return values.numpy().astype(np.int64, copy=False)  # read at once, never kept
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+class OwnershipLedger:
+    """The owner of every page of one allocator, and the request rows each step touched."""
+
+    def __init__(self, num_pages: int, page_size: int, num_rows: int, req_to_token: Optional[torch.Tensor] = None):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_rows = num_rows
+        self.req_to_token = req_to_token
+        self.owner = np.empty(num_pages + 1, dtype=np.int32)
+        self.row_pages = np.zeros(num_rows, dtype=np.int64)  # pages each request row owns
+        self.row_len = np.zeros(num_rows, dtype=np.int64)  # slots written in each row
+        self._stamp = np.zeros(num_pages + 1, dtype=np.int64)  # scratch for duplicate detection
+        self._iota = np.arange(1, num_pages + 2, dtype=np.int64)  # 1, 2, ...: sliced, never allocated
+        self.dirty: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (rows, starts, ends) written
+        self.step: Optional[int] = None  # the step running now (set by the checker), named in errors
+        self.reset()
+
+    def reset(self) -> None:
+        """Every page free (page 0 padding), no row owns anything."""
+        self.owner.fill(FREE)
+        self.owner[0] = PADDING
+        self.row_pages.fill(0)
+        self.row_len.fill(0)
+        self.counts = {FREE: self.num_pages, LOOSE: 0, TREE: 0, CARRIED: 0, IN_FLIGHT: 0}
+        self.dirty = []
+
+    def snapshot(self) -> LedgerState:
+        return LedgerState(self.owner.copy(), self.row_pages.copy(), self.row_len.copy(), dict(self.counts))
+
+    def restore(self, state: LedgerState) -> None:
+        self.owner[:] = state.owner
+        self.row_pages[:] = state.row_pages
+        self.row_len[:] = state.row_len
+        self.counts = dict(state.counts)
+        self.dirty = []
+
+    # -- pages ------------------------------------------------------------------------------
+
+    def pages_of(self, slots: Any) -> np.ndarray:
+        """The distinct pages of `slots` (slot ids), in first-seen order for contiguous runs."""
+        slots = _host(slots)
+        if self.page_size == 1:
+            return slots
+        return np.unique(slots // self.page_size)
+
+    def _check_range(self, pages: np.ndarray, op: str) -> None:
+        if len(pages) and (pages.min() < 0 or pages.max() > self.num_pages):
+            bad = int(pages[(pages < 0) | (pages > self.num_pages)][0])
+            raise self.error("slot_range", f"{op}: page {bad} is outside the pool (valid pages 1..{self.num_pages})")
+
+    def _check_distinct(self, pages: np.ndarray, op: str) -> None:
+        """Raise when a page occurs twice in one operation (O(len), no sort)."""
+        if len(pages) < 2:
+            return
+        index = self._iota[: len(pages)]
+        self._stamp[pages] = index
+        twice = self._stamp[pages] != index
+        if twice.any():
+            raise self.error("double_free", f"{op}: {self._what(int(pages[np.flatnonzero(twice)[0]]))} given twice in"
+                                            " one call")
+
+    def error(self, check: str, message: str) -> "OwnershipError":
+        where = f"step {self.step}: " if self.step is not None else ""
+        return OwnershipError(f"{where}{check}: {message}", self.step, check)
+
+    def _what(self, page: int) -> str:
+        if self.page_size == 1:
+            return f"slot {page}"
+        return f"page {page} (slots {page * self.page_size}..{page * self.page_size + self.page_size - 1})"
+
+    def _unexpected(self, pages: np.ndarray, found: np.ndarray, bad: np.ndarray, op: str, expected: str) -> IntegrityError:
+        i = int(np.flatnonzero(bad)[0])
+        page, owner = int(pages[i]), int(found[i])
+        check = "double_free" if owner == FREE or op in ("allocator.free", "free_row_pages") else "owned_twice"
+        return self.error(check, f"{check} in {op}: {self._what(page)} is owned by {owner_name(owner)}, expected"
+                              f" {expected} ({int(bad.sum())} of {len(pages)} pages affected)")
+
+    def _transition(self, pages: np.ndarray, src: int, dst: int, op: str, distinct: bool = False) -> None:
+        """Pages owned by `src` (a state or a row) now belong to `dst`; raises otherwise.
+        `distinct`: the caller knows no page occurs twice (skips that check)."""
+        if not len(pages):
+            return
+        if not distinct:
+            self._check_range(pages, op)
+            self._check_distinct(pages, op)
+        found = self.owner[pages]
+        bad = found != src
+        if bad.any():
+            raise self._unexpected(pages, found, bad, op, owner_name(src))
+        self.owner[pages] = dst
+        self._count(src, -len(pages))
+        self._count(dst, len(pages))
+
+    def _count(self, owner: int, n: int) -> None:
+        if owner >= 0:
+            self.row_pages[owner] += n
+        else:
+            self.counts[owner] += n
+
+    # -- the transitions ---------------------------------------------------------------------
+
+    def take(self, pages: Any, op: str = "alloc") -> None:
+        """The allocator hands out `pages` (page ids): FREE -> LOOSE. The free list holds each FREE
+        page once (every page entered it through `give_back`), so no range or duplicate test."""
+        self._transition(_host(pages), FREE, LOOSE, op, distinct=True)
+
+    def give_back(self, pages: Any, op: str = "free") -> None:
+        """The allocator puts `pages` (page ids) back: LOOSE -> FREE. A page still owned by a row or
+        the tree was freed behind its owner's back; a FREE page is a double free."""
+        self._transition(_host(pages), LOOSE, FREE, op)
+
+    def release(self, slots: Any, owner: int, op: str) -> None:
+        """`owner` (a row or TREE) gives up the pages of `slots` before freeing them: owner -> LOOSE."""
+        self._transition(self.pages_of(slots), owner, LOOSE, op)
+
+    def move(self, slots: Any, src: int, dst: int, op: str) -> None:
+        """Ownership of the pages of `slots` passes from `src` to `dst` (a row's pages to the tree)."""
+        self._transition(self.pages_of(slots), src, dst, op)
+
+    def release_rows(self, page_starts: Any, rows: list[int], op: str) -> None:
+        """Rows give up whole pages: `page_starts` holds one slot per page, `len(rows)` equal rows
+        of them (a [len(rows), k] tensor, or [k] for one row), row i belonging to `rows[i]`."""
+        slots = _host(page_starts)
+        owners = np.repeat(np.asarray(rows, dtype=np.int64), len(slots) // max(len(rows), 1))
+        self._transition_each(slots // self.page_size, owners, LOOSE, op)
+
+    def _transition_each(self, pages: np.ndarray, rows: np.ndarray, dst: int, op: str) -> None:
+        """Page `pages[i]` owned by row `rows[i]` passes to `dst` (a state)."""
+        if not len(pages):
+            return
+        self._check_range(pages, op)
+        self._check_distinct(pages, op)
+        found = self.owner[pages]
+        bad = found != rows
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise self._unexpected(pages, found, bad, op, f"request row {int(rows[i])}")
+        self.owner[pages] = dst
+        self.row_pages -= np.bincount(rows, minlength=self.num_rows)
+        self._count(dst, len(pages))
+
+    def claim_rows(self, slots: Any, rows: np.ndarray, op: str) -> None:
+        """Slot `slots[i]` was written into row `rows[i]`: its page is claimed by that row, from
+        LOOSE (a new page) or CARRIED (a chunk's partial page), or is already the row's own (the
+        row's partial last page). `slots` come request after request, in row order."""
+        slots = _host(slots)
+        if not len(slots):
+            return
+        pages = slots // self.page_size
+        if self.page_size > 1:  # one entry per run of slots on one page
+            first = np.ones(len(pages), dtype=bool)
+            first[1:] = (pages[1:] != pages[:-1]) | (rows[1:] != rows[:-1])
+            pages, rows = pages[first], rows[first]
+        self._check_range(pages, op)  # distinct: new pages were checked by `take`, old ones are per row
+        found = self.owner[pages]
+        loose, carried = found == LOOSE, found == CARRIED
+        bad = ~(loose | carried | (found == rows))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise self._unexpected(pages, found, bad, op, f"nobody (a new page) or request row {int(rows[i])}")
+        new = loose | carried
+        self.owner[pages[new]] = rows[new]
+        self.counts[LOOSE] -= int(loose.sum())
+        self.counts[CARRIED] -= int(carried.sum())
+        self.row_pages += np.bincount(rows[new], minlength=self.num_rows)
+
+    def wrote(self, row: int, start: int, end: int) -> None:
+        """Row `row` positions [start, end) were written (checked at the end of the step)."""
+        if end > start:
+            self.wrote_rows(np.array([row]), np.array([start]), np.array([end]))
+
+    def wrote_rows(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        self.dirty.append((rows, starts, ends))
+        np.maximum.at(self.row_len, rows, ends)
+
+    def extended(self, rows: list[int], new_rows: list[int], prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
+                 prefix_tensors: list[torch.Tensor], out_cache_loc: torch.Tensor) -> None:
+        """`alloc_for_extend` wrote rows: request i's new slots (`out_cache_loc`, request after
+        request) are claimed by `rows[i]`; a new row also claims the carried pages of its prefix."""
+        op = "alloc_for_extend"
+        row_ids = np.asarray(rows, dtype=np.int64)
+        prefix, seq = prefix_lens.numpy().astype(np.int64), seq_lens.numpy().astype(np.int64)
+        fresh = np.isin(row_ids, np.asarray(new_rows, dtype=np.int64)) if new_rows else np.zeros(len(rows), bool)
+        if self.counts[CARRIED]:
+            for i in np.flatnonzero(fresh & (prefix > 0)):
+                pages = self.pages_of(prefix_tensors[i])
+                self._transition(pages[self.owner[pages] == CARRIED], CARRIED, int(row_ids[i]), op)
+        self.claim_rows(out_cache_loc, np.repeat(row_ids, seq - prefix), op)
+        # A new row's prefix was copied from the tree: its last page is checked with the new part
+        # (the copy's alignment); the rest of it, O(prefix), is left to the full walks.
+        self.wrote_rows(row_ids, np.where(fresh, prefix - prefix % self.page_size - self.page_size, prefix).clip(0), seq)
+
+    def decoded(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+        """`alloc_for_decode` wrote one slot per row at column `seq_lens` (the old lengths)."""
+        rows, seq = _host(req_pool_indices), _host(seq_lens)
+        self.claim_rows(out_cache_loc, rows, "alloc_for_decode")
+        self.wrote_rows(rows, seq, seq + 1)
+
+    def carry_row(self, row: int, op: str = "free_req_rows") -> None:
+        """A row is given back while its request lives on (a chunked request between pieces): the
+        pages it owns go with the request (CARRIED) until its next extend claims them."""
+        if not self.row_pages[row] or self.req_to_token is None:
+            return
+        slots = self.req_to_token[row, : int(self.row_len[row])]
+        pages = self.pages_of(slots)
+        own = pages[self.owner[pages] == row]
+        self._transition(own, row, CARRIED, op)
+
+    def rows_released(self, rows: Iterable[int], op: str = "free request row") -> None:
+        """Request rows go back to the pool: each must own no page any more (else a page is lost)."""
+        for row in rows:
+            if self.row_pages[row]:
+                pages = np.flatnonzero(self.owner == row)  # O(pool), only on the way to an error
+                raise self.error("lost_page",
+                    f"lost page in {op}: request row {row} is released but still owns {int(self.row_pages[row])}"
+                    f" pages, e.g. {', '.join(self._what(int(p)) for p in pages[:3])}; they were never freed")
+            self.row_len[row] = 0
+
+    # -- what the whole-stack walk sees ----------------------------------------------------------
+
+    def seed(self, free_pages: np.ndarray, tree_slots: np.ndarray, own: list[tuple[int, np.ndarray]]) -> None:
+        """Start from a stack in use: its free pages, tree slots, and (row, own slots) per request."""
+        self.reset()
+        self.owner[1:] = LOOSE
+        self.counts[FREE] = 0
+        self.counts[LOOSE] = self.num_pages
+        self.give_back(free_pages, "seed")
+        # The tree's slots and the rows' own pages start LOOSE, then are claimed.
+        self._transition(self.pages_of(tree_slots), LOOSE, TREE, "seed")
+        for row, slots in own:
+            self._transition(self.pages_of(slots), LOOSE, row, "seed")

@@ -1,0 +1,164 @@
+"""Incremental integrity: the ownership ledger against the full walk, and planted faults caught
+at the step (and by the check) where they happen."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from memcli.mem_cache import common
+from memcli.mem_cache.integrity import CheckPolicy, IntegrityChecker, OwnershipError
+from memcli.mem_cache.integrity.ownership import FREE, TREE
+from memcli.mem_cache.radix_cache import RadixCache
+from memcli.sched.scheduler import Scheduler
+from tests.sched.helpers import small_stack
+from tests.sched.test_scheduler import shared_prefix_workload
+
+PROFILES = ["sglang-0.5.5", "memcli"]
+
+
+def scheduler(page_size=4, cache="radix", profile="sglang-0.5.5", every_step="incremental", loop=None, **kw):
+    extra = {} if loop is None else {"semantics__event_loop": loop}
+    cfg, stack = small_stack(page_size, pool=512, cache=cache, rows=8, context=256, chunk=64,
+                             semantics__profile=profile, **extra)
+    checker = IntegrityChecker(stack, CheckPolicy(every_step, walk_every=1))
+    sched = Scheduler(stack, cfg.scheduler, cfg.sim, page_size, checker=checker, **kw)
+    shared_prefix_workload(sched, max_out=30)
+    return stack, sched
+
+
+def run_until(sched, step: int) -> None:
+    while sched.step_count < step:
+        sched.step()
+
+
+def failing_step(sched) -> OwnershipError:
+    with pytest.raises(OwnershipError) as info:
+        sched.run(max_steps=5000)
+    return info.value
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("cache", ["radix", "chunk"])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_ledger_agrees_with_the_full_walk_at_every_step(page_size, cache, profile):
+    """Mode "both": the incremental check and the full walk after every step, and the ledger
+    compared page by page with what the walk sees (chunks, retractions, evictions included)."""
+    stack, sched = scheduler(page_size, cache, profile, every_step="both", retract_every=3)
+    sched.run(max_steps=5000)
+    assert sched.is_done() and sched.stats.finished == 24
+    stats = sched.checker.stats
+    assert stats.incremental == stats.full_walks == sched.step_count
+    ledger = sched.checker.ledger
+    assert ledger.counts[FREE] * page_size == stack.allocator.available_size()
+    assert ledger.counts[TREE] * page_size == stack.tree_cache.total_size()
+    assert not ledger.row_pages.any()
+
+
+def test_no_ledger_without_incremental_checks():
+    stack, sched = scheduler(every_step="none")
+    sched.run(max_steps=5000)
+    assert stack.allocator.ledger is None and stack.req_to_token_pool.ledger is None
+    assert sched.checker.stats.incremental == 0
+
+
+def test_free_of_a_slot_still_in_use_is_caught_by_the_free():
+    stack, sched = scheduler()
+    run_until(sched, 6)
+    req = sched.active_reqs()[0]
+    slot = int(stack.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_allocated_len - 1])
+    with pytest.raises(OwnershipError) as info:
+        stack.allocator.free(torch.tensor([slot]))
+    err = info.value
+    assert err.step == 6 and err.check == "double_free"
+    assert f"page {slot // 4}" in str(err) and f"request row {req.req_pool_idx}" in str(err)
+    assert "allocator.free" in str(err)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_double_free_by_the_cache_is_caught_at_its_step(profile, monkeypatch):
+    """A cache that frees a request's duplicates twice: the second free meets a free page."""
+    stack, sched = scheduler(profile=profile)
+    planted = []
+    free = RadixCache._free
+
+    def free_twice(self, slots, row, op):
+        free(self, slots, row, op)
+        if len(slots) and sched.step_count >= 5 and not planted:
+            planted.append(sched.step_count)
+            self.allocator.free(slots)
+
+    monkeypatch.setattr(RadixCache, "_free", free_twice)
+    err = failing_step(sched)
+    assert planted and err.step == planted[0] == sched.step_count
+    assert err.check == "double_free" and "is owned by free" in str(err)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_lost_page_is_caught_when_its_request_is_released(profile, monkeypatch):
+    """cache_finished_req forgets to free a request's tail: the row goes back still owning it."""
+    stack, sched = scheduler(page_size=4, profile=profile)
+    planted = []
+    free = RadixCache._free
+
+    def forgetful(self, slots, row, op):
+        if op == "cache_finished_req" and len(slots) and sched.step_count >= 4 and not planted:
+            planted.append(sched.step_count)
+            return
+        free(self, slots, row, op)
+
+    monkeypatch.setattr(RadixCache, "_free", forgetful)
+    err = failing_step(sched)
+    assert planted and err.step == planted[0] and err.check == "lost_page"
+    assert "still owns" in str(err) and "never freed" in str(err)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_misaligned_row_is_caught_by_row_layout_at_its_step(profile, monkeypatch):
+    """A decode write that puts a slot at the wrong offset of its page (a kernel bug). In the
+    normal loop: the request written to is then still running, so its row is checked."""
+    stack, sched = scheduler(page_size=16, profile=profile, loop="normal")
+    planted = []
+    alloc_for_decode = common.alloc_for_decode
+
+    def misaligned(pool, allocator, tree_cache, **kw):
+        out = alloc_for_decode(pool, allocator, tree_cache, **kw)
+        if sched.step_count >= 8 and not planted:
+            row, col = int(kw["req_pool_indices"][0]), int(kw["seq_lens_cpu"][0])
+            slot = int(pool.req_to_token[row, col])
+            pool.req_to_token[row, col] = slot + 1 if (slot + 1) % 16 else slot - 1
+            planted.append(sched.step_count)
+        return out
+
+    monkeypatch.setattr(common, "alloc_for_decode", misaligned)
+    err = failing_step(sched)
+    assert planted and err.step == planted[0] and err.check == "row_layout"
+    assert "expected offset" in str(err) or "expected" in str(err)
+
+
+def test_page_allocated_and_never_claimed_is_a_lost_page_at_the_next_check():
+    stack, sched = scheduler(page_size=4)
+    run_until(sched, 5)
+    stack.allocator.alloc(4)  # out of the allocator, owned by nobody
+    err = failing_step(sched)
+    assert err.step == 5 and err.check in ("conservation", "lost_page")
+    assert "memory leak detected" in str(err)
+
+
+def test_full_walks_on_idle_steps_are_sampled():
+    cfg, stack = small_stack(4, pool=512, rows=8, context=256, chunk=64)
+    checker = IntegrityChecker(stack, CheckPolicy("none", walk_every=4, walk_budget=1.0))
+    sched = Scheduler(stack, cfg.scheduler, cfg.sim, 4, checker=checker)
+    shared_prefix_workload(sched, n=12, max_out=3, gap_ms=200.0)  # idle gaps between requests
+    sched.run(max_steps=5000)
+    idle = sched.stats.idle_steps
+    assert idle >= 8
+    assert checker.stats.full_walks == 1 + (idle - 1) // 4
+
+
+def test_policy_rejects_unknown_modes():
+    with pytest.raises(ValueError, match="every_step"):
+        CheckPolicy("sometimes")
+    with pytest.raises(ValueError, match="walk_every"):
+        CheckPolicy("none", walk_every=0)

@@ -1,0 +1,61 @@
+"""`replay --check` (incremental) and `--check full`: modes, counters, and a planted fault
+reported with its step and check in the JSON integrity section, under both profiles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memcli.mem_cache.radix_cache import RadixCache
+from memcli.sched.scheduler import Scheduler
+from tests.tools.replay.test_command import SMALL, invoke, memcli_trace  # noqa: F401  (fixture)
+
+PROFILES = ["sglang-0.5.5", "memcli"]
+
+
+def run(trace, *args):
+    result = invoke(trace, *args, "--json", *SMALL)
+    return result.exit_code, json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_check_is_incremental_every_step(memcli_trace, profile):  # noqa: F811
+    code, doc = run(memcli_trace, "--check", "--set", f"semantics.profile={profile}")
+    i = doc["integrity"]
+    assert code == 0 and i["ok"] and i["mode"] == "every step"
+    assert i["incremental_checks"] == doc["summary"]["steps"] and i["full_walks"] >= 1
+    assert i["failure_step"] is None and i["failure_check"] is None
+
+
+def test_check_full_walks_every_step(memcli_trace):  # noqa: F811
+    code, doc = run(memcli_trace, "--check", "full")
+    i = doc["integrity"]
+    assert code == 0 and i["mode"] == "every step (full)"
+    assert i["incremental_checks"] == 0 and i["full_walks"] == doc["summary"]["steps"] + 1
+
+
+def test_a_word_after_the_trace_other_than_full_is_bad_input(memcli_trace):  # noqa: F811
+    result = invoke(memcli_trace, "--check", "fast", *SMALL)
+    assert result.exit_code == 2 and "--check full" in result.stderr
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_double_free_is_reported_with_its_step_and_check(memcli_trace, monkeypatch, profile):  # noqa: F811
+    planted = []
+    step = Scheduler.step
+
+    def freeing_step(self):
+        if self.step_count == 7 and self.active_reqs():
+            req = self.active_reqs()[0]
+            row = self.stack.req_to_token_pool.req_to_token[req.req_pool_idx]
+            planted.append(self.step_count)
+            self.stack.allocator.free(row[req.kv_allocated_len - 1: req.kv_allocated_len])  # still in use
+        return step(self)
+
+    monkeypatch.setattr(Scheduler, "step", freeing_step)
+    code, doc = run(memcli_trace, "--check", "--set", f"semantics.profile={profile}")
+    i = doc["integrity"]
+    assert planted == [7] and code == 1
+    assert i["failure_step"] == 7 and i["failure_check"] == "double_free"
+    assert "request row" in i["failure"] and "allocator.free" in i["failure"]
