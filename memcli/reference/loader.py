@@ -1,7 +1,7 @@
 """Import SGLang 0.5.5's real memory-stack modules from the extracted wheel.
 
     ref = load_reference()
-    alloc = ref.PagedTokenToKVPoolAllocator(64, 16, torch.int64, "cpu", ref.tiny_kv_pool(64, 16), False)
+    alloc = ref.PagedTokenToKVPoolAllocator(64, 16, torch.int64, ref.device, ref.tiny_kv_pool(64, 16), False)
     tree = ref.RadixCache(None, alloc, 16)
     ref.use_clock(LogicalClock())
 
@@ -133,15 +133,21 @@ class Reference:
         self._clock_saved.append(module.time)
         module.time = types.SimpleNamespace(monotonic=clock, time=clock, perf_counter=clock)
 
+    @property
+    def device(self) -> str:
+        """Where SGLang's pools live: the CPU under the interpreter, else the GPU its compiled
+        kernels run on (they take no CPU tensors)."""
+        return "cpu" if self.interpreted else "cuda"
+
     def restore_clock(self) -> None:
         if self._clock_saved:
             self.modules["radix_cache"].time = self._clock_saved.pop()
 
     def tiny_kv_pool(self, size: int, page_size: int, layer_num: int = 1, head_num: int = 1,
-                     head_dim: int = 1, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
-        """A real `MHATokenToKVPool` with one layer of one 1-wide head: the allocators only
-        keep a reference to it."""
-        return self.MHATokenToKVPool(size, page_size, dtype, head_num, head_dim, layer_num, device,
+                     head_dim: int = 1, dtype: torch.dtype = torch.float32) -> Any:
+        """A real `MHATokenToKVPool` with one layer of one 1-wide head, on `device`: the
+        allocators only keep a reference to it."""
+        return self.MHATokenToKVPool(size, page_size, dtype, head_num, head_dim, layer_num, self.device,
                                      enable_memory_saver=False, enable_alt_stream=False)
 
 

@@ -115,11 +115,11 @@ class ReferenceLoop:
         ref, ps, size = self.ref, config.page_size, config.pool_size
         kv_pool = ref.tiny_kv_pool(size, ps)
         if ps == 1:
-            self.allocator = ref.TokenToKVPoolAllocator(size, torch.int64, "cpu", kv_pool, False)
+            self.allocator = ref.TokenToKVPoolAllocator(size, torch.int64, ref.device, kv_pool, False)
         else:
-            self.allocator = ref.PagedTokenToKVPoolAllocator(size, ps, torch.int64, "cpu", kv_pool, False)
+            self.allocator = ref.PagedTokenToKVPoolAllocator(size, ps, torch.int64, ref.device, kv_pool, False)
         self.req_to_token_pool = ref.ReqToTokenPool(config.memory.max_running_requests,
-                                                    config.memory.max_context_len + 4, "cpu",
+                                                    config.memory.max_context_len + 4, ref.device,
                                                     enable_memory_saver=False)
         kind = config.cache.kind
         if kind == "radix":
@@ -308,7 +308,7 @@ class ReferenceLoop:
             self.clock_ms += (self.sim.step_base_ms + self.sim.decode_req_us * batch.batch_size() / 1e3
                               + self.sim.kv_read_ns * kv_read / 1e6)
             tokens = [self._token() for _ in batch.reqs]
-        batch.output_ids = torch.tensor(tokens, dtype=torch.int64)
+        batch.output_ids = torch.tensor(tokens, dtype=torch.int64, device=self.ref.device)  # sampled on the device
 
     def _token(self) -> int:
         self.next_token += 1

@@ -144,9 +144,9 @@ def _in_tree(node: Any, root: Any) -> bool:
 def _sglang_side(ref: Reference, size: int, page_size: int, policy: str) -> _Side:
     kv_pool = ref.tiny_kv_pool(size, page_size)
     if page_size == 1:
-        allocator = ref.TokenToKVPoolAllocator(size, torch.int64, "cpu", kv_pool, False)
+        allocator = ref.TokenToKVPoolAllocator(size, torch.int64, ref.device, kv_pool, False)
     else:
-        allocator = ref.PagedTokenToKVPoolAllocator(size, page_size, torch.int64, "cpu", kv_pool, False)
+        allocator = ref.PagedTokenToKVPoolAllocator(size, page_size, torch.int64, ref.device, kv_pool, False)
     tree = ref.RadixCache(None, allocator, page_size, eviction_policy=policy)
     side = _Side(tree, allocator, lambda t: ref.RadixKey(list(t)), tree.eviction_strategy.get_priority,
                  tree.root_node)

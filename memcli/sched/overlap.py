@@ -32,8 +32,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-
 from memcli.mem_cache import common
 from memcli.mem_cache.integrity import InFlightSlot
 from memcli.sched.batch import ScheduleBatch
@@ -156,8 +154,7 @@ class OverlapLoop:
         if req in flight.extra:
             slot = flight.extra.pop(req)
             if slot is not None:
-                common.free_slots(self.sched.stack.allocator,
-                                  torch.tensor([slot.slot], dtype=torch.int64))
+                common.free_slots(self.sched.stack.allocator, [slot.slot])
             return True
         return req.finished or req.is_retracted
 

@@ -21,9 +21,9 @@ def clocked(ref):
 def _tree(ref, page_size, size=64, policy="lru"):
     kv_pool = ref.tiny_kv_pool(size, page_size)
     if page_size == 1:
-        allocator = ref.TokenToKVPoolAllocator(size, torch.int64, "cpu", kv_pool, False)
+        allocator = ref.TokenToKVPoolAllocator(size, torch.int64, ref.device, kv_pool, False)
     else:
-        allocator = ref.PagedTokenToKVPoolAllocator(size, page_size, torch.int64, "cpu", kv_pool, False)
+        allocator = ref.PagedTokenToKVPoolAllocator(size, page_size, torch.int64, ref.device, kv_pool, False)
     return ref.RadixCache(None, allocator, page_size, eviction_policy=policy), allocator
 
 
@@ -61,8 +61,8 @@ def test_radix_cache_page_size_1(ref, clocked):
     slots = allocator.alloc(6)
     assert slots.tolist() == [1, 2, 3, 4, 5, 6]
     assert tree.insert(ref.RadixKey([1, 2, 3, 4]), slots[:4].clone()) == 0
-    assert tree.insert(ref.RadixKey([1, 2, 9, 9]), torch.tensor([5, 6, 7, 8])) == 2
-    allocator.free(torch.tensor([5, 6]))  # the duplicate prefix
+    assert tree.insert(ref.RadixKey([1, 2, 9, 9]), torch.tensor([5, 6, 7, 8], device=ref.device)) == 2
+    allocator.free(torch.tensor([5, 6], device=ref.device))  # the duplicate prefix
     match = tree.match_prefix(ref.RadixKey([1, 2, 3, 7]))
     assert match.device_indices.tolist() == [1, 2, 3]  # split [3, 4] into [3] + [4]
     assert (tree.evictable_size(), tree.total_size()) == (6, 6)
@@ -91,26 +91,29 @@ def test_radix_cache_page_size_16(ref, clocked):
     assert allocator.free_pages[:4].tolist() == [1, 2, 3, 5]
 
 
-def test_paged_allocator_kernels_on_cpu(ref):
+def test_paged_allocator_kernels(ref):
+    """SGLang's alloc_extend / alloc_decode kernels: interpreted on a CPU, compiled on a GPU."""
     ps = 4
-    allocator = ref.PagedTokenToKVPoolAllocator(16 * ps, ps, torch.int64, "cpu", ref.tiny_kv_pool(16 * ps, ps), False)
+    dev = ref.device
+    allocator = ref.PagedTokenToKVPoolAllocator(16 * ps, ps, torch.int64, ref.device, ref.tiny_kv_pool(16 * ps, ps), False)
     first = allocator.alloc(ps)  # page 1: slots 4..7, so a prefix of 2 tokens ends at slot 5
     assert first.tolist() == [4, 5, 6, 7]
-    prefix_lens, seq_lens = torch.tensor([0, 2]), torch.tensor([5, 11])
-    last_loc = torch.tensor([-1, 5])
-    out = allocator.alloc_extend(prefix_lens, prefix_lens, seq_lens, seq_lens, last_loc, 14)
+    prefix_lens_cpu, seq_lens_cpu = torch.tensor([0, 2]), torch.tensor([5, 11])
+    prefix_lens, seq_lens = prefix_lens_cpu.to(dev), seq_lens_cpu.to(dev)
+    last_loc = torch.tensor([-1, 5], device=dev)
+    out = allocator.alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, 14)
     # request 0: new pages 2, 3 (5 tokens); request 1: rest of page 1, then pages 4 and 5
     assert out.tolist() == [8, 9, 10, 11, 12, 6, 7, 16, 17, 18, 19, 20, 21, 22]
     assert allocator.free_pages[0].item() == 6
     decode_seq_lens = torch.tensor([6, 13])  # request 0 stays in page 3; request 1 opens page 6
-    out = allocator.alloc_decode(decode_seq_lens, decode_seq_lens, torch.tensor([12, 23]))
+    out = allocator.alloc_decode(decode_seq_lens.to(dev), decode_seq_lens, torch.tensor([12, 23], device=dev))
     assert out.tolist() == [13, 24]
     assert allocator.free_pages[0].item() == 7
 
 
 def test_req_to_token_pool_chunk_cache_and_write_cache_indices(ref):
-    pool = ref.ReqToTokenPool(4, 16, "cpu", enable_memory_saver=False)
-    allocator = ref.TokenToKVPoolAllocator(32, torch.int64, "cpu", ref.tiny_kv_pool(32, 1), False)
+    pool = ref.ReqToTokenPool(4, 16, ref.device, enable_memory_saver=False)
+    allocator = ref.TokenToKVPoolAllocator(32, torch.int64, ref.device, ref.tiny_kv_pool(32, 1), False)
     cache = ref.ChunkCache(pool, allocator, page_size=1)
     assert pool.alloc(2) == [0, 1] and cache.evictable_size() == 0
     out = allocator.alloc(5)  # [1..5]: request 0 extends 2 -> 5 over prefix [9, 8]; request 1 has 0 -> 2
