@@ -289,6 +289,7 @@ class Scheduler:
         if self.running.reqs or self.chunked_req is not None or not self.waiting:
             return
         self._abort_waiting(self.waiting.pop(0))
+        self.gate.shrank()  # nothing runs that could clear SGLang's batch_is_full flag
 
     def _abort_waiting(self, req: Req) -> None:
         req.aborted = req.finished = True

@@ -218,3 +218,17 @@ def test_random_workloads_keep_every_invariant(page_size, cache, pool_pages, req
     assert sched.stats.finished + sched.stats.aborted == len(requests)
     assert sched.stats.aborted == 0
     assert_all_free(stack)
+
+
+@pytest.mark.parametrize("profile", ["sglang-0.5.5", "memcli"])
+def test_a_request_that_can_never_fit_is_aborted_and_the_rest_runs(profile):
+    """The head request's prompt and output exceed the pool: nothing could ever make room, so
+    it is aborted (SGLang would wait forever), and the admission gate opens for the next."""
+    cfg, stack = small_stack(1, pool=256, rows=8, context=250, semantics__profile=profile)
+    sched = make_scheduler(stack, cfg)
+    sched.add_request(sched.new_req("big", tokens((0, 200)), 100))
+    sched.add_request(sched.new_req("small", tokens((1000, 10)), 5))
+    sched.run(max_steps=200)
+    assert sched.is_done()
+    assert [(r.rid, r.aborted) for r in sched.finished] == [("big", True), ("small", False)]
+    assert_all_free(stack)
