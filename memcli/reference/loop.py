@@ -323,28 +323,34 @@ class ReferenceLoop:
 
     def _process_prefill(self, batch: Any, tokens: list[int]) -> None:
         for req, token in zip(batch.reqs, tokens):
-            if req.is_retracted:
-                continue
-            if req.is_chunked > 0:
-                req.is_chunked -= 1
-                continue
-            req.output_ids.append(token)
-            req.check_finished()
-            if req.finished():
-                self._finish(req)
-            else:
-                self.tree_cache.cache_unfinished_req(req)
+            if not req.is_retracted:
+                self._prefill_token(req, token)
 
     def _process_decode(self, batch: Any, tokens: list[int]) -> None:
         self.allocator.free_group_begin()
         for req, token in zip(batch.reqs, tokens):
-            if req.is_retracted:
-                continue
-            req.output_ids.append(token)
-            req.check_finished()
-            if req.finished():
-                self._finish(req)
+            if not req.is_retracted:
+                self._decode_token(req, token)
         self.allocator.free_group_end()
+
+    def _prefill_token(self, req: Any, token: int) -> None:
+        """`process_batch_result_prefill` for a request still in the batch: a chunk, or a token."""
+        if req.is_chunked > 0:
+            req.is_chunked -= 1
+            return
+        req.output_ids.append(token)
+        req.check_finished()
+        if req.finished():
+            self._finish(req)
+        else:
+            self.tree_cache.cache_unfinished_req(req)
+
+    def _decode_token(self, req: Any, token: int) -> None:
+        """`process_batch_result_decode` for a request still in the batch."""
+        req.output_ids.append(token)
+        req.check_finished()
+        if req.finished():
+            self._finish(req)
 
     def _finish(self, req: Any) -> None:
         self.tree_cache.cache_finished_req(req)

@@ -74,17 +74,8 @@ class OverlapReferenceLoop(ReferenceLoop):
                 row = batch.req_to_token_pool.req_to_token[batch.req_pool_indices[i]]
                 self.allocator.free(row[seq_len - 1: seq_len])
                 continue
-            if req.is_retracted:
-                continue
-            if req.is_chunked > 0:
-                req.is_chunked -= 1
-                continue
-            req.output_ids.append(token)
-            req.check_finished()
-            if req.finished():
-                self._finish(req)
-            else:
-                self.tree_cache.cache_unfinished_req(req)
+            if not req.is_retracted:
+                self._prefill_token(req, token)
 
     def _process_decode(self, batch: Any, tokens: list[int]) -> None:
         ps = self.config.page_size
@@ -94,10 +85,7 @@ class OverlapReferenceLoop(ReferenceLoop):
                 if ps == 1 or (len(req.origin_input_ids) + len(req.output_ids) - 1) % ps == 0:
                     self.allocator.free(batch.out_cache_loc[i: i + 1])
                 continue
-            req.output_ids.append(token)
-            req.check_finished()
-            if req.finished():
-                self._finish(req)
+            self._decode_token(req, token)
         self.allocator.free_group_end()
 
 
