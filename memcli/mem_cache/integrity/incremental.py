@@ -31,11 +31,13 @@ INCREMENTAL_NAMES = ("lost_page", "free_list", "tree", "conservation", "row_layo
 
 def check_step(ledger: OwnershipLedger, stack: Any, running: Iterable[Any]) -> list[CheckResult]:
     """Every incremental check, in `INCREMENTAL_NAMES` order; clears the step's dirty rows."""
+    ledger.settle()  # pages handed out and never claimed are LOOSE (lost) from here on
     running = list(running)
-    flying = [r for r in running if isinstance(r, InFlightSlot)]
-    held = _Held.of([r for r in running if not r.kv_freed and not isinstance(r, InFlightSlot)], ledger.page_size)
+    reqs = [r for r in running if not r.kv_freed and r.__class__ is not InFlightSlot]
+    num_flying = sum(1 for r in running if isinstance(r, InFlightSlot)) if len(reqs) < len(running) else 0
+    held = _Held.of(reqs, ledger.page_size)
     results = [_lost_pages(ledger), _free_count(ledger, stack), _tree_count(ledger, stack),
-               _held(ledger, held, len(flying)), *_written_rows(ledger, stack, held)]
+               _held(ledger, held, num_flying), *_written_rows(ledger, stack, held)]
     ledger.dirty = []
     return results
 
@@ -51,9 +53,12 @@ class _Held(NamedTuple):
 
     @classmethod
     def of(cls, reqs: list, page_size: int) -> "_Held":
-        rows = np.array([-1 if r.req_pool_idx is None else r.req_pool_idx for r in reqs], dtype=np.int64)
-        allocated = np.array([r.kv_allocated_len for r in reqs], dtype=np.int64)
-        tree_len = np.array([r.last_matched_prefix_len for r in reqs], dtype=np.int64)
+        if reqs:  # one pass over the requests; a missing row reads -1
+            table = np.array([(-1 if r.req_pool_idx is None else r.req_pool_idx, r.kv_allocated_len,
+                               r.last_matched_prefix_len) for r in reqs], dtype=np.int64)
+            rows, allocated, tree_len = table[:, 0], table[:, 1], table[:, 2]
+        else:
+            rows = allocated = tree_len = np.zeros(0, dtype=np.int64)
         pages = -(-allocated // page_size) - tree_len // page_size
         return cls(reqs, rows, allocated, tree_len, pages)
 
