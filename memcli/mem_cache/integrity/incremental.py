@@ -17,6 +17,7 @@ during the step (`ledger.dirty`), never the whole pool:
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any, Iterable, NamedTuple
 
 import numpy as np
@@ -42,6 +43,9 @@ def check_step(ledger: OwnershipLedger, stack: Any, running: Iterable[Any]) -> l
     return results
 
 
+_ALLOCATED, _TREE_LEN = attrgetter("kv_allocated_len"), attrgetter("last_matched_prefix_len")
+
+
 class _Held(NamedTuple):
     """The running requests as arrays: row (-1 without one), allocated and tree lengths, pages held."""
 
@@ -53,12 +57,10 @@ class _Held(NamedTuple):
 
     @classmethod
     def of(cls, reqs: list, page_size: int) -> "_Held":
-        if reqs:  # one pass over the requests; a missing row reads -1
-            table = np.array([(-1 if r.req_pool_idx is None else r.req_pool_idx, r.kv_allocated_len,
-                               r.last_matched_prefix_len) for r in reqs], dtype=np.int64)
-            rows, allocated, tree_len = table[:, 0], table[:, 1], table[:, 2]
-        else:
-            rows = allocated = tree_len = np.zeros(0, dtype=np.int64)
+        n = len(reqs)
+        rows = np.fromiter((-1 if r.req_pool_idx is None else r.req_pool_idx for r in reqs), np.int64, n)
+        allocated = np.fromiter(map(_ALLOCATED, reqs), np.int64, n)
+        tree_len = np.fromiter(map(_TREE_LEN, reqs), np.int64, n)
         pages = -(-allocated // page_size) - tree_len // page_size
         return cls(reqs, rows, allocated, tree_len, pages)
 
@@ -137,43 +139,55 @@ def _written_rows(ledger: OwnershipLedger, stack: Any, held: _Held) -> list[Chec
 def _gather(ledger: OwnershipLedger, stack: Any, held: _Held):
     """(rids, slots, rows, pos, tree_len, first) of the positions running requests had written
     this step, one span per row (vectorised); each span starts one position early, so a page
-    continued this step is checked across its old and new slots."""
-    if not ledger.dirty:
+    continued this step is checked across its old and new slots. `first` (the span openings,
+    for row_layout) is None with page size 1, where nothing reads it."""
+    dirty = ledger.dirty
+    if not dirty:
         return None
-    rows = np.concatenate([d[0] for d in ledger.dirty])
-    starts = np.concatenate([d[1] for d in ledger.dirty])
-    ends = np.concatenate([d[2] for d in ledger.dirty])
-    if len(ledger.dirty) > 1:
+    if len(dirty) == 1:  # one entry names each row once
+        rows, starts, ends = dirty[0]
+    else:
+        rows = np.concatenate([d[0] for d in dirty])
+        starts = np.concatenate([d[1] for d in dirty])
+        ends = np.concatenate([d[2] for d in dirty])
         lo = np.full(ledger.num_rows, np.iinfo(np.int64).max)
         hi = np.zeros(ledger.num_rows, dtype=np.int64)
         np.minimum.at(lo, rows, starts)
         np.maximum.at(hi, rows, ends)
-        rows = np.unique(rows)
+        touched = np.zeros(ledger.num_rows, dtype=bool)
+        touched[rows] = True
+        rows = np.flatnonzero(touched)
         starts, ends = lo[rows], hi[rows]
     index = np.full(ledger.num_rows, -1, dtype=np.int64)  # row -> running request
     with_rows = held.rows >= 0
     index[held.rows[with_rows]] = np.flatnonzero(with_rows)
     req = index[rows]
     live = req >= 0
-    rows, starts, ends, req = rows[live], starts[live], ends[live], req[live]
+    if not live.all():
+        rows, starts, ends, req = rows[live], starts[live], ends[live], req[live]
     starts = np.maximum(starts - 1, 0)
     ends = np.minimum(ends, held.allocated[req])
     keep = ends > starts
-    rows, starts, ends, req = rows[keep], starts[keep], ends[keep], req[keep]
+    if not keep.all():
+        rows, starts, ends, req = rows[keep], starts[keep], ends[keep], req[keep]
     if not len(rows):
         return None
     lens = ends - starts
+    total = int(lens.sum())
     offsets = np.cumsum(lens) - lens
     row_of = np.repeat(rows, lens)
-    pos = np.arange(int(lens.sum())) - np.repeat(offsets, lens) + np.repeat(starts, lens)
+    pos = np.arange(total, dtype=np.int64)
+    pos -= np.repeat(offsets - starts, lens)
     table = stack.req_to_token_pool.req_to_token
     if table.device.type == "cpu":
-        slots = table.numpy()[row_of, pos].astype(np.int64)
+        slots = table.numpy()[row_of, pos]  # the table's dtype: compared and used as indices as is
     else:
         slots = table[torch.from_numpy(row_of).to(table.device), torch.from_numpy(pos).to(table.device)]
-        slots = slots.cpu().numpy().astype(np.int64)
-    first = np.zeros(len(pos), dtype=bool)
-    first[offsets] = True
+        slots = slots.cpu().numpy()
+    first = None
+    if ledger.page_size > 1:
+        first = np.zeros(total, dtype=bool)
+        first[offsets] = True
     rids = _Rids(held.reqs, req)
     return rids, slots, row_of, pos, np.repeat(held.tree_len[req], lens), first
 

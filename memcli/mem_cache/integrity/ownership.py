@@ -88,8 +88,8 @@ class OwnershipLedger:
         self.owner = np.empty(num_pages + 1, dtype=np.int32)
         self.row_pages = np.zeros(num_rows, dtype=np.int64)  # pages each request row owns
         self.row_len = np.zeros(num_rows, dtype=np.int64)  # slots written in each row
-        self._stamp = np.zeros(num_pages + 1, dtype=np.int64)  # scratch for duplicate detection
-        self._iota = np.arange(1, num_pages + 2, dtype=np.int64)  # 1, 2, ...: sliced, never allocated
+        self._stamp = np.zeros(num_pages + 1, dtype=np.int32)  # scratch for duplicate detection
+        self._iota = np.arange(1, num_pages + 2, dtype=np.int32)  # 1, 2, ...: sliced, never allocated
         self.dirty: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (rows, starts, ends) written
         self.step: Optional[int] = None  # the step running now (set by the checker), named in errors
         self._handed: Optional[np.ndarray] = None  # pages handed out, FREE until claimed (`hand_out`)
@@ -133,9 +133,13 @@ class OwnershipLedger:
 
     def _check_distinct(self, pages: np.ndarray, op: str) -> None:
         """Raise when a page occurs twice in one operation (O(len), no sort)."""
-        if len(pages) < 2:
+        n = len(pages)
+        if n < 2:
             return
-        index = self._iota[: len(pages)]
+        if n <= 16:  # a set beats the scratch array's four passes here
+            if len(set(pages.tolist())) == n:
+                return
+        index = self._iota[:n]
         self._stamp[pages] = index
         twice = self._stamp[pages] != index
         if twice.any():
