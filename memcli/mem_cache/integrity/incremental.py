@@ -58,7 +58,7 @@ class _Held(NamedTuple):
     @classmethod
     def of(cls, reqs: list, page_size: int) -> "_Held":
         n = len(reqs)
-        rows = np.fromiter((-1 if r.req_pool_idx is None else r.req_pool_idx for r in reqs), np.int64, n)
+        rows = np.array([-1 if r.req_pool_idx is None else r.req_pool_idx for r in reqs], dtype=np.int64)
         allocated = np.fromiter(map(_ALLOCATED, reqs), np.int64, n)
         tree_len = np.fromiter(map(_TREE_LEN, reqs), np.int64, n)
         pages = -(-allocated // page_size) - tree_len // page_size

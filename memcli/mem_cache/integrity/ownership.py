@@ -70,10 +70,10 @@ def owner_name(owner: int) -> str:
 def _host(values: Any) -> np.ndarray:
     """A 1-D int64 numpy copy of slot or page ids (tensor, list or array)."""
     if isinstance(values, torch.Tensor):
-        values = values.detach().reshape(-1)
         if values.device.type != "cpu":
             values = values.cpu()
-        return values.numpy().astype(np.int64, copy=False)  # read at once, never kept
+        values = values.numpy().reshape(-1)  # slot ids never require grad
+        return values if values.dtype == np.int64 else values.astype(np.int64)  # read at once, never kept
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
@@ -278,8 +278,8 @@ class OwnershipLedger:
                 self._handed = handed
                 self.settle()
             return
-        pages = slots // self.page_size
-        if handed is not None and len(pages) == len(handed) and np.array_equal(pages, handed):
+        pages = slots // self.page_size if self.page_size > 1 else slots
+        if handed is not None and len(pages) == len(handed) and (pages == handed).all():
             # Every slot is a new page, exactly as handed out (one slot per page, distinct, in
             # range: the free list's): FREE -> row in one gather, one scatter.
             if (self.owner[pages] == FREE).all():
@@ -328,8 +328,14 @@ class OwnershipLedger:
         request) are claimed by `rows[i]`; a new row also claims the carried pages of its prefix."""
         op = "alloc_for_extend"
         row_ids = np.asarray(rows, dtype=np.int64)
-        prefix, seq = prefix_lens.numpy().astype(np.int64), seq_lens.numpy().astype(np.int64)
-        fresh = np.isin(row_ids, np.asarray(new_rows, dtype=np.int64)) if new_rows else np.zeros(len(rows), bool)
+        prefix, seq = _host(prefix_lens).copy(), _host(seq_lens).copy()  # kept in `dirty`: own copies
+        if not new_rows:
+            fresh = np.zeros(len(rows), bool)
+        elif len(new_rows) == len(rows):  # every row new (`_rows_for` takes a row for each missing one)
+            fresh = np.ones(len(rows), bool)
+        else:
+            new = set(new_rows)
+            fresh = np.fromiter((r in new for r in rows), bool, len(rows))
         if self.counts[CARRIED]:
             handed, self._handed = self._handed, None  # kept for the claim below
             for i in np.flatnonzero(fresh & (prefix > 0)):
