@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from memcli import kernels
 from memcli.mem_cache.integrity import CheckResult, IntegrityReport
+from memcli.mem_cache.integrity.ownership import LOOSE
 from memcli.mem_cache.pages import decode_new_pages, extend_new_pages
 
 
@@ -118,7 +120,8 @@ class BaseAllocator:
         self._set_free_list(torch.sort(merged).values)
         self._release, self._num_release = [], 0
 
-    def free(self, indices: torch.Tensor, distinct_pages: bool = False, _grouped: bool = False) -> None:
+    def free(self, indices: torch.Tensor, distinct_pages: bool = False, _grouped: bool = False, *,
+             owner=LOOSE, op: str = "allocator.free") -> None:
         """Free KV slots. Paged: frees the whole page of every slot given (de-duplicated).
 
         `distinct_pages`: the caller guarantees that no two of `indices` share a page (one
@@ -126,20 +129,27 @@ class BaseAllocator:
         2 ps, ...). The pages are then sorted instead of de-duplicated, which needs no host
         sync. `indices` may have any shape and integer dtype. Inside a free group the
         guarantee is dropped (other frees may share pages).
+
+        `owner` / `op` (with a ledger only): who owned the pages until now, and the operation,
+        when the caller frees them straight from their owner (a row, the tree, one row per
+        entry as an array): the ledger moves them owner -> FREE in one transition. The default
+        (LOOSE) is a plain free of pages already released.
         """
         if indices.numel() == 0:
             return
         if self._group is not None:
             if self.ledger is not None:  # each call on its own: the group's cat would merge a double free
-                entries, divisor = self._freed_entries(indices, distinct_pages)
-                self.ledger.give_back(entries // divisor if divisor > 1 else entries, "allocator.free")
+                self._ledger_free(indices, distinct_pages, owner, op)
             # Kept until the group ends: an int32 view of a request row (which may be reused
             # before then) is copied, as the int64 conversion the group's cat needs anyway.
             self._group.append(indices.reshape(-1).to(torch.int64))
             return
         entries, divisor = self._freed_entries(indices, distinct_pages)
         if self.ledger is not None and not _grouped:  # raises on a double free, or a free behind the owner's back
-            self.ledger.give_back(entries // divisor if divisor > 1 else entries, "allocator.free")
+            if not isinstance(owner, np.ndarray):
+                self._ledger_free(entries, distinct_pages, owner, op, divisor)
+            else:
+                self._ledger_free(indices, distinct_pages, owner, op)
         n = entries.numel()
         if self._in_use_pages - n < 0:
             raise ValueError(
@@ -157,6 +167,19 @@ class BaseAllocator:
             self._put(entries, divisor)
         if self.debug:
             self.check_integrity().raise_if_failed()
+
+    def _ledger_free(self, indices: torch.Tensor, distinct_pages: bool, owner, op: str, divisor: int = 0) -> None:
+        """The ledger's side of a free: the freed pages, owner -> FREE. `divisor` 0: `indices`
+        are the caller's slots (not yet `_freed_entries`)."""
+        if isinstance(owner, np.ndarray):  # one row per entry: the caller's order, one slot per page
+            self.ledger.free_from(indices // self.page_size if self.page_size > 1 else indices, owner, op)
+            return
+        if not divisor:
+            indices, divisor = self._freed_entries(indices, distinct_pages)
+        pages = indices // divisor if divisor > 1 else indices
+        # Paged, the entries are sorted: de-duplicated by `unique`, or (the caller's word,
+        # `distinct_pages`) checked by comparing neighbours, not with the scratch array.
+        self.ledger.free_from(pages, owner, op, sorted_pages=self.page_size > 1)
 
     def free_group_begin(self) -> None:
         self._group = []
@@ -181,13 +204,14 @@ class BaseAllocator:
 
     def alloc_extend_write(self, req_to_token: torch.Tensor, rows: list[int], prefix_lens_cpu: torch.Tensor,
                            seq_lens_cpu: torch.Tensor, prefixes: list[torch.Tensor], num_pages: int,
-                           extend_num_tokens: int | None = None) -> kernels.ExtendWrite | None:
+                           extend_num_tokens: int | None = None, claimed: bool = False) -> kernels.ExtendWrite | None:
         """Slots for an extend batch, written with each request's prefix into its row (one
         fused kernel; see `memcli.kernels.alloc_extend_write`). `num_pages` is the batch's
         new pages, counted by the caller from the same CPU lengths. None when they are not free.
         The kernel's inputs are checked in debug mode only (the callers build them right), and
         it may read exactly `num_pages` free entries: a miscount shows as slot -1, never as a
-        page handed out twice.
+        page handed out twice. `claimed`: the caller claims the new slots in the ownership
+        ledger right after (`OwnershipLedger.extended`), which folds the hand-out into the claim.
         """
         if not self._ensure(num_pages):
             return None
@@ -195,7 +219,7 @@ class BaseAllocator:
                                              self.page_size, backend=self.backend,
                                              extend_num_tokens=extend_num_tokens, validate=self.debug,
                                              free_start=self._head, num_free=num_pages)
-        self._advance(num_pages)
+        self._advance(num_pages, claimed)
         self._commit_alloc(num_pages)
         return written
 
@@ -275,9 +299,13 @@ class TokenToKVPoolAllocator(BaseAllocator):
     def _head_view(self, n: int) -> torch.Tensor:
         return self._ring_slice(self._head, n)
 
-    def _advance(self, n: int) -> None:
+    def _advance(self, n: int, claimed: bool = False) -> None:
+        """`claimed`: the caller claims the pages in the ledger at once (`hand_out`)."""
         if self.ledger is not None:
-            self.ledger.take(self._head_view(n), "allocator.alloc")
+            if claimed:
+                self.ledger.hand_out(self._head_view(n))
+            else:
+                self.ledger.take(self._head_view(n), "allocator.alloc")
         self._head = (self._head + n) % self.num_pages
         self._num_free -= n
 
@@ -318,7 +346,7 @@ class TokenToKVPoolAllocator(BaseAllocator):
         return self.alloc(seq_lens.numel())
 
     def alloc_decode_write(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token,
-                           num_pages: int | None = None) -> torch.Tensor | None:
+                           num_pages: int | None = None, claimed: bool = False) -> torch.Tensor | None:
         """Allocate one slot per request and write it at column `seq_lens` (one kernel)."""
         bs = seq_lens.numel()
         if not self._ensure(bs):
@@ -326,7 +354,7 @@ class TokenToKVPoolAllocator(BaseAllocator):
         out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._buf, 1,
                                          backend=self.backend, validate=self.debug, free_start=self._head,
                                          num_free=bs)
-        self._advance(bs)
+        self._advance(bs, claimed)
         self._commit_alloc(bs)
         return out
 
@@ -346,9 +374,12 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     def _head_view(self, n: int) -> torch.Tensor:
         return self._buf[self._head : self._head + n]
 
-    def _advance(self, n: int) -> None:
+    def _advance(self, n: int, claimed: bool = False) -> None:
         if self.ledger is not None:
-            self.ledger.take(self._head_view(n), "allocator.alloc")
+            if claimed:
+                self.ledger.hand_out(self._head_view(n))
+            else:
+                self.ledger.take(self._head_view(n), "allocator.alloc")
         self._head += n
         self._num_free -= n
 
@@ -421,7 +452,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         return out
 
     def alloc_decode_write(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token,
-                           num_pages: int | None = None) -> torch.Tensor | None:
+                           num_pages: int | None = None, claimed: bool = False) -> torch.Tensor | None:
         """Fused decode step: `seq_lens` are the lengths before the new token, whose slot is
         written at column `seq_lens` of each request row. `num_pages` (the pages this step
         opens) may be passed when the caller already counted them."""
@@ -432,7 +463,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._buf, self.page_size,
                                          backend=self.backend, validate=self.debug, free_start=self._head,
                                          num_free=num_pages)
-        self._advance(num_pages)
+        self._advance(num_pages, claimed)
         self._commit_alloc(num_pages)
         return out
 

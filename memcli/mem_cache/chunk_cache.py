@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from memcli.errors import IntegrityError
@@ -41,10 +42,11 @@ def free_row_pages(req_to_token_pool: Any, allocator: Any, rows: list[int], leng
         if row_index is None:
             row_index = torch.tensor(rows, dtype=torch.int64, device=table.device)
         page_starts = table[row_index, 0:length:ps]
-    ledger = getattr(allocator, "ledger", None)
-    if ledger is not None:
-        ledger.release_rows(page_starts, rows, "free_row_pages")
-    allocator.free(page_starts, distinct_pages=True)
+    if getattr(allocator, "ledger", None) is not None:  # each row -> FREE in one transition
+        owners = np.repeat(np.asarray(rows, dtype=np.int64), page_starts.numel() // max(len(rows), 1))
+        allocator.free(page_starts, distinct_pages=True, owner=owners, op="free_row_pages")
+    else:
+        allocator.free(page_starts, distinct_pages=True)
 
 
 class ChunkCache(BasePrefixCache):

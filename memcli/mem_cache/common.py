@@ -149,15 +149,17 @@ def alloc_for_extend(plan: ExtendPlan, req_to_token_pool, allocator, tree_cache)
     rows, new_rows = _rows_for(req_to_token_pool, plan.rows)
     need = extend_need(plan, tree_cache, allocator.page_size)
     evict_if_needed(tree_cache, allocator, need)
+    ledger = getattr(allocator, "ledger", None)
+    kw = {} if ledger is None else {"claimed": True}  # hand-out and claim in one ledger transition
     written = allocator.alloc_extend_write(req_to_token_pool.req_to_token, rows, plan.prefix_lens_cpu,
                                            plan.seq_lens_cpu, plan.prefix_tensors, plan.num_pages,
-                                           plan.extend_num_tokens)
+                                           plan.extend_num_tokens, **kw)
     if written is None:
         if new_rows:
             req_to_token_pool.free(new_rows)
         raise out_of_memory("prefill", tree_cache, allocator, plan.num_pages * allocator.page_size)
-    if getattr(allocator, "ledger", None) is not None:
-        allocator.ledger.extended(rows, new_rows, plan.prefix_lens_cpu, plan.seq_lens_cpu, plan.prefix_tensors,
+    if ledger is not None:
+        ledger.extended(rows, new_rows, plan.prefix_lens_cpu, plan.seq_lens_cpu, plan.prefix_tensors,
                                   written.out_cache_loc)
     return ExtendAllocation(written.out_cache_loc, written.req_pool_indices, rows, written.seq_lens)
 
@@ -187,12 +189,14 @@ def alloc_for_decode(req_to_token_pool, allocator, tree_cache, *, seq_lens: torc
     assert_same_page_size(allocator, tree_cache)
     need = decode_need(tree_cache, seq_lens_cpu.shape[0], num_pages, allocator.page_size)
     evict_if_needed(tree_cache, allocator, need)
+    ledger = getattr(allocator, "ledger", None)
+    kw = {} if ledger is None else {"claimed": True}  # hand-out and claim in one ledger transition
     out = allocator.alloc_decode_write(seq_lens, seq_lens_cpu, req_pool_indices, req_to_token_pool.req_to_token,
-                                       num_pages=num_pages)
+                                       num_pages=num_pages, **kw)
     if out is None:
         raise out_of_memory("decode", tree_cache, allocator, num_pages * allocator.page_size)
-    if getattr(allocator, "ledger", None) is not None:
-        allocator.ledger.decoded(req_pool_indices, seq_lens_cpu, out)
+    if ledger is not None:
+        ledger.decoded(req_pool_indices, seq_lens_cpu, out)
     return out
 
 
@@ -227,10 +231,10 @@ def free_slots(allocator, slots: list[int]) -> None:
     scheduling, a decode slot still in flight when its request was released. Paged: frees the
     page of each slot (the caller frees a slot only when no other slot shares its page)."""
     slots = torch.tensor(slots, dtype=torch.int64, device=allocator.device)  # beside the batch's other frees
-    ledger = getattr(allocator, "ledger", None)
-    if ledger is not None:
-        ledger.release(slots, IN_FLIGHT, "free of a decode slot in flight")
-    allocator.free(slots)
+    if getattr(allocator, "ledger", None) is not None:  # IN_FLIGHT -> FREE in one transition
+        allocator.free(slots, owner=IN_FLIGHT, op="free of a decode slot in flight")
+    else:
+        allocator.free(slots)
 
 
 def free_req_rows(req_to_token_pool, rows: list[int]) -> None:

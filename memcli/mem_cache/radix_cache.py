@@ -332,10 +332,10 @@ class RadixCache(BasePrefixCache):
     def _delete_leaf(self, node: TreeNode, now: float) -> int:
         size = len(node.key)
         if self.allocator is not None:
-            ledger = getattr(self.allocator, "ledger", None)
-            if ledger is not None:
-                ledger.release(node.value, TREE, "evict")
-            self.allocator.free(node.value)
+            if getattr(self.allocator, "ledger", None) is not None:  # TREE -> FREE in one transition
+                self.allocator.free(node.value, owner=TREE, op="evict")
+            else:
+                self.allocator.free(node.value)
         parent = node.parent
         del parent.children[self._child_key(node.extra_key, node.key, 0)]
         self._total -= size
@@ -496,10 +496,10 @@ class RadixCache(BasePrefixCache):
     def _free(self, slots: torch.Tensor, row: int, op: str) -> None:
         """Free the request row `row`'s own `slots` (the ledger, when attached, checks they are)."""
         if len(slots) > 0:
-            ledger = getattr(self.allocator, "ledger", None)
-            if ledger is not None:
-                ledger.release(slots, row, op)
-            self.allocator.free(slots)
+            if getattr(self.allocator, "ledger", None) is not None:  # row -> FREE in one transition
+                self.allocator.free(slots, owner=row, op=op)
+            else:
+                self.allocator.free(slots)
 
     def _to_tree(self, slots: torch.Tensor, row: int, op: str) -> None:
         """`slots` of request row `row` were just inserted: the tree owns their pages now."""

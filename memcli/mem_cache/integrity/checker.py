@@ -146,6 +146,7 @@ class IntegrityChecker:
 
 def verify_ledger(ledger: OwnershipLedger, stack: Any, running: list) -> CheckResult:
     """The ledger against a full walk: free pages FREE, tree pages TREE, own pages their row's."""
+    ledger.settle()
     layout = take_layout(stack, running)
     ps = ledger.page_size
     expected = np.full(ledger.num_pages + 1, -99, dtype=np.int64)

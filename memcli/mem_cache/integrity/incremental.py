@@ -17,6 +17,7 @@ during the step (`ledger.dirty`), never the whole pool:
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any, Iterable, NamedTuple
 
 import numpy as np
@@ -31,13 +32,18 @@ INCREMENTAL_NAMES = ("lost_page", "free_list", "tree", "conservation", "row_layo
 
 def check_step(ledger: OwnershipLedger, stack: Any, running: Iterable[Any]) -> list[CheckResult]:
     """Every incremental check, in `INCREMENTAL_NAMES` order; clears the step's dirty rows."""
+    ledger.settle()  # pages handed out and never claimed are LOOSE (lost) from here on
     running = list(running)
-    flying = [r for r in running if isinstance(r, InFlightSlot)]
-    held = _Held.of([r for r in running if not r.kv_freed and not isinstance(r, InFlightSlot)], ledger.page_size)
+    reqs = [r for r in running if not r.kv_freed and r.__class__ is not InFlightSlot]
+    num_flying = sum(1 for r in running if isinstance(r, InFlightSlot)) if len(reqs) < len(running) else 0
+    held = _Held.of(reqs, ledger.page_size)
     results = [_lost_pages(ledger), _free_count(ledger, stack), _tree_count(ledger, stack),
-               _held(ledger, held, len(flying)), *_written_rows(ledger, stack, held)]
+               _held(ledger, held, num_flying), *_written_rows(ledger, stack, held)]
     ledger.dirty = []
     return results
+
+
+_ALLOCATED, _TREE_LEN = attrgetter("kv_allocated_len"), attrgetter("last_matched_prefix_len")
 
 
 class _Held(NamedTuple):
@@ -51,9 +57,10 @@ class _Held(NamedTuple):
 
     @classmethod
     def of(cls, reqs: list, page_size: int) -> "_Held":
+        n = len(reqs)
         rows = np.array([-1 if r.req_pool_idx is None else r.req_pool_idx for r in reqs], dtype=np.int64)
-        allocated = np.array([r.kv_allocated_len for r in reqs], dtype=np.int64)
-        tree_len = np.array([r.last_matched_prefix_len for r in reqs], dtype=np.int64)
+        allocated = np.fromiter(map(_ALLOCATED, reqs), np.int64, n)
+        tree_len = np.fromiter(map(_TREE_LEN, reqs), np.int64, n)
         pages = -(-allocated // page_size) - tree_len // page_size
         return cls(reqs, rows, allocated, tree_len, pages)
 
@@ -120,62 +127,112 @@ def _written_rows(ledger: OwnershipLedger, stack: Any, held: _Held) -> list[Chec
     entries = _gather(ledger, stack, held)
     if entries is None:
         return [passed(name, "no row written this step") for name in ("row_layout", "slot_range", "page_sharing")]
-    rids, slots, rows, pos, tree_len, first = entries
+    rids, slots, spans = entries
     ps = ledger.page_size
-    in_range = _range(ledger, rids, slots, pos)
+    in_range = _range(ledger, rids, slots, spans)
     if not in_range.ok:  # the other two index pages by these slots
         return [passed("row_layout", "not checked: a slot is out of range"), in_range,
                 passed("page_sharing", "not checked: a slot is out of range")]
-    return [_layout(ps, rids, slots, rows, pos, first), in_range, _sharing(ledger, rids, slots, rows, pos, tree_len)]
+    return [_layout(ps, rids, slots, spans), in_range, _sharing(ledger, rids, slots, spans)]
+
+
+class _Spans:
+    """The gathered positions as spans: span k is row `rows[k]` positions [starts[k],
+    starts[k] + lens[k]), entries offsets[k].. of the gathered slots. Per-entry rows and
+    positions are built only where a check needs them (paged layout, a failure)."""
+
+    def __init__(self, rows: np.ndarray, starts: np.ndarray, lens: np.ndarray, tree_len: np.ndarray):
+        self.rows, self.starts, self.lens, self.tree_len = rows, starts, lens, tree_len
+        self.offsets = np.cumsum(lens) - lens
+        self.total = int(self.offsets[-1] + lens[-1])
+
+    def span(self, i: int) -> int:
+        return int(np.searchsorted(self.offsets, i, side="right")) - 1
+
+    def pos_at(self, i: int) -> int:
+        k = self.span(i)
+        return int(self.starts[k] + i - self.offsets[k])
+
+    def row_at(self, i: int) -> int:
+        return int(self.rows[self.span(i)])
+
+    def pos(self) -> np.ndarray:
+        pos = np.arange(self.total, dtype=np.int64)
+        pos -= np.repeat(self.offsets - self.starts, self.lens)
+        return pos
+
+    def first(self) -> np.ndarray:
+        first = np.zeros(self.total, dtype=bool)
+        first[self.offsets] = True
+        return first
+
+    def expected_owner(self) -> np.ndarray:
+        """Per entry: TREE below the request's tree part, else its row (two runs per span)."""
+        below = np.clip(self.tree_len - self.starts, 0, self.lens)
+        values = np.empty(2 * len(self.rows), dtype=np.int64)
+        values[0::2], values[1::2] = TREE, self.rows
+        runs = np.empty(2 * len(self.rows), dtype=np.int64)
+        runs[0::2], runs[1::2] = below, self.lens - below
+        return np.repeat(values, runs)
 
 
 def _gather(ledger: OwnershipLedger, stack: Any, held: _Held):
-    """(rids, slots, rows, pos, tree_len, first) of the positions running requests had written
-    this step, one span per row (vectorised); each span starts one position early, so a page
-    continued this step is checked across its old and new slots."""
-    if not ledger.dirty:
+    """(rids, slots, spans) of the positions running requests had written this step, one span
+    per row (vectorised); each span starts one position early, so a page continued this
+    step is checked across its old and new slots."""
+    dirty = ledger.dirty
+    if not dirty:
         return None
-    rows = np.concatenate([d[0] for d in ledger.dirty])
-    starts = np.concatenate([d[1] for d in ledger.dirty])
-    ends = np.concatenate([d[2] for d in ledger.dirty])
-    if len(ledger.dirty) > 1:
+    if len(dirty) == 1:  # one entry names each row once
+        rows, starts, ends = dirty[0]
+    else:
+        rows = np.concatenate([d[0] for d in dirty])
+        starts = np.concatenate([d[1] for d in dirty])
+        ends = np.concatenate([d[2] for d in dirty])
         lo = np.full(ledger.num_rows, np.iinfo(np.int64).max)
         hi = np.zeros(ledger.num_rows, dtype=np.int64)
         np.minimum.at(lo, rows, starts)
         np.maximum.at(hi, rows, ends)
-        rows = np.unique(rows)
+        touched = np.zeros(ledger.num_rows, dtype=bool)
+        touched[rows] = True
+        rows = np.flatnonzero(touched)
         starts, ends = lo[rows], hi[rows]
     index = np.full(ledger.num_rows, -1, dtype=np.int64)  # row -> running request
     with_rows = held.rows >= 0
     index[held.rows[with_rows]] = np.flatnonzero(with_rows)
     req = index[rows]
     live = req >= 0
-    rows, starts, ends, req = rows[live], starts[live], ends[live], req[live]
+    if not live.all():
+        rows, starts, ends, req = rows[live], starts[live], ends[live], req[live]
     starts = np.maximum(starts - 1, 0)
     ends = np.minimum(ends, held.allocated[req])
     keep = ends > starts
-    rows, starts, ends, req = rows[keep], starts[keep], ends[keep], req[keep]
+    if not keep.all():
+        rows, starts, ends, req = rows[keep], starts[keep], ends[keep], req[keep]
     if not len(rows):
         return None
     lens = ends - starts
-    offsets = np.cumsum(lens) - lens
-    row_of = np.repeat(rows, lens)
-    pos = np.arange(int(lens.sum())) - np.repeat(offsets, lens) + np.repeat(starts, lens)
+    spans = _Spans(rows, starts, lens, held.tree_len[req])
     table = stack.req_to_token_pool.req_to_token
     if table.device.type == "cpu":
-        slots = table.numpy()[row_of, pos].astype(np.int64)
+        host = table.numpy()
+        if len(rows) <= 8:  # a few long spans (prefill): row slices
+            parts = [host[r, a:b] for r, a, b in zip(rows.tolist(), starts.tolist(), ends.tolist())]
+            slots = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        else:  # slots keep the table's dtype: compared and used as indices as is
+            flat = np.repeat(rows * host.shape[1] + starts - spans.offsets, lens)
+            flat += np.arange(spans.total, dtype=np.int64)
+            slots = host.reshape(-1).take(flat)
     else:
-        slots = table[torch.from_numpy(row_of).to(table.device), torch.from_numpy(pos).to(table.device)]
-        slots = slots.cpu().numpy().astype(np.int64)
-    first = np.zeros(len(pos), dtype=bool)
-    first[offsets] = True
-    rids = _Rids(held.reqs, req)
-    return rids, slots, row_of, pos, np.repeat(held.tree_len[req], lens), first
+        row_of = torch.from_numpy(np.repeat(rows, lens)).to(table.device)
+        slots = table[row_of, torch.from_numpy(spans.pos()).to(table.device)].cpu().numpy()
+    return _Rids(held.reqs, req), slots, spans
 
 
-def _layout(ps: int, rids, slots, rows, pos, first) -> CheckResult:
+def _layout(ps: int, rids, slots, spans: _Spans) -> CheckResult:
     if ps == 1:
         return passed("row_layout", f"{len(slots)} written positions (page size 1)")
+    pos, first = spans.pos(), spans.first()
     bad_offset = slots % ps != pos % ps
     bad_run = np.zeros(len(slots), dtype=bool)
     bad_run[1:] = ~first[1:] & (pos[1:] % ps != 0) & (slots[1:] != slots[:-1] + 1)
@@ -183,7 +240,7 @@ def _layout(ps: int, rids, slots, rows, pos, first) -> CheckResult:
     if not len(bad):
         return passed("row_layout", f"{len(slots)} written positions at offset t % {ps}")
     i = int(bad[0])
-    rid = _owner_rid(rids, first, i)
+    rid = rids[spans.span(i)]
     t, slot = int(pos[i]), int(slots[i])
     if bad_offset[i]:
         return failed("row_layout", f"request {rid} position {t}: slot {slot} sits at offset {slot % ps} of page"
@@ -203,31 +260,27 @@ class _Rids:
         return str(self.reqs[int(self.index[i])].rid)
 
 
-def _owner_rid(rids: list, first: np.ndarray, i: int) -> str:
-    """The request of entry i: entries come request after request, each run opened by `first`."""
-    return str(rids[int(np.count_nonzero(first[: i + 1])) - 1])
-
-
-def _range(ledger: OwnershipLedger, rids, slots, pos) -> CheckResult:
+def _range(ledger: OwnershipLedger, rids, slots, spans: _Spans) -> CheckResult:
     ps = ledger.page_size
     if len(slots) and slots.min() >= ps and slots.max() < (ledger.num_pages + 1) * ps:
         return passed("slot_range", f"{len(slots)} written slots in [{ps}, {(ledger.num_pages + 1) * ps})")
     bad = np.flatnonzero((slots < ps) | (slots >= (ledger.num_pages + 1) * ps))
     if not len(bad):
         return passed("slot_range", f"{len(slots)} written slots in [{ps}, {(ledger.num_pages + 1) * ps})")
-    return failed("slot_range", f"written slot {int(slots[bad[0]])} (position {int(pos[bad[0]])}) is outside"
-                                f" [{ps}, {(ledger.num_pages + 1) * ps})", positions=(int(pos[bad[0]]),),
-                  slots=(int(slots[bad[0]]),))
+    i = int(bad[0])
+    return failed("slot_range", f"written slot {int(slots[i])} (position {spans.pos_at(i)}) is outside"
+                                f" [{ps}, {(ledger.num_pages + 1) * ps})", positions=(spans.pos_at(i),),
+                  slots=(int(slots[i]),))
 
 
-def _sharing(ledger: OwnershipLedger, rids, slots, rows, pos, tree_len) -> CheckResult:
+def _sharing(ledger: OwnershipLedger, rids, slots, spans: _Spans) -> CheckResult:
     pages = slots // ledger.page_size if ledger.page_size > 1 else slots
-    found = ledger.owner[pages]
-    expected = np.where(pos < tree_len, TREE, rows)
+    found = ledger.owner.take(pages)
+    expected = spans.expected_owner()
     bad = np.flatnonzero(found != expected)
     if not len(bad):
         return passed("page_sharing", f"{len(slots)} written positions owned by the tree or their request")
     i = int(bad[0])
-    return failed("page_sharing", f"row {int(rows[i])} position {int(pos[i])}: {ledger._what(int(pages[i]))} is owned"
-                                  f" by {owner_name(int(found[i]))}, expected {owner_name(int(expected[i]))}",
-                  positions=(int(pos[i]),), slots=(int(slots[i]),))
+    return failed("page_sharing", f"row {spans.row_at(i)} position {spans.pos_at(i)}: {ledger._what(int(pages[i]))}"
+                                  f" is owned by {owner_name(int(found[i]))}, expected {owner_name(int(expected[i]))}",
+                  positions=(spans.pos_at(i),), slots=(int(slots[i]),))

@@ -15,9 +15,12 @@ Transitions, and who makes them:
 
     allocator alloc (any path)     FREE -> LOOSE           `take`
     alloc_for_extend / _decode     LOOSE|CARRIED|r -> r    `claim_rows`
+      (fused: the allocator's      FREE|CARRIED|r -> r     `hand_out` + `claim_rows`, when the
+       hand-out claimed at once)                           new pages are exactly those handed out)
     tree insert (cache_*_req)      r -> TREE               `move`
     cache frees, eviction          r|TREE -> LOOSE         `release`
     allocator free                 LOOSE -> FREE           `give_back`
+    allocator free by an owner     r|TREE|IN_FLIGHT -> FREE  `free_from` (release + free in one)
     free_req_rows (hand-over)      r -> CARRIED            `carry_row`
     request row freed              (r must own nothing)    `rows_released`
 
@@ -67,10 +70,10 @@ def owner_name(owner: int) -> str:
 def _host(values: Any) -> np.ndarray:
     """A 1-D int64 numpy copy of slot or page ids (tensor, list or array)."""
     if isinstance(values, torch.Tensor):
-        values = values.detach().reshape(-1)
         if values.device.type != "cpu":
             values = values.cpu()
-        return values.numpy().astype(np.int64, copy=False)  # read at once, never kept
+        values = values.numpy().reshape(-1)  # slot ids never require grad
+        return values if values.dtype == np.int64 else values.astype(np.int64)  # read at once, never kept
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
@@ -85,10 +88,11 @@ class OwnershipLedger:
         self.owner = np.empty(num_pages + 1, dtype=np.int32)
         self.row_pages = np.zeros(num_rows, dtype=np.int64)  # pages each request row owns
         self.row_len = np.zeros(num_rows, dtype=np.int64)  # slots written in each row
-        self._stamp = np.zeros(num_pages + 1, dtype=np.int64)  # scratch for duplicate detection
-        self._iota = np.arange(1, num_pages + 2, dtype=np.int64)  # 1, 2, ...: sliced, never allocated
+        self._stamp = np.zeros(num_pages + 1, dtype=np.int32)  # scratch for duplicate detection
+        self._iota = np.arange(1, num_pages + 2, dtype=np.int32)  # 1, 2, ...: sliced, never allocated
         self.dirty: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (rows, starts, ends) written
         self.step: Optional[int] = None  # the step running now (set by the checker), named in errors
+        self._handed: Optional[np.ndarray] = None  # pages handed out, FREE until claimed (`hand_out`)
         self.reset()
 
     def reset(self) -> None:
@@ -99,8 +103,10 @@ class OwnershipLedger:
         self.row_len.fill(0)
         self.counts = {FREE: self.num_pages, LOOSE: 0, TREE: 0, CARRIED: 0, IN_FLIGHT: 0}
         self.dirty = []
+        self._handed = None
 
     def snapshot(self) -> LedgerState:
+        self.settle()
         return LedgerState(self.owner.copy(), self.row_pages.copy(), self.row_len.copy(), dict(self.counts))
 
     def restore(self, state: LedgerState) -> None:
@@ -109,6 +115,7 @@ class OwnershipLedger:
         self.row_len[:] = state.row_len
         self.counts = dict(state.counts)
         self.dirty = []
+        self._handed = None
 
     # -- pages ------------------------------------------------------------------------------
 
@@ -126,9 +133,13 @@ class OwnershipLedger:
 
     def _check_distinct(self, pages: np.ndarray, op: str) -> None:
         """Raise when a page occurs twice in one operation (O(len), no sort)."""
-        if len(pages) < 2:
+        n = len(pages)
+        if n < 2:
             return
-        index = self._iota[: len(pages)]
+        if n <= 16:  # a set beats the scratch array's four passes here
+            if len(set(pages.tolist())) == n:
+                return
+        index = self._iota[:n]
         self._stamp[pages] = index
         twice = self._stamp[pages] != index
         if twice.any():
@@ -151,13 +162,18 @@ class OwnershipLedger:
         return self.error(check, f"{check} in {op}: {self._what(page)} is owned by {owner_name(owner)}, expected"
                               f" {expected} ({int(bad.sum())} of {len(pages)} pages affected)")
 
-    def _transition(self, pages: np.ndarray, src: int, dst: int, op: str, distinct: bool = False) -> None:
+    def _transition(self, pages: np.ndarray, src: int, dst: int, op: str, distinct: bool = False,
+                    check_range: bool = False) -> None:
         """Pages owned by `src` (a state or a row) now belong to `dst`; raises otherwise.
-        `distinct`: the caller knows no page occurs twice (skips that check)."""
+        `distinct`: the caller knows no page occurs twice (skips that check, and the range
+        check unless `check_range`)."""
+        if self._handed is not None:
+            self.settle()
         if not len(pages):
             return
-        if not distinct:
+        if not distinct or check_range:
             self._check_range(pages, op)
+        if not distinct:
             self._check_distinct(pages, op)
         found = self.owner[pages]
         bad = found != src
@@ -180,6 +196,35 @@ class OwnershipLedger:
         page once (every page entered it through `give_back`), so no range or duplicate test."""
         self._transition(_host(pages), FREE, LOOSE, op, distinct=True)
 
+    def hand_out(self, pages: Any) -> None:
+        """The allocator hands out `pages` to a caller that claims them at once (`claim_rows`,
+        through `extended` / `decoded`): the FREE -> LOOSE step is folded into the claim. Until
+        then the pages stay FREE here; anything else that reads the ledger first settles them."""
+        self.settle()
+        self._handed = _host(pages).copy()  # the ring positions are rewritten by later frees
+
+    def settle(self) -> None:
+        """Pages handed out and not claimed (yet) become LOOSE, as an unfused `take` leaves them."""
+        handed, self._handed = self._handed, None
+        if handed is not None:
+            self._transition(handed, FREE, LOOSE, "allocator.alloc", distinct=True)
+
+    def free_from(self, pages: Any, owner: Any, op: str, sorted_pages: bool = False) -> None:
+        """`owner` frees `pages` (page ids) straight into the allocator: owner -> FREE, i.e.
+        `release` and `give_back` in one transition. `owner` is a state (LOOSE for a plain
+        allocator free, TREE, IN_FLIGHT), a row, or one row per page (an array).
+        `sorted_pages`: `pages` are sorted, so a page given twice sits beside itself (checked
+        so, without the scratch array)."""
+        pages = _host(pages)
+        if sorted_pages and len(pages) > 1:
+            twice = np.flatnonzero(pages[1:] == pages[:-1])
+            if len(twice):
+                raise self.error("double_free", f"{op}: {self._what(int(pages[twice[0]]))} given twice in one call")
+        if isinstance(owner, np.ndarray):
+            self._transition_each(pages, owner, FREE, op, sorted_pages)
+        else:
+            self._transition(pages, int(owner), FREE, op, sorted_pages, check_range=True)
+
     def give_back(self, pages: Any, op: str = "free") -> None:
         """The allocator puts `pages` (page ids) back: LOOSE -> FREE. A page still owned by a row or
         the tree was freed behind its owner's back; a FREE page is a double free."""
@@ -200,12 +245,15 @@ class OwnershipLedger:
         owners = np.repeat(np.asarray(rows, dtype=np.int64), len(slots) // max(len(rows), 1))
         self._transition_each(slots // self.page_size, owners, LOOSE, op)
 
-    def _transition_each(self, pages: np.ndarray, rows: np.ndarray, dst: int, op: str) -> None:
+    def _transition_each(self, pages: np.ndarray, rows: np.ndarray, dst: int, op: str, distinct: bool = False) -> None:
         """Page `pages[i]` owned by row `rows[i]` passes to `dst` (a state)."""
+        if self._handed is not None:
+            self.settle()
         if not len(pages):
             return
         self._check_range(pages, op)
-        self._check_distinct(pages, op)
+        if not distinct:
+            self._check_distinct(pages, op)
         found = self.owner[pages]
         bad = found != rows
         if bad.any():
@@ -218,25 +266,50 @@ class OwnershipLedger:
     def claim_rows(self, slots: Any, rows: np.ndarray, op: str) -> None:
         """Slot `slots[i]` was written into row `rows[i]`: its page is claimed by that row, from
         LOOSE (a new page) or CARRIED (a chunk's partial page), or is already the row's own (the
-        row's partial last page). `slots` come request after request, in row order."""
+        row's partial last page). `slots` come request after request, in row order.
+
+        After `hand_out`, the new pages are FREE here: when they are exactly the pages handed
+        out, in order, they pass FREE -> row in one step; otherwise the hand-out is settled
+        (FREE -> LOOSE) first and the claim judged as without fusion."""
+        handed, self._handed = self._handed, None
         slots = _host(slots)
         if not len(slots):
+            if handed is not None:
+                self._handed = handed
+                self.settle()
             return
-        pages = slots // self.page_size
+        pages = slots // self.page_size if self.page_size > 1 else slots
+        if handed is not None and len(pages) == len(handed) and (pages == handed).all():
+            # Every slot is a new page, exactly as handed out (one slot per page, distinct, in
+            # range: the free list's): FREE -> row in one gather, one scatter.
+            if (self.owner[pages] == FREE).all():
+                self.owner[pages] = rows
+                self.counts[FREE] -= len(pages)
+                self.row_pages += np.bincount(rows, minlength=self.num_rows)
+                return
         if self.page_size > 1:  # one entry per run of slots on one page
             first = np.ones(len(pages), dtype=bool)
             first[1:] = (pages[1:] != pages[:-1]) | (rows[1:] != rows[:-1])
             pages, rows = pages[first], rows[first]
         self._check_range(pages, op)  # distinct: new pages were checked by `take`, old ones are per row
         found = self.owner[pages]
-        loose, carried = found == LOOSE, found == CARRIED
+        fresh_state = LOOSE
+        if handed is not None:
+            free = found == FREE
+            if int(free.sum()) == len(handed) and np.array_equal(pages[free], handed):
+                fresh_state = FREE  # exactly the pages handed out, each once: FREE -> row
+            else:
+                self._handed = handed
+                self.settle()
+                found = self.owner[pages]
+        loose, carried = found == fresh_state, found == CARRIED
         bad = ~(loose | carried | (found == rows))
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise self._unexpected(pages, found, bad, op, f"nobody (a new page) or request row {int(rows[i])}")
         new = loose | carried
         self.owner[pages[new]] = rows[new]
-        self.counts[LOOSE] -= int(loose.sum())
+        self.counts[fresh_state] -= int(loose.sum())
         self.counts[CARRIED] -= int(carried.sum())
         self.row_pages += np.bincount(rows[new], minlength=self.num_rows)
 
@@ -255,12 +328,20 @@ class OwnershipLedger:
         request) are claimed by `rows[i]`; a new row also claims the carried pages of its prefix."""
         op = "alloc_for_extend"
         row_ids = np.asarray(rows, dtype=np.int64)
-        prefix, seq = prefix_lens.numpy().astype(np.int64), seq_lens.numpy().astype(np.int64)
-        fresh = np.isin(row_ids, np.asarray(new_rows, dtype=np.int64)) if new_rows else np.zeros(len(rows), bool)
+        prefix, seq = _host(prefix_lens).copy(), _host(seq_lens).copy()  # kept in `dirty`: own copies
+        if not new_rows:
+            fresh = np.zeros(len(rows), bool)
+        elif len(new_rows) == len(rows):  # every row new (`_rows_for` takes a row for each missing one)
+            fresh = np.ones(len(rows), bool)
+        else:
+            new = set(new_rows)
+            fresh = np.fromiter((r in new for r in rows), bool, len(rows))
         if self.counts[CARRIED]:
+            handed, self._handed = self._handed, None  # kept for the claim below
             for i in np.flatnonzero(fresh & (prefix > 0)):
                 pages = self.pages_of(prefix_tensors[i])
                 self._transition(pages[self.owner[pages] == CARRIED], CARRIED, int(row_ids[i]), op)
+            self._handed = handed
         self.claim_rows(out_cache_loc, np.repeat(row_ids, seq - prefix), op)
         # A new row's prefix was copied from the tree: its last page is checked with the new part
         # (the copy's alignment); the rest of it, O(prefix), is left to the full walks.
