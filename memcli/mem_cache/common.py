@@ -226,11 +226,11 @@ def hold_in_flight(req_to_token_pool, row: int, slot: int) -> None:
         ledger.move(torch.tensor([slot], dtype=torch.int64), row, IN_FLIGHT, "decode slot in flight")
 
 
-def free_slots(allocator, slots: list[int]) -> None:
+def free_slots(allocator, slots: list[int] | torch.Tensor) -> None:
     """Give back KV slots that neither a request row nor the tree holds: under overlap
     scheduling, a decode slot still in flight when its request was released. Paged: frees the
     page of each slot (the caller frees a slot only when no other slot shares its page)."""
-    slots = torch.tensor(slots, dtype=torch.int64, device=allocator.device)  # beside the batch's other frees
+    slots = torch.as_tensor(slots, dtype=torch.int64, device=allocator.device)  # beside the batch's other frees
     if getattr(allocator, "ledger", None) is not None:  # IN_FLIGHT -> FREE in one transition
         allocator.free(slots, owner=IN_FLIGHT, op="free of a decode slot in flight")
     else:
