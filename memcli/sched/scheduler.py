@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 
 from memcli.errors import OutOfMemoryError, RequestSlotsExhausted
 from memcli.mem_cache import common
-from memcli.mem_cache.integrity import CheckPolicy, IntegrityChecker, check_memory
+from memcli.mem_cache.integrity import CheckPolicy, IntegrityChecker
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.overlap import OverlapLoop
 from memcli.sched.progress import ProgressGuard
@@ -81,7 +81,6 @@ class Scheduler:
         self.tree_cache = stack.tree_cache
         self.device = stack.req_to_token_pool.device
         self.max_running = stack.req_to_token_pool.size
-        self.check_every_step = check_every_step
         # What runs after each step: the full walk (check_every_step) or the caller's checker;
         # by default sampled full walks on idle steps only.
         self.checker = checker or IntegrityChecker(stack, CheckPolicy("full" if check_every_step else "none"))
@@ -198,10 +197,6 @@ class Scheduler:
             kind, bs, new_tokens = "idle", 0, 0
             self._idle()
         return kind, bs, new_tokens
-
-    def run_check(self) -> None:
-        self.stats.checks_run += 1
-        check_memory(self.stack, self.memory_holders())
 
     def _admit_arrivals(self) -> None:
         while self.pending and self.pending[0].arrival_ms <= self.clock_ms:
