@@ -81,8 +81,20 @@ class BaseAllocator:
         read the buffer itself from `_head` instead (a ring of `_num_free` entries)."""
         raise NotImplementedError
 
-    def _advance(self, n: int) -> None:
-        """Remove the first `n` free entries after a kernel read them through `_head_view`."""
+    def _advance(self, n: int, claimed: bool = False) -> None:
+        """Remove the first `n` free entries after a kernel read them through `_head_view`.
+        With a ledger they are recorded as handed out: claimed by the caller at once
+        (`hand_out`), or loose until claimed (`take`)."""
+        if self.ledger is not None:
+            if claimed:
+                self.ledger.hand_out(self._head_view(n))
+            else:
+                self.ledger.take(self._head_view(n), "allocator.alloc")
+        self._move_head(n)
+        self._num_free -= n
+
+    def _move_head(self, n: int) -> None:
+        """The free list's head moves past `n` entries."""
         raise NotImplementedError
 
     # -- common API -----------------------------------------------------------------------
@@ -299,15 +311,8 @@ class TokenToKVPoolAllocator(BaseAllocator):
     def _head_view(self, n: int) -> torch.Tensor:
         return self._ring_slice(self._head, n)
 
-    def _advance(self, n: int, claimed: bool = False) -> None:
-        """`claimed`: the caller claims the pages in the ledger at once (`hand_out`)."""
-        if self.ledger is not None:
-            if claimed:
-                self.ledger.hand_out(self._head_view(n))
-            else:
-                self.ledger.take(self._head_view(n), "allocator.alloc")
+    def _move_head(self, n: int) -> None:
         self._head = (self._head + n) % self.num_pages
-        self._num_free -= n
 
     def _take(self, n: int) -> torch.Tensor:
         # A copy: the ring positions are rewritten by later frees.
@@ -374,14 +379,8 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     def _head_view(self, n: int) -> torch.Tensor:
         return self._buf[self._head : self._head + n]
 
-    def _advance(self, n: int, claimed: bool = False) -> None:
-        if self.ledger is not None:
-            if claimed:
-                self.ledger.hand_out(self._head_view(n))
-            else:
-                self.ledger.take(self._head_view(n), "allocator.alloc")
+    def _move_head(self, n: int) -> None:
         self._head += n
-        self._num_free -= n
 
     def _take(self, n: int) -> torch.Tensor:
         out = self._head_view(n)

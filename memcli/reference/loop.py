@@ -174,20 +174,26 @@ class ReferenceLoop:
 
     def step(self) -> None:
         """One iteration of `event_loop_normal`."""
-        self.step_evicted, self.step_retracted, self.step_finished = 0, [], []
         with self._environment():
-            self._recv_requests()
-            batch = self.get_next_batch_to_run()
+            batch = self._launch()
             if batch is not None:
-                self.step_kind = "prefill" if batch.forward_mode.is_extend() else "decode"
-                self.run_batch(batch)
                 self.process_batch_result(batch)
             else:
-                self.step_kind = "idle"
                 self.self_check_during_idle()
             self.step_batch = batch
             self.last_batch = batch
         self.step_count += 1
+
+    def _launch(self) -> Optional[Any]:
+        """The start of both loops' iteration: arrivals, `get_next_batch_to_run`, `run_batch`.
+        Returns the batch run (None: nothing to run)."""
+        self.step_evicted, self.step_retracted, self.step_finished = 0, [], []
+        self._recv_requests()
+        batch = self.get_next_batch_to_run()
+        self.step_kind = "idle" if batch is None else "prefill" if batch.forward_mode.is_extend() else "decode"
+        if batch is not None:
+            self.run_batch(batch)
+        return batch
 
     def _recv_requests(self) -> None:
         while self.pending and self.pending[0][0] <= self.clock_ms:

@@ -47,18 +47,12 @@ class OverlapReferenceLoop(ReferenceLoop):
 
     def step(self) -> None:
         """One iteration of `event_loop_overlap`."""
-        self.step_evicted, self.step_retracted, self.step_finished = 0, [], []
         with self._environment():
-            self._recv_requests()
-            batch = self.get_next_batch_to_run()
+            batch = self._launch()
             if batch is not None:
-                self.step_kind = "prefill" if batch.forward_mode.is_extend() else "decode"
-                self.run_batch(batch)
                 result = batch.copy()
                 result.output_ids = batch.output_ids  # the sampled tokens (SGLang: the batch result)
                 self.result_queue.append(result)
-            else:
-                self.step_kind = "idle"
             if self.last_batch is not None:
                 self.process_batch_result(self.result_queue.popleft())
             elif batch is None:
