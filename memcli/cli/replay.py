@@ -15,11 +15,12 @@ from memcli.cli.options import JsonOpt, SetOpt
 from memcli.config import ignored_keys, load_config
 from memcli.errors import MemcliError
 from memcli.tools.replay.ceiling import shared_prefix_lens
-from memcli.tools.replay.plot import check_plot_path, plot_replay, plot_sweep, require_matplotlib
+from memcli.cli.study import check_study_options, run_study_command, study_points
+from memcli.tools.replay.plot import check_plot_path, plot_replay, plot_study, require_matplotlib
 from memcli.tools.replay.runner import ARRIVALS, ReplayOptions, check_options, default_arrivals, replay
-from memcli.tools.replay.sweep import parse_sweep, run_sweep
+from memcli.tools.replay.study import StudyContext
 from memcli.report.console import print_json, stderr_console, stdout_console
-from memcli.tools.replay.report import render_replay, render_sweep, replay_document, sweep_document
+from memcli.tools.replay.report import render_replay, render_study, replay_document
 from memcli.workload.readers import FORMATS, read_trace
 
 
@@ -37,7 +38,18 @@ def replay_command(
     check: bool = typer.Option(
         False, "--check", help="Check integrity after every step, incrementally (what the step changed, plus sampled"
         " full walks on idle steps); `--check full`: the full walk of the pool after every step (slow on large pools)"),
-    sweep: Optional[str] = typer.Option(None, "--sweep", help="KEY=v1,v2,...: one replay per value, one row each"),
+    sweep: List[str] = typer.Option(
+        [], "--sweep", help="KEY=v1,v2,...: a study, one replay per value (repeat it: every combination of the keys)"),
+    sweep_file: Optional[Path] = typer.Option(
+        None, "--sweep-file", help="YAML list of points (each a mapping of config overrides): a study of those points"),
+    jobs: Optional[int] = typer.Option(
+        None, "--jobs", "-j", help="Points run at once in local processes (default: the core count; 1: one after another)"),
+    use_ray: bool = typer.Option(False, "--ray", help="Run each point as a Ray task (pip install 'memcli[ray]')"),
+    ray_address: Optional[str] = typer.Option(
+        None, "--ray-address", help="Ray cluster to join with --ray (default: RAY_ADDRESS, else a local runtime)"),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="Folder for the study's study.json and study.csv, written as points finish"),
+    resume: bool = typer.Option(False, "--resume", help="With --out: skip the points already in DIR/study.json"),
     json_out: bool = JsonOpt,
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write occupancy and running requests over time (PNG)"),
     events: Optional[Path] = typer.Option(None, "--events", help="Write the KV events stream (JSON lines)"),
@@ -50,10 +62,8 @@ def replay_command(
     if plot is not None:
         check_plot_path(plot)
         require_matplotlib()
-    spec = parse_sweep(sweep) if sweep is not None else None
-    if spec is not None and events is not None:
-        raise MemcliError("--events writes the stream of one replay; it cannot be combined with --sweep",
-                          "leave out --sweep, or --events")
+    points = study_points(sweep, sweep_file)
+    check_study_options(points is not None, jobs, use_ray, ray_address, out, resume, events)
     cfg = load_config(config, set_, builtin="replay")
     ignored = ignored_keys(cfg, "replay")
     note_ignored(ignored, "replay")
@@ -63,23 +73,25 @@ def replay_command(
     options = ReplayOptions(arrivals or default_arrivals(trace), check, events, check_level=check_level or "incremental")
     check_options(trace, cfg, options)
     show = progress or sys.stderr.isatty()
+    shared = shared_prefix_lens(trace)
+    if points is not None:
+        make_config = lambda extra: load_config(config, [*set_, *extra], builtin="replay")  # noqa: E731
+        doc = run_study_command(points, make_config, StudyContext(trace, options, shared), jobs, use_ray,
+                                ray_address, out, resume, show)
+        _emit(json_out, doc, lambda console: render_study(doc, console))
+        if plot is not None:
+            plot_study(doc, plot)
+        if any(not entry["integrity_ok"] or entry["stalled"] for entry in doc["points"]):
+            raise typer.Exit(1)
+        return
     with _progress(show) as progress_for:
-        shared = shared_prefix_lens(trace)
-        if spec is not None:
-            result = run_sweep(spec, lambda extra: load_config(config, [*set_, *extra], builtin="replay"), trace, options,
-                               shared, progress_for)
-            failed = any(not row.result.integrity.ok for row in result.rows)
-            _emit(json_out, sweep_document(result), lambda console: render_sweep(result, console))
-            if plot is not None:
-                plot_sweep(result, plot)
-        else:
-            result = replay(cfg, trace, options, progress_for("replay"), shared)
-            failed = not result.integrity.ok or result.stop is not None
-            _emit(json_out, {**replay_document(result), "ignored_keys": sorted(ignored)},
-                  lambda console: render_replay(result, console))
-            if plot is not None and result.stop is None:
-                plot_replay(result, plot)
-    if spec is None and result.stop is not None:
+        result = replay(cfg, trace, options, progress_for("replay"), shared)
+        failed = not result.integrity.ok or result.stop is not None
+        _emit(json_out, {**replay_document(result), "ignored_keys": sorted(ignored)},
+              lambda console: render_replay(result, console))
+        if plot is not None and result.stop is None:
+            plot_replay(result, plot)
+    if result.stop is not None:
         if result.interrupted:
             raise Interrupted(result.stop.message)
         print(f"error: {result.stop.message}", file=sys.stderr)

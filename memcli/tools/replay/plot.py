@@ -72,21 +72,49 @@ def plot_replay(result: ReplayResult, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_sweep(sweep, path: Path) -> None:
-    """Hit rate (and block ratio) per swept value, with the unlimited-pool reference line."""
+def plot_study(doc: dict, path: Path) -> None:
+    """Hit rate against the first numeric swept key (else the first key), one line per
+    combination of the other keys; Belady points (`eviction_policy: belady`) dashed, the
+    ceiling of each page size as a dotted line, the replayed unlimited pool dashed grey."""
     plt = require_matplotlib()
-    labels = [str(row.value) for row in sweep.rows]
-    x = np.arange(len(labels))
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot(x, [row.result.prefix.hit_rate for row in sweep.rows], marker="o", label="hit rate (tokens)")
-    ax.plot(x, [row.result.prefix.block_ratio for row in sweep.rows], marker="s", label="block ratio")
-    ax.axhline(sweep.reference.hit_rate, color="grey", ls="--", label=f"unlimited ({sweep.reference.method})")
-    top = max([sweep.reference.hit_rate] + [row.result.prefix.hit_rate for row in sweep.rows])
+    keys, points = doc["study"]["keys"], doc["points"]
+    x_key = next((k for k in keys if all(_is_number(p["config"][k]) for p in points)), keys[0] if keys else None)
+    others = [k for k in keys if k != x_key]
+    numeric = x_key is not None and all(_is_number(p["config"][x_key]) for p in points)
+    values = sorted({p["config"][x_key] for p in points}, key=lambda v: (v if numeric else str(v))) if x_key else [0]
+    position = {v: (v if numeric else i) for i, v in enumerate(values)}
+    lines: dict[tuple, list] = {}
+    for p in points:
+        lines.setdefault(tuple(p["config"][k] for k in others), []).append(p)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    top = 0.0
+    for combo, members in lines.items():
+        members.sort(key=lambda p: position[p["config"][x_key]] if x_key else 0)
+        xs = [position[p["config"][x_key]] if x_key else 0 for p in members]
+        ys = [p["hit_rate"] for p in members]
+        top = max(top, *ys)
+        bound = any(p["eviction_policy"] == "belady" for p in members)
+        label = ", ".join(f"{k.split('.', 1)[-1]}={v}" for k, v in zip(others, combo)) or "hit rate"
+        ax.plot(xs, ys, marker="o", ls="--" if bound else "-", label=label + (" (offline bound)" if bound else ""))
+    ceilings = {(p["page_size"], p["ceiling_hit_rate"]) for p in points}
+    for ps, ceiling in sorted(ceilings):
+        ax.axhline(ceiling, color="black", ls=":", lw=1, label=f"ceiling, page size {ps} (never evicting)")
+        top = max(top, ceiling)
+    for ref in doc["references"]:
+        if ref["method"] == "replayed":
+            ax.axhline(ref["hit_rate"], color="grey", ls="--", lw=0.8, label=f"unlimited pool, page size {ref['page_size']}")
+            top = max(top, ref["hit_rate"])
     ax.set_ylim(0, max(top * 1.15, 0.01))
-    ax.set_xticks(x, labels)
-    ax.set_xlabel(sweep.key)
-    ax.set_ylabel("hit rate")
-    ax.legend(fontsize=8)
+    if x_key and not numeric:
+        ax.set_xticks(list(position.values()), [str(v) for v in values])
+    ax.set_xlabel(x_key or "point")
+    ax.set_ylabel("hit rate (cached / prompt tokens)")
+    ax.set_title(f"hit rate against {x_key}" if x_key else "hit rate")
+    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from memcli.tools.replay.metrics import DEFINITIONS, downsample
 from memcli.tools.replay.result import ReplayResult
-from memcli.tools.replay.sweep import SweepResult
+from memcli.tools.replay.grid import point_label, short_key
 from memcli.report.tables import fmt, kv_table
 
 SERIES_POINTS = 500
@@ -189,64 +189,44 @@ def _dist(values: dict[str, float], scale: float) -> str:
     return " / ".join(fmt(round(values[k] * scale, 3)) for k in ("p50", "p90", "max"))
 
 
-# -- sweeps ---------------------------------------------------------------------------------
+# -- studies --------------------------------------------------------------------------------
 
 
-def sweep_document(sweep: SweepResult) -> dict[str, Any]:
-    base = sweep.rows[0].result if sweep.rows else None
-    return {
-        "command": "replay",
-        "sweep": {"key": sweep.key, "values": [row.value for row in sweep.rows]},
-        "requests": base.summary.requests if base else 0,
-        "input_tokens": base.prefix.input_tokens if base else 0,
-        "output_tokens": base.summary.output_tokens if base else 0,
-        "page_size": base.config.page_size if base else None,
-        "arrivals": sweep.arrivals,
-        "config": sweep.config.to_dict(),
-        "hit_rate_definition": DEFINITIONS["hit_rate"],
-        "rows": [_sweep_row(row.value, row.result) for row in sweep.rows],
-        "reference": sweep.reference.to_dict(),
-    }
-
-
-def _sweep_row(value: Any, r: ReplayResult) -> dict[str, Any]:
-    return {
-        "value": value, "requests": r.summary.requests, "input_tokens": r.prefix.input_tokens,
-        "output_tokens": r.summary.output_tokens, "cached_tokens": r.prefix.cached_tokens,
-        "hit_rate": _round(r.prefix.hit_rate), "block_ratio": _round(r.prefix.block_ratio),
-        "warmup_excluded_hit_rate": _round(r.prefix.warmup_excluded_hit_rate),
-        "ceiling_hit_rate": _round(r.prefix.ceiling_hit_rate), "page_size": r.config.page_size,
-        "pool_tokens": r.occupancy.pool_tokens, "evictions": r.eviction.evictions,
-        "tokens_evicted": r.eviction.tokens_evicted, "retractions": r.scheduling.retractions,
-        "peak_used_tokens": r.occupancy.peak_used_tokens, "simulated_time_ms": _round(r.summary.simulated_ms, 3),
-        "steps": r.summary.steps, "wall_time_s": _round(r.summary.wall_s, 3), "integrity_ok": r.integrity.ok,
-    }
-
-
-def render_sweep(sweep: SweepResult, console: Console) -> None:
-    table = Table(title=f"sweep of {sweep.key} ({sweep.arrivals} arrivals)", title_justify="left")
-    for name in ("value", "pool", "hit rate", "blocks", "warm-up excl", "ceiling", "evictions", "retracts",
-                 "peak used", "steps"):
-        table.add_column(name, justify="left" if name == "value" else "right", no_wrap=True)
-    for row in sweep.rows:
-        r = row.result
-        table.add_row(str(row.value), fmt(r.occupancy.pool_tokens), _pct(r.prefix.hit_rate),
-                      _pct(r.prefix.block_ratio), _pct(r.prefix.warmup_excluded_hit_rate),
-                      _pct(r.prefix.ceiling_hit_rate), fmt(r.eviction.evictions), fmt(r.scheduling.retractions),
-                      fmt(r.occupancy.peak_used_tokens), fmt(r.summary.steps))
-    ref = sweep.reference
-    table.add_row("unlimited", fmt(ref.pool_tokens) if ref.pool_tokens else "-", _pct(ref.hit_rate),
-                  _optional_pct(ref.block_ratio), _optional_pct(ref.warmup_excluded_hit_rate),
-                  _pct(ref.ceiling_hit_rate), *(["-"] * 4))
+def render_study(doc: dict[str, Any], console: Console) -> None:
+    """The study as one table: a row per finished point (its keys, then the numbers), then the
+    unlimited-pool reference of each page size."""
+    keys = doc["study"]["keys"]
+    names = [short_key(key, keys) for key in keys]
+    table = Table(title=f"study of {', '.join(names) or 'the base config'}: {doc['study']['finished']} of"
+                        f" {doc['study']['points']} points ({doc['arrivals']} arrivals, {doc['study']['executor']})",
+                  title_justify="left")
+    for name in [*names, "pool", "hit rate", "blocks", "warm-up excl", "ceiling", "evictions", "retracts"]:
+        table.add_column(name, justify="left" if name in names else "right", no_wrap=True)
+    for entry in doc["points"]:
+        table.add_row(*(_value(entry["config"][key]) for key in keys), fmt(entry["pool_tokens"]),
+                      _pct(entry["hit_rate"]), _pct(entry["block_ratio"]), _pct(entry["warmup_excluded_hit_rate"]),
+                      _pct(entry["ceiling_hit_rate"]), fmt(entry["evictions"]), fmt(entry["retractions"]))
+    for ref in doc["references"]:
+        label = [f"unlimited (ps {ref['page_size']})"] + [""] * (len(keys) - 1) if keys else []
+        table.add_row(*label, fmt(ref["pool_tokens"]) if ref["pool_tokens"] else "-", _pct(ref["hit_rate"]),
+                      _optional_pct(ref["block_ratio"]), _optional_pct(ref["warmup_excluded_hit_rate"]),
+                      _pct(ref["ceiling_hit_rate"]), "-", "-")
     console.print(table)
-    for row in sweep.rows:
-        if not row.result.integrity.ok:
-            console.print(f"INTEGRITY FAILURE at {sweep.key}={row.value} (replay stopped):"
-                          f" {row.result.integrity.failure}")
+    for entry in doc["points"]:
+        if not entry["integrity_ok"]:
+            console.print(f"INTEGRITY FAILURE at {point_label(entry['point'])} (that replay stopped)")
+        if entry["stalled"]:
+            console.print(f"STALLED at {point_label(entry['point'])} (that replay stopped)")
     console.print("blocks = block ratio; warm-up excl = hit rate without the first 50% of requests;"
-                  " ceiling = sequential, never evicting (see the single-replay report).")
+                  " ceiling = sequential, never evicting (see the single-replay report); study.csv and --json"
+                  " have every number of every point.")
     console.print(f"hit rate = {DEFINITIONS['hit_rate']}.")
-    console.print(f"unlimited ({ref.method}): {ref.note}.")
+    for ref in doc["references"]:
+        console.print(f"unlimited (ps {ref['page_size']}, {ref['method']}): {ref['note']}.")
+
+
+def _value(value: Any) -> str:
+    return fmt(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
 def _optional_pct(value) -> str:

@@ -127,7 +127,12 @@ def test_empty_and_missing_files(tmp_path):
     (["--set", "memory.bogus=1"], "unknown config key 'memory.bogus'"),
     (["--sweep", "memory.max_total_tokens"], "expected KEY=v1,v2"),
     (["--sweep", "cache.eviction_policy=lru,mru"], "cache.eviction_policy: invalid value 'mru'"),
-    (["--sweep", "cache.eviction_policy=lru", "--events", "x.jsonl"], "cannot be combined with --sweep"),
+    (["--sweep", "cache.eviction_policy=lru", "--events", "x.jsonl"], "cannot be combined with a study"),
+    (["--jobs", "2"], "--jobs runs the points of a study"),
+    (["--sweep", "cache.eviction_policy=lru", "--jobs", "0"], "--jobs 0: at least 1"),
+    (["--sweep", "cache.eviction_policy=lru", "--resume"], "--resume continues the study under --out"),
+    (["--sweep", "cache.eviction_policy=lru", "--ray-address", "10.0.0.1:6379"], "--ray-address is the Ray cluster"),
+    (["--sweep-file", "missing.yaml"], "cannot read --sweep-file missing.yaml"),
     (["--plot", "out.txt"], "unsupported file type"),
     (["--set", "memory.max_context_len=100"], "more than memory.max_context_len 100"),
     (["--set", "memory.max_total_tokens=200", "--set", "memory.max_context_len=64", "--set", "memory.page_size=1",
@@ -226,26 +231,26 @@ def test_events_file(memcli_trace, tmp_path):
     assert doc["config"]["cache"]["kv_events"] is True
 
 
-# -- sweeps ---------------------------------------------------------------------------------
+# -- studies (more in test_study.py) ------------------------------------------------------
 
 
 def test_sweep_pool_sizes_with_the_unlimited_reference(mooncake_trace):
-    doc = run_json(mooncake_trace, "--block-size", 32, "--sweep", "memory.max_total_tokens=8000,60000")
-    rows = doc["rows"]
-    assert [row["value"] for row in rows] == [8000, 60000]
+    doc = run_json(mooncake_trace, "--block-size", 32, "--sweep", "memory.max_total_tokens=8000,60000", "--jobs", 1)
+    rows = doc["points"]
+    assert [row["point"] for row in rows] == [{"memory.max_total_tokens": 8000}, {"memory.max_total_tokens": 60000}]
     assert [row["pool_tokens"] for row in rows] == [8000, 60000]
     assert rows[0]["evictions"] > 0 and rows[0]["hit_rate"] <= rows[1]["hit_rate"]
-    ref = doc["reference"]
-    assert ref["method"] == "replayed" and ref["pool_tokens"] >= doc["input_tokens"]
+    (ref,) = doc["references"]
+    assert ref["method"] == "replayed" and ref["pool_tokens"] >= doc["input_tokens"] and ref["page_size"] == 16
     assert ref["hit_rate"] >= rows[1]["hit_rate"] - 1e-9
     assert all(row["integrity_ok"] for row in rows)
 
 
 def test_sweep_eviction_policies_human(mooncake_trace):
     result = invoke(mooncake_trace, "--block-size", 32, *SMALL, "--sweep", "cache.eviction_policy=lru,lfu",
-                    env={"NO_COLOR": "1"})
+                    "--jobs", 1, env={"NO_COLOR": "1"})
     assert result.exit_code == 0, result.stderr
-    assert "lru" in result.stdout and "lfu" in result.stdout and "unlimited (replayed)" in result.stdout
+    assert "lru" in result.stdout and "lfu" in result.stdout and "unlimited (ps 16, replayed)" in result.stdout
     assert "…" not in result.stdout  # fits 120 columns
 
 
