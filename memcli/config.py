@@ -59,7 +59,8 @@ class CacheConfig:
     """Prefix cache in front of the allocator."""
 
     kind: Literal["radix", "chunk", "none"] = "radix"
-    eviction_policy: Literal["lru", "lfu", "fifo"] = "lru"
+    # belady is offline (the trace's future uses; replay only), a memcli extension SGLang does not have.
+    eviction_policy: Literal["lru", "lfu", "fifo", "belady"] = "lru"
     kv_events: bool = False
 
 

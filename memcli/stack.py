@@ -90,11 +90,17 @@ def resolve_backend(config: Config, device: torch.device) -> str:
 
 
 def build_stack(config: Config, cache_kind: str | None = None,
-                page_size_overrides: dict[str, int] | None = None) -> MemoryStack:
+                page_size_overrides: dict[str, int] | None = None, future: Any = None) -> MemoryStack:
     """Build pools, allocator and prefix cache. `cache_kind` overrides `cache.kind`.
+    `future` (`memcli.workload.future.FutureUses`) is the trace's future, for the radix cache:
+    `cache.eviction_policy: belady` needs it (a `ConfigError` without it).
 
     Raises `CapacityError` before allocating anything when the stack would not fit on the
     device (`memcli.footprint.check_footprint`)."""
+    kind = cache_kind or config.cache.kind
+    if kind == "radix" and config.cache.eviction_policy == "belady" and future is None:
+        raise ConfigError("cache.eviction_policy: belady evicts by the trace's future uses, which only memcli replay"
+                          " knows", hint="use lru, lfu or fifo here (memcli replay accepts belady)")
     overrides = dict(page_size_overrides or {})
     unknown = set(overrides) - set(COMPONENTS)
     if unknown:
@@ -111,13 +117,14 @@ def build_stack(config: Config, cache_kind: str | None = None,
                      model.dtype, device, materialized=mem.kv_pool == "materialized")
     alloc_ps = overrides.get("allocator", ps)
     allocator = make_allocator(size // alloc_ps * alloc_ps, alloc_ps, device, backend, mem.need_sort, mem.debug)
-    kind = cache_kind or config.cache.kind
     if kind == "none" and "tree_cache" in overrides:
         raise ConfigError("cannot inject tree_cache.page_size: the tree cache is the bench null cache here",
                           hint="inject null_cache.page_size instead, or use cache.kind radix or chunk")
     tree_ps = overrides.get("null_cache" if kind == "none" else "tree_cache", ps)
     tree_cache = make_tree_cache(kind, config, req_to_token_pool, allocator, tree_ps)
     tree_cache.evict_rule = evict_rule(config.behaviour)
+    if kind == "radix":
+        tree_cache.future = future
     # The bench null cache is built here too, so its page size is read from a real object.
     null_cache = tree_cache if kind == "none" else NullCache(allocator, req_to_token_pool,
                                                               overrides.get("null_cache", ps))

@@ -18,7 +18,8 @@ from memcli.tools.replay.ceiling import shared_prefix_lens
 from memcli.cli.study import check_study_options, run_study_command, study_points
 from memcli.tools.replay.plot import check_plot_path, plot_replay, plot_study, require_matplotlib
 from memcli.tools.replay.runner import ARRIVALS, ReplayOptions, check_options, default_arrivals, replay
-from memcli.tools.replay.study import StudyContext
+from memcli.tools.replay.study import StudyContext, with_belady
+from memcli.tools.replay.bound import bound_config
 from memcli.report.console import print_json, stderr_console, stdout_console
 from memcli.tools.replay.report import render_replay, render_study, replay_document
 from memcli.workload.readers import FORMATS, read_trace
@@ -47,6 +48,9 @@ def replay_command(
     use_ray: bool = typer.Option(False, "--ray", help="Run each point as a Ray task (pip install 'memcli[ray]')"),
     ray_address: Optional[str] = typer.Option(
         None, "--ray-address", help="Ray cluster to join with --ray (default: RAY_ADDRESS, else a local runtime)"),
+    bound: Optional[str] = typer.Option(
+        None, "--bound", help="belady: replay again with the offline-optimal eviction and report its hit rate beside"
+        " (in a study: a belady point beside every point)"),
     out: Optional[Path] = typer.Option(
         None, "--out", help="Folder for the study's study.json and study.csv, written as points finish"),
     resume: bool = typer.Option(False, "--resume", help="With --out: skip the points already in DIR/study.json"),
@@ -62,6 +66,8 @@ def replay_command(
     if plot is not None:
         check_plot_path(plot)
         require_matplotlib()
+    if bound is not None and bound != "belady":
+        raise MemcliError(f'unknown --bound "{bound}"', "the one bound is belady: --bound belady")
     points = study_points(sweep, sweep_file)
     check_study_options(points is not None, jobs, use_ray, ray_address, out, resume, events)
     cfg = load_config(config, set_, builtin="replay")
@@ -76,7 +82,7 @@ def replay_command(
     shared = shared_prefix_lens(trace)
     if points is not None:
         make_config = lambda extra: load_config(config, [*set_, *extra], builtin="replay")  # noqa: E731
-        doc = run_study_command(points, make_config, StudyContext(trace, options, shared), jobs, use_ray,
+        doc = run_study_command(with_belady(points, bound is not None), make_config, StudyContext(trace, options, shared), jobs, use_ray,
                                 ray_address, out, resume, show)
         _emit(json_out, doc, lambda console: render_study(doc, console))
         if plot is not None:
@@ -84,11 +90,16 @@ def replay_command(
         if any(not entry["integrity_ok"] or entry["stalled"] for entry in doc["points"]):
             raise typer.Exit(1)
         return
+    belady_cfg = bound_config(cfg) if bound is not None else None
     with _progress(show) as progress_for:
         result = replay(cfg, trace, options, progress_for("replay"), shared)
         failed = not result.integrity.ok or result.stop is not None
-        _emit(json_out, {**replay_document(result), "ignored_keys": sorted(ignored)},
-              lambda console: render_replay(result, console))
+        bound_result = None
+        if belady_cfg is not None and result.stop is None:
+            bound_result = result if belady_cfg is cfg else replay(belady_cfg, trace, ReplayOptions(options.arrivals),
+                                                                   progress_for("belady bound"), shared)
+        _emit(json_out, {**replay_document(result, bound=bound_result), "ignored_keys": sorted(ignored)},
+              lambda console: render_replay(result, console, bound=bound_result))
         if plot is not None and result.stop is None:
             plot_replay(result, plot)
     if result.stop is not None:

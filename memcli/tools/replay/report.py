@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 from rich.console import Console
 from rich.table import Table
 
-from memcli.tools.replay.metrics import DEFINITIONS, downsample
+from memcli.tools.replay.metrics import DEFINITIONS, EVICTION_DEFINITIONS, WINDOW_REQUESTS, downsample
 from memcli.tools.replay.result import ReplayResult
 from memcli.tools.replay.grid import point_label, short_key
 from memcli.report.tables import fmt, kv_table
@@ -20,8 +20,10 @@ def _round(value: float, digits: int = 6) -> float:
     return round(float(value), digits)
 
 
-def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) -> dict[str, Any]:
-    """The JSON document of one replay (headline fields first, then one object per section)."""
+def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS,
+                    bound: Optional[ReplayResult] = None) -> dict[str, Any]:
+    """The JSON document of one replay (headline fields first, then one object per section).
+    `bound`: the Belady replay of `--bound belady`."""
     s, p, o, a, e, q, i = (result.summary, result.prefix, result.occupancy, result.allocation, result.eviction,
                            result.scheduling, result.integrity)
     return {
@@ -59,8 +61,24 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
             "warmup_excluded": {"cached_tokens": p.warmup_cached_tokens, "input_tokens": p.warmup_input_tokens,
                                 "hit_rate": _round(p.warmup_excluded_hit_rate),
                                 "definition": DEFINITIONS["warmup_excluded"]},
-            "last_1000": {"cached_tokens": p.window_cached_tokens, "input_tokens": p.window_input_tokens,
-                          "hit_rate": _round(p.last_1000_hit_rate), "definition": DEFINITIONS["last_1000"]},
+            "last_1000": {"n": WINDOW_REQUESTS, "cached_tokens": p.window_cached_tokens,
+                          "input_tokens": p.window_input_tokens, "hit_rate": _round(p.last_1000_hit_rate),
+                          "definition": DEFINITIONS["last_1000"]},
+            "per_request_mean": {"requests": p.requests, "hit_rate": _round(p.per_request_mean_hit_rate),
+                                 "definition": DEFINITIONS["per_request_mean"]},
+            "page_hit_rate": {"hit_pages": p.hit_pages, "pages": p.pages, "page_size": p.page_size,
+                              "value": _round(p.page_hit_rate), "definition": DEFINITIONS["page_hit_rate"]},
+            "sglang_batch": {"batches": p.batches, "mean": _round(p.batch_mean_hit_rate),
+                             "last": _round(p.last_batch_hit_rate), "definition": DEFINITIONS["sglang_batch"]},
+            "sglang_cumulative": {"cached_tokens": p.batch_cached_tokens, "new_tokens": p.batch_new_tokens,
+                                  "hit_rate": _round(p.sglang_cumulative_hit_rate),
+                                  "definition": DEFINITIONS["sglang_cumulative"]},
+            "vllm": {"queries": p.vllm_queries, "hits": p.vllm_hits, "hit_rate": _round(p.vllm_hit_rate),
+                     "definition": DEFINITIONS["vllm"]},
+            "belady": None if bound is None else {
+                "cached_tokens": bound.prefix.cached_tokens, "hit_rate": _round(bound.prefix.hit_rate),
+                "evictions": bound.eviction.evictions, "wall_time_s": _round(bound.summary.wall_s, 3),
+                "definition": DEFINITIONS["belady"]},
             "ceiling": {"tokens": p.ceiling_tokens, "hit_rate": _round(p.ceiling_hit_rate),
                         "page_size_1_tokens": p.shared_tokens, "definition": DEFINITIONS["ceiling"]},
             "lost_to_page_alignment": {"tokens": p.lost_to_page_alignment,
@@ -83,7 +101,8 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
             "oom_events": a.oom_events,
             "means": "weighted by simulated time",
         },
-        "eviction": dataclasses.asdict(e),
+        "eviction": {**dataclasses.asdict(e), "needed_again_share": _round(e.needed_again_share),
+                     "definitions": EVICTION_DEFINITIONS},
         "scheduling": {
             "retractions": q.retractions, "retracted_requests": q.retracted_requests,
             "recomputed_tokens": q.recomputed_tokens, "aborted": q.aborted, **dataclasses.asdict(q.queue),
@@ -106,13 +125,17 @@ def _series_fields(result: ReplayResult) -> dict:
     return {name: result.series[name] for name in keep}
 
 
-def render_replay(result: ReplayResult, console: Console) -> None:
-    for table in replay_tables(result):
+def render_replay(result: ReplayResult, console: Console, bound: Optional[ReplayResult] = None) -> None:
+    for table in replay_tables(result, bound):
         console.print(table)
     p = result.prefix
-    console.print(f"hit_rate = {DEFINITIONS['hit_rate']}.")
-    console.print(f"ceiling = {DEFINITIONS['ceiling']}.")
+    console.print("Hit rates (prefix cache table), each counted its own way:")
+    for label, name in HIT_RATE_LINES:
+        if name != "belady" or bound is not None:
+            console.print(f"  {label} = {DEFINITIONS[name]}.")
     console.print(f"lost to page alignment = {DEFINITIONS['lost_to_page_alignment']}.")
+    if result.eviction.future_known:
+        console.print(f"reuse distance = {EVICTION_DEFINITIONS['reuse_distance']}.")
     if p.sub_page_prefix_requests:
         console.print(f"{p.sub_page_prefix_requests} request(s) shared a prefix shorter than one page"
                       f" ({p.page_size} tokens): they can never hit.")
@@ -122,7 +145,15 @@ def render_replay(result: ReplayResult, console: Console) -> None:
         console.print(f"STOPPED EARLY ({result.stop.reason}): {result.stop.message}")
 
 
-def replay_tables(result: ReplayResult) -> list[Table]:
+HIT_RATE_LINES = (
+    ("hit rate", "hit_rate"), ("per-request mean", "per_request_mean"), ("page hit rate", "page_hit_rate"),
+    ("block ratio", "block_ratio"), ("SGLang per batch", "sglang_batch"), ("SGLang cumulative", "sglang_cumulative"),
+    ("vLLM", "vllm"), ("first 50% excluded", "warmup_excluded"), ("last 1,000", "last_1000"),
+    ("ceiling", "ceiling"), ("Belady bound", "belady"),
+)
+
+
+def replay_tables(result: ReplayResult, bound: Optional[ReplayResult] = None) -> list[Table]:
     s, p, o, a, e, q, i = (result.summary, result.prefix, result.occupancy, result.allocation, result.eviction,
                            result.scheduling, result.integrity)
     ps = p.page_size
@@ -140,11 +171,18 @@ def replay_tables(result: ReplayResult) -> list[Table]:
     ])
     prefix = kv_table(f"prefix cache (page size {ps}, block size {p.block_size})", [
         ("cached tokens", p.cached_tokens), ("input tokens", p.input_tokens),
-        ("hit rate", _pct(p.hit_rate)),
+        ("hit rate (tokens)", _pct(p.hit_rate)),
+        ("per-request mean", _pct(p.per_request_mean_hit_rate)),
+        ("page hit rate (hit pages / pages)", f"{_pct(p.page_hit_rate)} ({p.hit_pages:,} / {p.pages:,})"),
         ("block ratio (hit blocks / blocks)", f"{_pct(p.block_ratio)} ({p.hit_blocks:,} / {p.blocks:,})"),
+        ("SGLang per batch, mean / last", f"{_pct(p.batch_mean_hit_rate)} / {_pct(p.last_batch_hit_rate)}"
+                                          f" ({p.batches:,} batches)"),
+        ("SGLang cumulative", _pct(p.sglang_cumulative_hit_rate)),
+        ("vLLM (hits / queries)", f"{_pct(p.vllm_hit_rate)} ({p.vllm_hits:,} / {p.vllm_queries:,})"),
         ("hit rate, first 50% excluded", _pct(p.warmup_excluded_hit_rate)),
         ("hit rate, last 1,000 requests", _pct(p.last_1000_hit_rate)),
         ("ceiling (sequential, never evicting)", f"{_pct(p.ceiling_hit_rate)} ({p.ceiling_tokens:,} tokens)"),
+        *([("Belady bound (offline, same pool)", _pct(bound.prefix.hit_rate))] if bound is not None else []),
         ("lost to capacity and timing", p.lost_to_capacity_and_timing),
         ("lost to page alignment", p.lost_to_page_alignment),
         ("requests with a sub-page shared prefix", p.sub_page_prefix_requests),
@@ -161,10 +199,16 @@ def replay_tables(result: ReplayResult) -> list[Table]:
         ("request rows, peak / total", f"{a.peak_request_rows:,} / {a.request_rows:,}"),
         ("out-of-memory events", a.oom_events),
     ])
+    reuse = [
+        ("needed again (tokens, share)", f"{e.tokens_needed_again:,} ({_pct(e.needed_again_share)})"),
+        ("reuse distance p50 / p90 / max (requests)", _dist(e.reuse_distance_requests, 1)),
+        ("reuse distance p50 / p90 / max (s)", _dist(e.reuse_distance_ms, 1e-3)),
+    ] if e.future_known else [("reuse distance", "not computed (the trace is too large for its future index)")]
     eviction = kv_table(f"eviction (policy {e.policy})", [
         ("evictions (nodes)", e.evictions), ("tokens evicted", e.tokens_evicted),
         ("age at eviction p50 / p90 / max (s)", _dist(e.age_ms, 1e-3)),
-        ("reuse count p50 / p90 / max", _dist(e.reuse, 1)),
+        ("hits before eviction p50 / p90 / max", _dist(e.hits_before_eviction, 1)),
+        *reuse,
     ])
     scheduling = kv_table("scheduling", [
         ("retractions (requests)", f"{q.retractions:,} ({q.retracted_requests:,})"),

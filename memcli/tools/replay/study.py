@@ -59,6 +59,27 @@ class StudyPlan:
     base: Config
 
 
+POLICY_KEY = "cache.eviction_policy"
+
+
+def with_belady(points: list[Point], bound: bool) -> list[Point]:
+    """`points`, then the same points under `eviction_policy: belady` (each once) when the
+    study sweeps the eviction policy or asks for the bound: the offline reference beside the
+    online policies."""
+    if not bound and not any(POLICY_KEY in point for point in points):
+        return points
+    seen = {point_key(point) for point in points}
+    out = list(points)
+    for point in points:
+        if point.get(POLICY_KEY) == "belady":
+            continue
+        twin = {**point, POLICY_KEY: "belady"}
+        if point_key(twin) not in seen:
+            seen.add(point_key(twin))
+            out.append(twin)
+    return out
+
+
 def plan_study(points: list[Point], make_config: Callable[[list[str]], Config], trace: Trace,
                options: ReplayOptions) -> StudyPlan:
     """Every point's config, built and checked (`CapacityError`, `ConfigError`) before the

@@ -168,8 +168,10 @@ def test_json_schema(memcli_trace):
     prefix = doc["prefix_cache"]
     assert "first admitted" in prefix["hit_rate_definition"]
     for variant in ("block_ratio", "warmup_excluded", "last_1000", "ceiling", "lost_to_page_alignment",
-                    "sub_page_prefix_requests", "lost_to_capacity_and_timing"):
+                    "sub_page_prefix_requests", "lost_to_capacity_and_timing", "per_request_mean", "page_hit_rate",
+                    "sglang_batch", "sglang_cumulative", "vllm"):
         assert prefix[variant]["definition"]
+    assert prefix["belady"] is None  # only with --bound belady
     # Sequential arrivals with a pool that never evicts: exactly the ceiling.
     assert doc["eviction"]["evictions"] == 0 and prefix["ceiling"]["tokens"] == doc["cached_tokens"]
     summary = doc["summary"]
@@ -179,7 +181,10 @@ def test_json_schema(memcli_trace):
     for key in ("peak_used_tokens", "peak_used_pages", "mean_used_tokens", "peak_partial_page_waste_tokens",
                 "allocations", "frees", "peak_request_rows", "oom_events"):
         assert key in doc["allocation"]
-    assert set(doc["eviction"]["age_ms"]) == {"p50", "p90", "max"} == set(doc["eviction"]["reuse"])
+    eviction = doc["eviction"]
+    assert set(eviction["age_ms"]) == {"p50", "p90", "max"} == set(eviction["hits_before_eviction"])
+    assert set(eviction["reuse_distance_requests"]) == {"p50", "p90", "max"} and eviction["future_known"]
+    assert set(eviction["definitions"]) >= {"reuse_distance", "needed_again"}
     assert doc["integrity"]["ok"] and doc["integrity"]["everything_free_at_end"]
     series = doc["series"]
     assert len(series["time_ms"]) == len(series["running"]) <= series["points"]
@@ -189,7 +194,7 @@ def test_human_output_prints_the_definition(memcli_trace):
     result = invoke(memcli_trace, *SMALL, env={"NO_COLOR": "1"})
     assert result.exit_code == 0, result.stderr
     for needle in ("prefix cache", "hit rate", "allocation", "eviction", "scheduling", "integrity",
-                   "hit_rate = cached_tokens / input_tokens"):
+                   "hit rate = cached_tokens / input_tokens", "SGLang per batch = ", "vLLM = "):
         assert needle in result.stdout
 
 

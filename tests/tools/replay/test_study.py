@@ -134,7 +134,9 @@ def test_out_writes_json_and_csv_and_resume_runs_only_what_is_missing(trace_path
     assert json.loads((out / "study.json").read_text()) == doc and doc["study"]["complete"]
     with open(out / "study.csv") as fh:
         table = list(csv.DictReader(fh))
-    assert len(table) == 8 and list(table[0])[:4] == ["index", "memory.max_total_tokens", "cache.eviction_policy",
+    # 8 points, and the 4 belady twins a policy sweep always gets.
+    assert len(table) == 12 and [row["cache.eviction_policy"] for row in table[8:]] == ["belady"] * 4
+    assert list(table[0])[:4] == ["index", "memory.max_total_tokens", "cache.eviction_policy",
                                                       "memory.page_size"]
     assert [row["hit_rate"] for row in table] == [str(p["hit_rate"]) for p in doc["points"]]
     # Same folder again without --resume: refused, nothing run.
@@ -150,7 +152,7 @@ def test_out_writes_json_and_csv_and_resume_runs_only_what_is_missing(trace_path
     monkeypatch.setattr(executors, "run_task", study_mod.run_task)
     resumed = invoke(trace_path, "--block-size", 32, *SMALL, *GRID, "--jobs", 1, "--out", out, "--resume", "--json")
     assert resumed.exit_code == 0, resumed.stderr
-    assert sorted(ran) == [3, 4, 9]
+    assert sorted(ran) == [3, 4, 13]
     strip = lambda d: [{k: v for k, v in p.items() if k not in TIMING_COLUMNS} for p in d["points"]]  # noqa: E731
     assert strip(json.loads(resumed.stdout)) == strip(doc)
 
@@ -177,6 +179,9 @@ def test_a_sweep_file_study(trace_path, tmp_path):
     result = invoke(trace_path, "--block-size", 32, *SMALL, "--sweep-file", points, "--jobs", 1, "--json")
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
+    # A point sets the policy: each point gets its belady twin.
     assert [p["config"] for p in doc["points"]] == [
         {"memory.max_total_tokens": 8000, "cache.eviction_policy": "lru", "memory.page_size": 1},
-        {"memory.max_total_tokens": 60000, "cache.eviction_policy": "lru", "memory.page_size": 1}]
+        {"memory.max_total_tokens": 60000, "cache.eviction_policy": "lru", "memory.page_size": 1},
+        {"memory.max_total_tokens": 8000, "cache.eviction_policy": "belady", "memory.page_size": 1},
+        {"memory.max_total_tokens": 60000, "cache.eviction_policy": "belady", "memory.page_size": 1}]
