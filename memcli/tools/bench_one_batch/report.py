@@ -197,8 +197,26 @@ def reference_table(result: BenchResult) -> Table:
     return table
 
 
+def floor_line(result: BenchResult) -> Optional[str]:
+    """The launch floor, and the decode memory path of every case against it."""
+    floor = result.floor
+    if floor is None:
+        return None
+    ratios = [f"{r.case.batch_size}/{r.case.page_size}: {r.phases['decode_memory'].median_us / floor.median_us:.2f}x"
+              for r in result.cases if "decode_memory" in r.phases and floor.median_us > 0]
+    return (f"launch floor (replay of a one-kernel CUDA graph): {fmt_us(floor.median_us)} (spread {fmt_spread(floor)});"
+            f" decode memory path / floor by batch size/page size: {', '.join(ratios) or '-'}")
+
+
 def render(result: BenchResult, console) -> None:
     console.print(header_line(result))
+    line = floor_line(result)
+    if line:
+        console.print(line)
+    graphs = result.config.get("runtime", {}).get("decode_graph", "off") != "off"
+    if result.cases and result.cases[0].backend == "triton" and result.timing_method == "cuda-events":
+        console.print("decode memory path: " + ("one CUDA-graph replay per step (runtime.decode_graph)" if graphs
+                                                else "one kernel launch per step (runtime.decode_graph off)"))
     for case in result.cases:
         console.print(case_table(case))
     if len(result.page_sizes) > 1:

@@ -223,6 +223,7 @@ class BenchResult:
     cases: list[CaseResult]
     semantics: str  # the profile and its overrides (`SemanticsConfig.label`)
     reference: Optional[ReferenceResult] = None  # `--compare`: the other implementation's timings
+    floor: Optional[PhaseTiming] = None  # on a GPU: replay of a one-kernel CUDA graph, the launch floor
 
     @property
     def page_sizes(self) -> list[int]:
@@ -233,7 +234,8 @@ class BenchResult:
                 "timing_method": self.timing_method,
                 "options": self.options, "config": self.config, "phase_descriptions": PHASES,
                 "cases": [r.to_dict() for r in self.cases],
-                "compare": self.reference.to_dict(self.cases) if self.reference else None}
+                "compare": self.reference.to_dict(self.cases) if self.reference else None,
+                "graph_floor": self.floor.to_dict() if self.floor else None}
 
 
 def _per_second(amount: float, seconds: Optional[float]) -> float:

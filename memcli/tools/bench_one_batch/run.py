@@ -82,6 +82,8 @@ def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOpt
         check_capacity(case, configs[case.page_size])
     device = resolve_device(config)
     rounds: dict[Case, list[CaseResult]] = {case: [] for case in cases}
+    floor = GraphFloor(device) if device.type == "cuda" else None
+    floor_rounds: list[PhaseTiming] = []
     compared: dict[Case, list[dict[str, PhaseTiming]]] = {case: [] for case in cases}
     with torch_threads(device):
         for round_number in range(1, options.rounds + 1):
@@ -98,6 +100,8 @@ def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOpt
                 del stack
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+            if floor is not None:
+                floor_rounds.append(floor.measure(options))
     results = [combine_case_rounds(rounds[case]) for case in cases]
     reference = None
     if comparison is not None:
@@ -107,7 +111,24 @@ def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOpt
     method = results[0].timing_method if results else ""
     shown = replace(config, cache={"kind": options.tree_cache})
     return BenchResult(shown.to_dict(), options.to_dict(), describe_device(device), method, results,
-                       shown.semantics.label, reference)
+                       shown.semantics.label, reference, combine_rounds(floor_rounds) if floor_rounds else None)
+
+
+class GraphFloor:
+    """The floor of any path that launches work: replaying a CUDA graph of one tiny kernel
+    (one add on one element), timed like every phase."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.x = torch.zeros(1, dtype=torch.int64, device=device)
+        self.x.add_(1)  # load the kernel before the capture
+        torch.cuda.synchronize(device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.x.add_(1)
+
+    def measure(self, options: BenchOptions) -> PhaseTiming:
+        return measure(self.graph.replay, self.device, repeat=options.repeat, warmup=options.warmup)
 
 
 def describe_device(device: torch.device) -> str:
