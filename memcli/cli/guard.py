@@ -14,14 +14,16 @@ import sys
 from typing import Any, Callable
 
 import typer
-from typer.core import TyperGroup
 
+from memcli.cli.options import MemcliGroup
 from memcli.errors import MemcliError
 
-try:  # typer >= 0.25 vendors click
+try:  # typer >= 0.25 vendors click, and keeps Abort in its own exceptions
     from typer._click import exceptions as click_exceptions
+    from typer.exceptions import Abort
 except ImportError:  # pragma: no cover - older typer
     from click import exceptions as click_exceptions
+    from click.exceptions import Abort
 
 INTERRUPTED = 130
 INTERNAL_ERROR = "internal error"
@@ -75,7 +77,7 @@ def guarded(func: Callable) -> Callable:
     return wrapper
 
 
-class GuardedGroup(TyperGroup):
+class GuardedGroup(MemcliGroup):
     """The root command: click's own usage errors become `error:` / `hint:` lines (exit 2)
     instead of a framed box, and an unexpected exception one `error: internal error` line
     (exit 1), so no input ends in a traceback. `--help` is untouched."""
@@ -105,7 +107,7 @@ def run_guarded(call: Callable[[], Any]) -> int:
     except click_exceptions.ClickException as exc:
         print(f"error: {exc.format_message()}", file=sys.stderr)
         return 2
-    except (click_exceptions.Abort, KeyboardInterrupt, EOFError):
+    except (Abort, KeyboardInterrupt, EOFError):
         print("interrupted", file=sys.stderr)
         return INTERRUPTED
     except MemcliError as exc:
