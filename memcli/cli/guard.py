@@ -105,7 +105,7 @@ def run_guarded(call: Callable[[], Any]) -> int:
     except click_exceptions.ClickException as exc:
         print(f"error: {exc.format_message()}", file=sys.stderr)
         return 2
-    except (click_exceptions.Abort, KeyboardInterrupt, EOFError):
+    except (typer.Abort, KeyboardInterrupt, EOFError):  # typer.Abort: click's Abort, or typer's own (>= 0.29)
         print("interrupted", file=sys.stderr)
         return INTERRUPTED
     except MemcliError as exc:
