@@ -18,12 +18,10 @@ import typer
 from memcli.cli.options import MemcliGroup
 from memcli.errors import MemcliError
 
-try:  # typer >= 0.25 vendors click, and keeps Abort in its own exceptions
+try:  # typer >= 0.25 vendors click
     from typer._click import exceptions as click_exceptions
-    from typer.exceptions import Abort
 except ImportError:  # pragma: no cover - older typer
     from click import exceptions as click_exceptions
-    from click.exceptions import Abort
 
 INTERRUPTED = 130
 INTERNAL_ERROR = "internal error"
@@ -107,7 +105,7 @@ def run_guarded(call: Callable[[], Any]) -> int:
     except click_exceptions.ClickException as exc:
         print(f"error: {exc.format_message()}", file=sys.stderr)
         return 2
-    except (Abort, KeyboardInterrupt, EOFError):
+    except (typer.Abort, KeyboardInterrupt, EOFError):  # typer.Abort: click's Abort, or typer's own (>= 0.29)
         print("interrupted", file=sys.stderr)
         return INTERRUPTED
     except MemcliError as exc:
