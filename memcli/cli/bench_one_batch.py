@@ -13,16 +13,9 @@ from typing import List, Optional
 
 import typer
 
-from memcli.tools.bench_one_batch.cases import Case, plan_cases
-from memcli.tools.bench_one_batch.run import BenchOptions, run_bench_one_batch
-from memcli.tools.bench_one_batch.results import BenchResult
-from memcli.cli.options import LIST_METAVAR, ConfigOpt, JsonOpt, SetOpt, parse_ints
 from memcli.cli.guard import note_ignored
-from memcli.config import ignored_keys, load_config
+from memcli.cli.options import LIST_METAVAR, ConfigOpt, JsonOpt, SetOpt, parse_ints
 from memcli.errors import MemcliError
-from memcli.tools.bench_one_batch.report import render
-from memcli.report.console import print_json, stdout_console
-from memcli.stack import resolve_device
 
 NAME = "bench-one-batch"
 LIST_FLAGS = ("--batch-size", "-b", "--input-len", "--output-len", "--prefix-len", "--page-size")
@@ -53,10 +46,19 @@ def bench_one_batch(
         None, "--repeat", help="Timed calls per phase; the median is reported (default 10 on a GPU, 5 on a CPU)"),
     warmup: int = typer.Option(2, "--warmup", help="Untimed calls per phase before the timed ones"),
     run_name: str = typer.Option("default", "--run-name", help="run_name field of every result"),
-    result_file: Optional[Path] = typer.Option(None, "--result-file", help="Append one JSON line per case"),
+    result_file: Optional[Path] = typer.Option(None, "--result-file", metavar="FILE", help="Append one JSON line per case"),
     json_out: bool = JsonOpt,
 ) -> None:
-    """One static batch through the real stack: prefill, decode steps, finish, timed per phase."""
+    """Time one static batch through the real stack: prefill, decode steps and finish.
+
+    Every combination of the listed values is one case; each case times the memory path
+    (allocation, index writes, frees), the KV store and each phase, and checks the idle stack."""
+    from memcli.config import ignored_keys, load_config
+    from memcli.report.console import print_json, stdout_console
+    from memcli.tools.bench_one_batch.cases import plan_cases
+    from memcli.tools.bench_one_batch.report import render
+    from memcli.tools.bench_one_batch.run import run_bench_one_batch
+
     cfg = load_config(config, set_)
     ignored = ignored_keys(cfg, NAME)
     note_ignored(ignored, NAME)
@@ -82,7 +84,10 @@ def bench_one_batch(
         raise typer.Exit(1)
 
 
-def _options(tree_cache: str, repeat: Optional[int], warmup: int, run_name: str, cfg) -> BenchOptions:
+def _options(tree_cache: str, repeat: Optional[int], warmup: int, run_name: str, cfg):
+    from memcli.stack import resolve_device
+    from memcli.tools.bench_one_batch.run import BenchOptions
+
     if tree_cache not in TREE_CACHES:
         raise MemcliError(f"--tree-cache {tree_cache!r}: unknown", hint=f"use one of {', '.join(TREE_CACHES)}")
     if repeat is None:
@@ -102,11 +107,11 @@ def _check_result_file(path: Optional[Path]) -> None:
                           hint="give a file path in an existing folder (it is created if missing)")
 
 
-def _append_results(path: Path, result: BenchResult) -> None:
+def _append_results(path: Path, result) -> None:
     with path.open("a") as f:
         for case in result.cases:
             f.write(json.dumps(case.to_dict()) + "\n")
 
 
-def _progress(done: int, total: int, case: Case) -> None:
+def _progress(done: int, total: int, case) -> None:
     print(f"{NAME}: case {done}/{total}: {case.label}", file=sys.stderr, flush=True)

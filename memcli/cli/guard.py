@@ -14,8 +14,8 @@ import sys
 from typing import Any, Callable
 
 import typer
-from typer.core import TyperGroup
 
+from memcli.cli.options import MemcliGroup
 from memcli.errors import MemcliError
 
 try:  # typer >= 0.25 vendors click
@@ -75,7 +75,7 @@ def guarded(func: Callable) -> Callable:
     return wrapper
 
 
-class GuardedGroup(TyperGroup):
+class GuardedGroup(MemcliGroup):
     """The root command: click's own usage errors become `error:` / `hint:` lines (exit 2)
     instead of a framed box, and an unexpected exception one `error: internal error` line
     (exit 1), so no input ends in a traceback. `--help` is untouched."""
