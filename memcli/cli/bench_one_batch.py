@@ -10,18 +10,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional
+from typing import List, Optional
 
 import typer
 
 from memcli.cli.guard import note_ignored
 from memcli.cli.options import LIST_METAVAR, ConfigOpt, JsonOpt, SetOpt, parse_ints
-from memcli.config import ignored_keys, load_config
 from memcli.errors import MemcliError
-
-if TYPE_CHECKING:
-    from memcli.tools.bench_one_batch.cases import Case
-    from memcli.tools.bench_one_batch.results import BenchResult
 
 NAME = "bench-one-batch"
 LIST_FLAGS = ("--batch-size", "-b", "--input-len", "--output-len", "--prefix-len", "--page-size")
@@ -59,13 +54,16 @@ def bench_one_batch(
         help="Time SGLang 0.5.5's own memory path beside memcli's in the same rounds (sglang-0.5.5)"),
     warmup: int = typer.Option(2, "--warmup", help="Untimed calls per phase before the timed ones"),
     run_name: str = typer.Option("default", "--run-name", help="run_name field of every result"),
-    result_file: Optional[Path] = typer.Option(None, "--result-file", help="Append one JSON line per case"),
+    result_file: Optional[Path] = typer.Option(None, "--result-file", metavar="FILE", help="Append one JSON line per case"),
     json_out: bool = JsonOpt,
 ) -> None:
-    """One static batch through the real stack: prefill, decode steps, finish, timed per phase."""
+    """Time one static batch through the real stack: prefill, decode steps and finish.
+
+    Every combination of the listed values is one case; each case times the memory path
+    (allocation, index writes, frees), the KV store and each phase, and checks the idle stack."""
     if compare is not None:
-        _interpret_without_cuda()
-    # The stack (torch, the kernels) is imported here, after the Triton mode is settled.
+        _interpret_without_cuda()  # before the stack (and its kernels) is imported
+    from memcli.config import ignored_keys, load_config
     from memcli.report.console import print_json, stdout_console
     from memcli.tools.bench_one_batch.cases import plan_cases
     from memcli.tools.bench_one_batch.report import render
@@ -146,12 +144,12 @@ def _check_result_file(path: Optional[Path]) -> None:
                           hint="give a file path in an existing folder (it is created if missing)")
 
 
-def _append_results(path: Path, result: BenchResult) -> None:
+def _append_results(path: Path, result) -> None:
     with path.open("a") as f:
         for case in result.cases:
             f.write(json.dumps(case.to_dict()) + "\n")
 
 
-def _progress(round_number: int, rounds: int, number: int, cases: int, case: Case) -> None:
+def _progress(round_number: int, rounds: int, number: int, cases: int, case) -> None:
     if number == 1:
         print(f"{NAME}: round {round_number}/{rounds} over {cases} case(s)", file=sys.stderr, flush=True)

@@ -14,8 +14,8 @@ import sys
 from typing import Any, Callable
 
 import typer
-from typer.core import TyperGroup
 
+from memcli.cli.options import MemcliGroup
 from memcli.errors import MemcliError
 
 try:  # typer >= 0.25 vendors click
@@ -75,7 +75,7 @@ def guarded(func: Callable) -> Callable:
     return wrapper
 
 
-class GuardedGroup(TyperGroup):
+class GuardedGroup(MemcliGroup):
     """The root command: click's own usage errors become `error:` / `hint:` lines (exit 2)
     instead of a framed box, and an unexpected exception one `error: internal error` line
     (exit 1), so no input ends in a traceback. `--help` is untouched."""
@@ -105,7 +105,7 @@ def run_guarded(call: Callable[[], Any]) -> int:
     except click_exceptions.ClickException as exc:
         print(f"error: {exc.format_message()}", file=sys.stderr)
         return 2
-    except (click_exceptions.Abort, KeyboardInterrupt, EOFError):
+    except (typer.Abort, KeyboardInterrupt, EOFError):  # typer.Abort: click's Abort, or typer's own (>= 0.29)
         print("interrupted", file=sys.stderr)
         return INTERRUPTED
     except MemcliError as exc:

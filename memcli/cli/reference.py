@@ -11,16 +11,16 @@ from typing import Optional
 import typer
 
 from memcli.cli.guard import guarded
-from memcli.cli.options import JsonOpt
+from memcli.cli.options import JsonOpt, MemcliCommand, MemcliGroup
 
-app = typer.Typer(name="reference", no_args_is_help=True, add_completion=False,
-                  help="SGLang 0.5.5's own memory-stack code: fetch it, and diff memcli against it step by step.")
+app = typer.Typer(name="reference", cls=MemcliGroup, no_args_is_help=True, add_completion=False,
+                  help="Fetch SGLang 0.5.5's own memory-stack code and diff memcli against it step by step.")
 
 
-@app.command("fetch")
+@app.command("fetch", cls=MemcliCommand)
 @guarded
 def fetch(
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Where to keep the wheel"
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", metavar="PATH", help="Where to keep the wheel"
                                              " (default: $MEMCLI_CACHE_DIR or ~/.cache/memcli)"),
     json_out: bool = JsonOpt,
 ) -> None:
@@ -36,11 +36,12 @@ def fetch(
         print(f"sglang {SGLANG_VERSION}: {wheel}\nunpacked: {root}")
 
 
-@app.command("diff", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command("diff", cls=MemcliCommand, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def diff(ctx: typer.Context,
          trace: str = typer.Argument(..., metavar="TRACE", help="Trace file (memcli or Mooncake JSONL)")) -> None:
-    """Run memcli's scheduler and SGLang 0.5.5's loop side by side and print the first divergent
-    step. Options: --limit N, --set KEY=VALUE, --arrivals burst|timestamp, --config FILE,
+    """Run memcli's scheduler and SGLang 0.5.5's loop side by side and print the first divergent step.
+
+    Options: --limit N, --set KEY=VALUE, --arrivals burst|timestamp, --config FILE,
     --max-steps N. The loop is semantics.event_loop (overlap, SGLang's default, or --set
     semantics.event_loop=normal). Exit 0 when equal, 1 when they diverge, 2 on bad input."""
     # A process of its own: the Triton interpreter must be chosen before any kernel is

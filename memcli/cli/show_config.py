@@ -7,9 +7,6 @@ from pathlib import Path
 from typing import List, Optional
 
 from memcli.cli.options import ConfigOpt, JsonOpt, SetOpt
-from memcli.config import load_config
-from memcli.report.console import stdout_console
-from memcli.tools.show_config.report import render, show_config_document
 
 
 def show_config(
@@ -18,6 +15,10 @@ def show_config(
     json_out: bool = JsonOpt,
 ) -> None:
     """Print the resolved config and the sizes derived from it."""
+    from memcli.config import load_config
+    from memcli.report.console import stdout_console
+    from memcli.tools.show_config.report import render, show_config_document
+
     cfg = load_config(config, set_)
     if json_out:
         print(json.dumps(show_config_document(cfg), indent=2))
