@@ -10,6 +10,7 @@ from typing import Optional
 
 from rich.table import Table
 
+from memcli.report.envelope import envelope
 from memcli.tools.bench_one_batch.phases import PhaseTiming
 from memcli.tools.bench_one_batch.results import BenchResult, CaseResult, KVStoreFigures
 
@@ -35,6 +36,11 @@ def fmt_rate(per_s: Optional[float], unit: str) -> str:
 
 def fmt_syncs(syncs: Optional[int]) -> str:
     return "n/a (no device)" if syncs is None else str(syncs)
+
+
+def bench_document(result: BenchResult, ignored_keys: list[str]) -> dict:
+    """The --json document: the envelope (with the config the cases ran with), then the cases."""
+    return envelope("bench-one-batch", {**result.to_dict(), "ignored_keys": ignored_keys}, result.config)
 
 
 def header_line(result: BenchResult) -> str:

@@ -72,8 +72,7 @@ def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOpt
                 torch.cuda.empty_cache()
     method = results[0].timing_method if results else ""
     shown = replace(config, cache={"kind": options.tree_cache})
-    return BenchResult(shown.to_dict(), options.to_dict(), describe_device(device), method, results,
-                       shown.semantics.label)
+    return BenchResult(shown, options.to_dict(), describe_device(device), method, results)
 
 
 def describe_device(device: torch.device) -> str:
