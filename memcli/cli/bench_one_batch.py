@@ -66,7 +66,7 @@ def bench_one_batch(
     from memcli.config import ignored_keys, load_config
     from memcli.report.console import print_json, stdout_console
     from memcli.tools.bench_one_batch.cases import plan_cases
-    from memcli.tools.bench_one_batch.report import render
+    from memcli.tools.bench_one_batch.report import bench_document, render
     from memcli.tools.bench_one_batch.run import run_bench_one_batch
 
     cfg = load_config(config, set_)
@@ -86,7 +86,7 @@ def bench_one_batch(
     if result_file is not None:
         _append_results(result_file, result)
     if json_out:
-        print_json({**result.to_dict(), "ignored_keys": sorted(ignored)})
+        print_json(bench_document(result, sorted(ignored)))
     else:
         render(result, stdout_console())
     failed = [r.case.label for r in result.cases if not r.idle.get("ok")]

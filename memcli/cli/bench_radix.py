@@ -28,7 +28,7 @@ def bench_radix(
 ) -> None:
     """Time match, insert and evict of the radix cache against a token-by-token baseline tree."""
     from memcli.report.console import print_json, stdout_console
-    from memcli.tools.bench_radix.report import render
+    from memcli.tools.bench_radix.report import bench_radix_document, render
     from memcli.tools.bench_radix.run import run_bench_radix
 
     if threads < 0:
@@ -37,6 +37,6 @@ def bench_radix(
     result = run_bench_radix(trace, requests, page_size, capacity, progress=_stderr_progress,
                              torch_threads=threads or None, repeat=repeat)
     if json_out:
-        print_json(result.to_dict())
+        print_json(bench_radix_document(result))
         return
     render(result, stdout_console())

@@ -46,7 +46,7 @@ def check_page_size(
     every step."""
     from memcli.config import load_config
     from memcli.report.console import print_json, stdout_console
-    from memcli.tools.check_page_size.report import render
+    from memcli.tools.check_page_size.report import check_document, render
     from memcli.tools.check_page_size.run import parse_injections, run_check_page_size
 
     sizes = parse_ints("--page-size", page_size, None)
@@ -55,7 +55,7 @@ def check_page_size(
     result = run_check_page_size(cfg, sizes or None, injections, workload, steps, requests=requests,
                                  progress=None if json_out else _progress)
     if json_out:
-        print_json(result.to_dict())
+        print_json(check_document(result, cfg))
     else:
         render(result, stdout_console())
     raise typer.Exit(result.exit_code)

@@ -24,6 +24,8 @@ except ImportError:  # pragma: no cover - older typer
     from click import exceptions as click_exceptions
 
 INTERRUPTED = 130
+CONFIG_FLAGS = ("--config", "-c", "--set", "-s")
+CONFIG_COMMANDS = "show-config, bench-one-batch, check-page-size, replay and reference diff"
 INTERNAL_ERROR = "internal error"
 
 
@@ -100,7 +102,11 @@ def run_guarded(call: Callable[[], Any]) -> int:
     except click_exceptions.UsageError as exc:
         command = exc.ctx.command_path if exc.ctx is not None else "memcli"
         print(f"error: {exc.format_message()}", file=sys.stderr)
-        print(f"hint: run '{command} --help' for the commands and options", file=sys.stderr)
+        if getattr(exc, "option_name", None) in CONFIG_FLAGS:
+            print(f"hint: {command} reads no config; {CONFIG_COMMANDS} do. Its options are all it uses:"
+                  f" run '{command} --help'", file=sys.stderr)
+        else:
+            print(f"hint: run '{command} --help' for the commands and options", file=sys.stderr)
         return 2
     except click_exceptions.ClickException as exc:
         print(f"error: {exc.format_message()}", file=sys.stderr)

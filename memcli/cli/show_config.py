@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import List, Optional
 
@@ -16,11 +15,11 @@ def show_config(
 ) -> None:
     """Print the resolved config and the sizes derived from it."""
     from memcli.config import load_config
-    from memcli.report.console import stdout_console
+    from memcli.report.console import print_json, stdout_console
     from memcli.tools.show_config.report import render, show_config_document
 
     cfg = load_config(config, set_)
     if json_out:
-        print(json.dumps(show_config_document(cfg), indent=2))
+        print_json(show_config_document(cfg))
         return
     render(cfg, stdout_console())

@@ -10,6 +10,7 @@ from typing import Optional
 
 from rich.table import Table
 
+from memcli.report.envelope import envelope
 from memcli.tools.bench_one_batch.phases import UNSTABLE_SPREAD, PhaseTiming
 from memcli.tools.bench_one_batch.results import BenchResult, CaseResult, KVStoreFigures, speedup
 
@@ -40,6 +41,11 @@ def fmt_syncs(syncs: Optional[int]) -> str:
 def fmt_spread(t: PhaseTiming) -> str:
     """Largest round median / smallest; `!` marks a figure that moved by more than the limit."""
     return f"{t.spread:.2f}x" + (" !" if t.unstable else "")
+
+
+def bench_document(result: BenchResult, ignored_keys: list[str]) -> dict:
+    """The --json document: the envelope (with the config the cases ran with), then the cases."""
+    return envelope("bench-one-batch", {**result.to_dict(), "ignored_keys": ignored_keys}, result.config)
 
 
 def header_line(result: BenchResult) -> str:
@@ -213,7 +219,7 @@ def render(result: BenchResult, console) -> None:
     line = floor_line(result)
     if line:
         console.print(line)
-    graphs = result.config.get("runtime", {}).get("decode_graph", "off") != "off"
+    graphs = result.config.runtime.decode_graph != "off"
     if result.cases and result.cases[0].backend == "triton" and result.timing_method == "cuda-events":
         console.print("decode memory path: " + ("one CUDA-graph replay per step (runtime.decode_graph)" if graphs
                                                 else "one kernel launch per step (runtime.decode_graph off)"))

@@ -21,6 +21,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from memcli.config import Config
 from memcli.tools.bench_one_batch.cases import Case
 from memcli.errors import IntegrityError
 from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_rounds
@@ -216,24 +217,27 @@ def speedup(mine: PhaseTiming, reference: PhaseTiming) -> Optional[float]:
 class BenchResult:
     """Every case of one invocation, with the config and options used."""
 
-    config: dict[str, Any]
+    config: Config  # the config the cases ran with (`--tree-cache` as cache.kind)
     options: dict[str, Any]
     device: str
     timing_method: str
     cases: list[CaseResult]
-    semantics: str  # the profile and its overrides (`SemanticsConfig.label`)
     reference: Optional[ReferenceResult] = None  # `--compare`: the other implementation's timings
     floor: Optional[PhaseTiming] = None  # on a GPU: replay of a one-kernel CUDA graph, the launch floor
+
+    @property
+    def semantics(self) -> str:
+        """The profile and its overrides (`SemanticsConfig.label`)."""
+        return self.config.semantics.label
 
     @property
     def page_sizes(self) -> list[int]:
         return list(dict.fromkeys(r.case.page_size for r in self.cases))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"command": "bench-one-batch", "semantics": self.semantics, "device": self.device,
-                "timing_method": self.timing_method,
-                "options": self.options, "config": self.config, "phase_descriptions": PHASES,
-                "cases": [r.to_dict() for r in self.cases],
+        """The fields of the --json document (its envelope carries the config)."""
+        return {"device": self.device, "timing_method": self.timing_method, "options": self.options,
+                "phase_descriptions": PHASES, "cases": [r.to_dict() for r in self.cases],
                 "compare": self.reference.to_dict(self.cases) if self.reference else None,
                 "graph_floor": self.floor.to_dict() if self.floor else None}
 

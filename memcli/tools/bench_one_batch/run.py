@@ -110,8 +110,8 @@ def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOpt
             for case in cases])
     method = results[0].timing_method if results else ""
     shown = replace(config, cache={"kind": options.tree_cache})
-    return BenchResult(shown.to_dict(), options.to_dict(), describe_device(device), method, results,
-                       shown.semantics.label, reference, combine_rounds(floor_rounds) if floor_rounds else None)
+    return BenchResult(shown, options.to_dict(), describe_device(device), method, results, reference,
+                       combine_rounds(floor_rounds) if floor_rounds else None)
 
 
 class GraphFloor:

@@ -109,9 +109,8 @@ class CheckPageSizeResult:
         return rows
 
     def to_dict(self) -> dict:
+        """The fields of the --json document (its envelope carries the config and profile)."""
         return {
-            "command": "check-page-size",
-            "semantics": self.semantics,
             "ok": self.ok,
             "exit_code": self.exit_code,
             "workload": self.workload,

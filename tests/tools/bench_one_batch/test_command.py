@@ -59,7 +59,7 @@ def test_decode_steps_follow_the_profile(profile, steps):
     doc = bench_json("-b", 2, "--input-len", 40, *QUICK, "--set", f"semantics.profile={profile}")
     (case,) = doc["cases"]
     assert case["output_len"] == 3 and len(case["decode_step_us"]) == steps
-    assert doc["semantics"] == profile
+    assert doc["profile"] == profile
 
 
 def test_json_is_one_document_with_every_figure():
