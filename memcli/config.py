@@ -99,8 +99,8 @@ class RuntimeConfig:
     device: Literal["auto", "cuda", "cpu"] = "auto"
     kernel_backend: Literal["auto", "triton", "torch"] = "auto"
     # The decode memory path as one CUDA-graph replay per step (`mem_cache.decode_graph`):
-    # auto (on with CUDA and the triton backend), on (needs both) or off (one launch per step).
-    decode_graph: Literal["auto", "on", "off"] = "auto"
+    # auto (with CUDA and the triton backend), true (needs both) or false (one launch per step).
+    decode_graph: Union[Literal["auto"], bool] = "auto"
     seed: int = 0
 
 

@@ -95,10 +95,10 @@ def use_decode_graph(config: Config, device: torch.device, backend: str) -> bool
     whose per-call validation reads host values."""
     want = config.runtime.decode_graph
     possible = device.type == "cuda" and backend == "triton"
-    if want == "on" and not possible:
-        raise ConfigError("runtime.decode_graph: on needs a CUDA device and the triton kernel backend",
-                          hint="use --set runtime.decode_graph=auto (or off)")
-    return want != "off" and possible and not config.memory.debug
+    if want is True and not possible:
+        raise ConfigError("runtime.decode_graph: true needs a CUDA device and the triton kernel backend",
+                          hint="use --set runtime.decode_graph=auto (or false)")
+    return want is not False and possible and not config.memory.debug
 
 
 def build_stack(config: Config, cache_kind: str | None = None,

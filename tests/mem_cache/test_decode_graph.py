@@ -27,7 +27,7 @@ def test_on_without_cuda_is_a_config_error():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ConfigError, match="runtime.decode_graph"):
-        build_stack(load_config(None, ["runtime.device=cpu", "runtime.decode_graph=on"]))
+        build_stack(load_config(None, ["runtime.device=cpu", "runtime.decode_graph=true"]))
 
 
 def test_auto_is_off_on_a_cpu():
@@ -57,8 +57,8 @@ def _decoded_rows(mode: str, page_size: int, steps: int):
 @cuda
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_graph_replays_give_the_eager_slots(page_size):
-    out_on, rows_on, seq_on, graphs = _decoded_rows("on", page_size, 20)
-    out_off, rows_off, seq_off, none = _decoded_rows("off", page_size, 20)
+    out_on, rows_on, seq_on, graphs = _decoded_rows("true", page_size, 20)
+    out_off, rows_off, seq_off, none = _decoded_rows("false", page_size, 20)
     assert graphs is not None and graphs.captures == 1 and none is None
     assert torch.equal(out_on, out_off) and torch.equal(rows_on, rows_off) and torch.equal(seq_on, seq_off)
 
@@ -68,7 +68,7 @@ def test_graph_replays_give_the_eager_slots(page_size):
 def test_a_replay_with_graphs_is_the_replay_without(page_size):
     """The scheduler's whole run (admission, eviction, retraction, finish) is unchanged."""
     docs = {}
-    for mode in ("on", "off"):
+    for mode in ("true", "false"):
         result = CliRunner().invoke(app, ["replay", str(CONVERSATION), "--limit", "40", "--json",
                                           "--set", "runtime.device=cuda", "--set", f"runtime.decode_graph={mode}",
                                           "--set", f"memory.page_size={page_size}"])
@@ -78,4 +78,4 @@ def test_a_replay_with_graphs_is_the_replay_without(page_size):
         for section, key in (("summary", "wall_time_s"), ("summary", "steps_per_s"), ("integrity", "check_s")):
             doc.get(section, {}).pop(key, None)
         docs[mode] = doc
-    assert docs["on"] == docs["off"]
+    assert docs["true"] == docs["false"]

@@ -219,10 +219,10 @@ def render(result: BenchResult, console) -> None:
     line = floor_line(result)
     if line:
         console.print(line)
-    graphs = result.config.runtime.decode_graph != "off"
+    graphs = result.config.runtime.decode_graph is not False
     if result.cases and result.cases[0].backend == "triton" and result.timing_method == "cuda-events":
         console.print("decode memory path: " + ("one CUDA-graph replay per step (runtime.decode_graph)" if graphs
-                                                else "one kernel launch per step (runtime.decode_graph off)"))
+                                                else "one kernel launch per step (runtime.decode_graph false)"))
     for case in result.cases:
         console.print(case_table(case))
     if len(result.page_sizes) > 1:
