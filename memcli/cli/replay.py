@@ -8,59 +8,72 @@ from pathlib import Path
 from typing import Iterator, List, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from memcli.cli.guard import Interrupted, note_ignored
-from memcli.cli.options import JsonOpt, SetOpt
-from memcli.config import ignored_keys, load_config
+from memcli.cli.options import JsonOpt, ProgressOpt, SetOpt
 from memcli.errors import MemcliError
-from memcli.tools.replay.ceiling import shared_prefix_lens
-from memcli.cli.study import check_study_options, run_study_command, study_points
-from memcli.tools.replay.plot import check_plot_path, plot_replay, plot_study, require_matplotlib
-from memcli.tools.replay.runner import ARRIVALS, ReplayOptions, check_options, default_arrivals, replay
-from memcli.tools.replay.study import StudyContext, with_belady
-from memcli.tools.replay.bound import bound_config
-from memcli.report.console import print_json, stderr_console, stdout_console
-from memcli.tools.replay.report import render_replay, render_study, replay_document
-from memcli.workload.readers import FORMATS, read_trace
+from memcli.tools.replay import ARRIVALS
+from memcli.workload import FORMATS
 
 
 def replay_command(
     trace_path: Path = typer.Argument(..., metavar="TRACE", help="Trace file: memcli or Mooncake JSONL"),
-    check_level: Optional[str] = typer.Argument(None, metavar="[full]", help="After --check: full", show_default=False),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (default: the built-in replay config)"),
+    check_level: Optional[str] = typer.Argument(None, metavar="full", help="After --check: full", show_default=False),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", metavar="FILE",
+                                          help="YAML config (default: the built-in replay config)"),
     set_: List[str] = SetOpt,
-    trace_format: str = typer.Option("auto", "--format", help=f"Trace format: {', '.join(FORMATS)}"),
+    trace_format: str = typer.Option("auto", "--format", metavar="FORMAT",
+                                     help=f"Trace format: {', '.join(FORMATS)}"),
     block_size: int = typer.Option(512, "--block-size", help="Tokens per hash block (Mooncake 512, Qwen-Bailian 16)"),
     limit: Optional[int] = typer.Option(None, "--limit", help="Replay only the first N requests"),
     arrivals: Optional[str] = typer.Option(
-        None, "--arrivals", help="timestamp (trace times on the simulated clock; default when the trace has times),"
+        None, "--arrivals", metavar="MODE",
+        help="timestamp (trace times on the simulated clock; default when the trace has times),"
         " burst (all at t=0; default otherwise) or sequential (one request at a time)"),
     check: bool = typer.Option(
         False, "--check", help="Check integrity after every step, incrementally (what the step changed, plus sampled"
         " full walks on idle steps); `--check full`: the full walk of the pool after every step (slow on large pools)"),
     sweep: List[str] = typer.Option(
-        [], "--sweep", help="KEY=v1,v2,...: a study, one replay per value (repeat it: every combination of the keys)"),
+        [], "--sweep", metavar="KEY=V1,V2,...",
+        help="A study: one replay per value of a config key (repeat it: every combination of the keys)"),
     sweep_file: Optional[Path] = typer.Option(
-        None, "--sweep-file", help="YAML list of points (each a mapping of config overrides): a study of those points"),
+        None, "--sweep-file", metavar="FILE",
+        help="A study of the points in a YAML list (each a mapping of config overrides)"),
     jobs: Optional[int] = typer.Option(
-        None, "--jobs", "-j", help="Points run at once in local processes (default: the core count; 1: one after another)"),
+        None, "--jobs", "-j", metavar="N",
+        help="Points run at once in local processes (default: the core count; 1: one after another)"),
     use_ray: bool = typer.Option(False, "--ray", help="Run each point as a Ray task (pip install 'memcli[ray]')"),
     ray_address: Optional[str] = typer.Option(
-        None, "--ray-address", help="Ray cluster to join with --ray (default: RAY_ADDRESS, else a local runtime)"),
-    bound: Optional[str] = typer.Option(
-        None, "--bound", help="belady: replay again with the offline-optimal eviction and report its hit rate beside"
-        " (in a study: a belady point beside every point)"),
+        None, "--ray-address", metavar="ADDR",
+        help="Ray cluster to join with --ray (default: RAY_ADDRESS, else a local runtime)"),
     out: Optional[Path] = typer.Option(
-        None, "--out", help="Folder for the study's study.json and study.csv, written as points finish"),
+        None, "--out", metavar="DIR", help="Folder for a study's study.json and study.csv, written as points finish"),
     resume: bool = typer.Option(False, "--resume", help="With --out: skip the points already in DIR/study.json"),
+    bound: Optional[str] = typer.Option(
+        None, "--bound", metavar="belady",
+        help="Replay again under Belady's offline eviction and report its hit rate beside (a study: every point)"),
     json_out: bool = JsonOpt,
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write occupancy and running requests over time (PNG)"),
-    events: Optional[Path] = typer.Option(None, "--events", help="Write the KV events stream (JSON lines)"),
-    progress: bool = typer.Option(False, "--progress", help="Show progress on stderr (always on when it is a terminal)"),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="PNG",
+                                        help="Write occupancy and running requests over time (PNG)"),
+    events: Optional[Path] = typer.Option(None, "--events", metavar="FILE",
+                                          help="Write the KV events stream (JSON lines)"),
+    progress: bool = ProgressOpt,
 ) -> None:
-    """Replay a trace through the memory stack and the scheduler; report hits, allocation,
-    eviction, scheduling and the integrity checks."""
+    """Replay a trace through the memory stack and the scheduler with continuous batching.
+
+    Reports prefix-cache hits, allocation, eviction, scheduling and the integrity checks;
+    --sweep runs a study: one replay per point, in parallel processes or on Ray."""
+    from memcli.config import ignored_keys, load_config
+    from memcli.report.console import print_json, stdout_console
+    from memcli.tools.replay.ceiling import shared_prefix_lens
+    from memcli.cli.study import check_study_options, run_study_command, study_points
+    from memcli.tools.replay.bound import bound_config
+    from memcli.tools.replay.plot import check_plot_path, plot_replay, plot_study, require_matplotlib
+    from memcli.tools.replay.report import render_replay, render_study, replay_document
+    from memcli.tools.replay.runner import ReplayOptions, check_options, default_arrivals, replay
+    from memcli.tools.replay.study import StudyContext, with_belady
+    from memcli.workload.readers import read_trace
+
     if arrivals is not None and arrivals not in ARRIVALS:
         raise MemcliError(f'unknown --arrivals "{arrivals}"', f"use one of: {', '.join(ARRIVALS)}")
     if plot is not None:
@@ -82,11 +95,12 @@ def replay_command(
     shared = shared_prefix_lens(trace)
     if points is not None:
         make_config = lambda extra: load_config(config, [*set_, *extra], builtin="replay")  # noqa: E731
-        doc = run_study_command(with_belady(points, bound is not None), make_config, StudyContext(trace, options, shared), jobs, use_ray,
-                                ray_address, out, resume, show)
+        doc = run_study_command(with_belady(points, bound is not None), make_config,
+                                StudyContext(trace, options, shared), jobs, use_ray, ray_address, out, resume, show)
         _emit(json_out, doc, lambda console: render_study(doc, console))
         if plot is not None:
             plot_study(doc, plot)
+            print(f"plot: {plot}", file=sys.stderr)
         if any(not entry["integrity_ok"] or entry["stalled"] for entry in doc["points"]):
             raise typer.Exit(1)
         return
@@ -102,6 +116,7 @@ def replay_command(
               lambda console: render_replay(result, console, bound=bound_result))
         if plot is not None and result.stop is None:
             plot_replay(result, plot)
+            print(f"plot: {plot}", file=sys.stderr)
     if result.stop is not None:
         if result.interrupted:
             raise Interrupted(result.stop.message)
@@ -113,6 +128,8 @@ def replay_command(
 
 
 def _emit(json_out: bool, document: dict, render) -> None:
+    from memcli.report.console import print_json, stdout_console
+
     if json_out:
         print_json(document)
     else:
@@ -125,6 +142,10 @@ def _progress(show: bool) -> Iterator:
     if not show:
         yield lambda label: None
         return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from memcli.report.console import stderr_console
+
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[status]}"), console=stderr_console(), transient=False)
 

@@ -11,6 +11,7 @@ from rich.table import Table
 from memcli.tools.replay.metrics import DEFINITIONS, EVICTION_DEFINITIONS, WINDOW_REQUESTS, downsample
 from memcli.tools.replay.result import ReplayResult
 from memcli.tools.replay.grid import point_label, short_key
+from memcli.report.envelope import envelope
 from memcli.report.tables import fmt, kv_table
 
 SERIES_POINTS = 500
@@ -26,8 +27,7 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS,
     `bound`: the Belady replay of `--bound belady`."""
     s, p, o, a, e, q, i = (result.summary, result.prefix, result.occupancy, result.allocation, result.eviction,
                            result.scheduling, result.integrity)
-    return {
-        "command": "replay",
+    return envelope("replay", {
         "interrupted": result.interrupted,
         "stalled": result.stop.message if result.stop is not None and result.stop.reason == "stalled" else None,
         "requests": s.requests,
@@ -36,13 +36,11 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS,
         "cached_tokens": p.cached_tokens,
         "hit_rate": _round(p.hit_rate),
         "page_size": result.config.page_size,
-        "semantics": result.config.semantics.label,
         "event_loop": result.config.behaviour.event_loop,
         "arrivals": result.arrivals,
         "device": result.device,
         "kernel_backend": result.kernel_backend,
         "trace": dataclasses.asdict(result.trace),
-        "config": result.config.to_dict(),
         "summary": {
             "requests": s.requests, "finished": s.finished, "aborted": s.aborted,
             "input_tokens": result.trace.input_tokens, "output_tokens": s.output_tokens,
@@ -117,7 +115,7 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS,
             "final_reports": list(i.final_reports),
         },
         "series": {"points": series_points, **downsample(_series_fields(result), series_points)},
-    }
+    }, result.config)
 
 
 def _series_fields(result: ReplayResult) -> dict:

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from memcli.config import Config
 from memcli.errors import MemcliError
+from memcli.report.envelope import envelope
 from memcli.tools.replay.grid import point_key
 from memcli.tools.replay.metrics import DEFINITIONS
 from memcli.tools.replay.study import StudyContext, StudyState, Task
@@ -52,20 +53,18 @@ def study_document(state: StudyState, context: StudyContext, executor: str) -> d
         else:
             references.append(row)
     num_points = sum(task.kind == "point" for task in plan.tasks)
-    return {
-        "command": "replay",
+    return envelope("replay", {
         "study": {"keys": list(plan.keys), "points": num_points, "finished": len(points),
                   "complete": state.complete, "executor": executor},
         "identity": study_identity(context, plan.base),
         "requests": context.trace.num_requests,
         "input_tokens": context.trace.input_tokens,
         "arrivals": context.options.arrivals,
-        "config": plan.base.to_dict(),
         "definitions": {name: DEFINITIONS[name] for name in ("hit_rate", "block_ratio", "warmup_excluded",
-                                                            "last_1000", "ceiling")},
+                                                            "last_1000", "ceiling", "belady")},
         "points": points,
         "references": references,
-    }
+    }, plan.base)
 
 
 class StudyFiles:
