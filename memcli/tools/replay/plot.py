@@ -1,4 +1,5 @@
-"""`--plot FILE.png`: occupancy and running requests over simulated time (matplotlib, optional).
+"""`--plot FILE.png`: occupancy and running requests over simulated time, or a study's hit rates
+(matplotlib, optional). The command prints each plot's path on stderr.
 
 matplotlib is the optional extra `plot` (`pip install 'memcli[plot]'`); without it,
 `require_matplotlib` raises a `MemcliError` before the replay starts.
@@ -7,6 +8,7 @@ matplotlib is the optional extra `plot` (`pip install 'memcli[plot]'`); without 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -45,6 +47,16 @@ def _thin(series: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {name: values[index] for name, values in series.items()}
 
 
+def occupancy_scale(series: dict[str, np.ndarray], pool_tokens: int, page_size: int) -> tuple[float, bool]:
+    """The occupancy panel's y-axis top, scaled to the most the replay used (15 % headroom,
+    at most a little over the pool), and whether the pool line is on that scale."""
+    used = 0
+    if len(series["time_ms"]):
+        used = max(int(series["used_pages"].max()) * page_size, int(series["used_tokens"].max()))
+    top = min(max(used * 1.15, page_size), pool_tokens * 1.05)
+    return top, pool_tokens <= top
+
+
 def plot_replay(result: ReplayResult, path: Path) -> None:
     """Top: pool occupancy in tokens (used, as pages, evictable, protected); bottom: running
     and waiting requests. x: simulated seconds."""
@@ -57,7 +69,13 @@ def plot_replay(result: ReplayResult, path: Path) -> None:
     top.plot(t, s["used_pages"] * ps, label=f"used (pages x {ps})", lw=1)
     top.plot(t, s["evictable"], label="evictable (tree, unlocked)", lw=1)
     top.plot(t, s["protected"], label="protected (tree, locked)", lw=1)
-    top.axhline(result.occupancy.pool_tokens, color="grey", ls="--", lw=0.8, label="pool")
+    pool = result.occupancy.pool_tokens
+    y_top, pool_shown = occupancy_scale(result.series, pool, ps)
+    if pool_shown:
+        top.axhline(pool, color="grey", ls="--", lw=0.8, label="pool")
+    else:  # the pool is far above what was used: scaled to the use, the pool named in the legend
+        top.plot([], [], color="grey", ls="--", lw=0.8, label=f"pool {pool:,} tokens (above the scale)")
+    top.set_ylim(0, y_top)
     top.set_ylabel("tokens")
     top.legend(loc="upper left", fontsize=8)
     top.set_title(f"replay of {Path(result.trace.path).name}: {result.arrivals} arrivals,"
@@ -72,32 +90,50 @@ def plot_replay(result: ReplayResult, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_study(doc: dict, path: Path) -> None:
-    """Hit rate against the first numeric swept key (else the first key), one line per
-    combination of the other keys; Belady points (`eviction_policy: belady`) dashed, the
-    ceiling of each page size as a dotted line, the replayed unlimited pool dashed grey."""
-    plt = require_matplotlib()
+class StudyLine(NamedTuple):
+    label: str
+    xs: list
+    ys: list[float]
+    bound: bool  # Belady's offline bound: drawn dashed
+
+
+def study_lines(doc: dict) -> tuple[Optional[str], list, list[StudyLine], list[tuple[int, float]]]:
+    """What a study's plot draws: the x key (the first swept key whose values are all numbers,
+    else the first key), its values in order, one line per combination of the other keys,
+    and the ceiling of each page size."""
     keys, points = doc["study"]["keys"], doc["points"]
     x_key = next((k for k in keys if all(_is_number(p["config"][k]) for p in points)), keys[0] if keys else None)
-    others = [k for k in keys if k != x_key]
     numeric = x_key is not None and all(_is_number(p["config"][x_key]) for p in points)
-    values = sorted({p["config"][x_key] for p in points}, key=lambda v: (v if numeric else str(v))) if x_key else [0]
+    values = sorted({p["config"][x_key] for p in points}, key=lambda v: v if numeric else str(v)) if x_key else [0]
     position = {v: (v if numeric else i) for i, v in enumerate(values)}
-    lines: dict[tuple, list] = {}
+    others = [k for k in keys if k != x_key]
+    groups: dict[tuple, list] = {}
     for p in points:
-        lines.setdefault(tuple(p["config"][k] for k in others), []).append(p)
+        groups.setdefault(tuple(p["config"][k] for k in others), []).append(p)
+    lines = []
+    for combo, members in groups.items():
+        members.sort(key=lambda p: position[p["config"][x_key]] if x_key else 0)
+        label = ", ".join(f"{k.split('.', 1)[-1]}={v}" for k, v in zip(others, combo)) or "hit rate"
+        bound = all(p["eviction_policy"] == "belady" for p in members)
+        lines.append(StudyLine(label + (" (offline bound)" if bound else ""),
+                               [position[p["config"][x_key]] if x_key else 0 for p in members],
+                               [p["hit_rate"] for p in members], bound))
+    ceilings = sorted({(p["page_size"], p["ceiling_hit_rate"]) for p in points})
+    return x_key, values if not numeric else [], lines, ceilings
+
+
+def plot_study(doc: dict, path: Path) -> None:
+    """Hit rate against the swept key, one line per combination of the other keys (Belady's
+    dashed), the never-evicting ceiling of each page size dotted, the replayed unlimited pool
+    dashed grey."""
+    plt = require_matplotlib()
+    x_key, categories, lines, ceilings = study_lines(doc)
     fig, ax = plt.subplots(figsize=(9, 5))
     top = 0.0
-    for combo, members in lines.items():
-        members.sort(key=lambda p: position[p["config"][x_key]] if x_key else 0)
-        xs = [position[p["config"][x_key]] if x_key else 0 for p in members]
-        ys = [p["hit_rate"] for p in members]
-        top = max(top, *ys)
-        bound = any(p["eviction_policy"] == "belady" for p in members)
-        label = ", ".join(f"{k.split('.', 1)[-1]}={v}" for k, v in zip(others, combo)) or "hit rate"
-        ax.plot(xs, ys, marker="o", ls="--" if bound else "-", label=label + (" (offline bound)" if bound else ""))
-    ceilings = {(p["page_size"], p["ceiling_hit_rate"]) for p in points}
-    for ps, ceiling in sorted(ceilings):
+    for line in lines:
+        ax.plot(line.xs, line.ys, marker="o", ls="--" if line.bound else "-", label=line.label)
+        top = max(top, *line.ys)
+    for ps, ceiling in ceilings:
         ax.axhline(ceiling, color="black", ls=":", lw=1, label=f"ceiling, page size {ps} (never evicting)")
         top = max(top, ceiling)
     for ref in doc["references"]:
@@ -105,8 +141,13 @@ def plot_study(doc: dict, path: Path) -> None:
             ax.axhline(ref["hit_rate"], color="grey", ls="--", lw=0.8, label=f"unlimited pool, page size {ref['page_size']}")
             top = max(top, ref["hit_rate"])
     ax.set_ylim(0, max(top * 1.15, 0.01))
-    if x_key and not numeric:
-        ax.set_xticks(list(position.values()), [str(v) for v in values])
+    from matplotlib.ticker import FuncFormatter, PercentFormatter
+
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    if not categories:
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v == int(v) else f"{v:,}"))
+    if categories:
+        ax.set_xticks(list(range(len(categories))), [str(v) for v in categories])
     ax.set_xlabel(x_key or "point")
     ax.set_ylabel("hit rate (cached / prompt tokens)")
     ax.set_title(f"hit rate against {x_key}" if x_key else "hit rate")

@@ -242,29 +242,28 @@ def render_study(doc: dict[str, Any], console: Console) -> None:
     table = Table(title=f"study of {', '.join(names) or 'the base config'}: {doc['study']['finished']} of"
                         f" {doc['study']['points']} points ({doc['arrivals']} arrivals, {doc['study']['executor']})",
                   title_justify="left")
-    for name in [*names, "pool", "hit rate", "blocks", "warm-up excl", "ceiling", "evictions", "retracts"]:
+    for name in [*names, "pool", "hit rate", "ceiling", "evictions", "needed again", "retracts"]:
         table.add_column(name, justify="left" if name in names else "right", no_wrap=True)
     for entry in doc["points"]:
         table.add_row(*(_value(entry["config"][key]) for key in keys), fmt(entry["pool_tokens"]),
-                      _pct(entry["hit_rate"]), _pct(entry["block_ratio"]), _pct(entry["warmup_excluded_hit_rate"]),
-                      _pct(entry["ceiling_hit_rate"]), fmt(entry["evictions"]), fmt(entry["retractions"]))
+                      _pct(entry["hit_rate"]), _pct(entry["ceiling_hit_rate"]), fmt(entry["evictions"]),
+                      _optional_pct(entry["needed_again_share"]), fmt(entry["retractions"]))
     for ref in doc["references"]:
-        label = [f"unlimited (ps {ref['page_size']})"] + [""] * (len(keys) - 1) if keys else []
+        label = [f"unlimited, ps {ref['page_size']}"] + [""] * (len(keys) - 1) if keys else []
         table.add_row(*label, fmt(ref["pool_tokens"]) if ref["pool_tokens"] else "-", _pct(ref["hit_rate"]),
-                      _optional_pct(ref["block_ratio"]), _optional_pct(ref["warmup_excluded_hit_rate"]),
-                      _pct(ref["ceiling_hit_rate"]), "-", "-")
+                      _pct(ref["ceiling_hit_rate"]), "-", "-", "-")
     console.print(table)
     for entry in doc["points"]:
         if not entry["integrity_ok"]:
             console.print(f"INTEGRITY FAILURE at {point_label(entry['point'])} (that replay stopped)")
         if entry["stalled"]:
             console.print(f"STALLED at {point_label(entry['point'])} (that replay stopped)")
-    console.print("blocks = block ratio; warm-up excl = hit rate without the first 50% of requests;"
-                  " ceiling = sequential, never evicting (see the single-replay report); study.csv and --json"
-                  " have every number of every point.")
+    console.print("ceiling = sequential, never evicting; needed again = share of evicted tokens a later request"
+                  " uses (see the single-replay report); --out DIR (study.csv) and --json have every number of"
+                  " every point, every hit-rate definition included.")
     console.print(f"hit rate = {DEFINITIONS['hit_rate']}.")
     for ref in doc["references"]:
-        console.print(f"unlimited (ps {ref['page_size']}, {ref['method']}): {ref['note']}.")
+        console.print(f"unlimited, ps {ref['page_size']} ({ref['method']}): {ref['note']}.")
 
 
 def _value(value: Any) -> str:

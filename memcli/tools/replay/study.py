@@ -11,6 +11,7 @@ A point's result is a flat row of numbers (`point_row`): the same whatever ran i
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -105,26 +106,37 @@ def plan_study(points: list[Point], make_config: Callable[[list[str]], Config], 
 def run_task(task: Task, context: StudyContext) -> dict[str, Any]:
     """The row of one task (a point's replay, or a reference). Raises KeyboardInterrupt when
     the replay was interrupted: a partial replay is never recorded."""
-    if task.kind == "reference":
-        return reference_row(task.config, context.trace, context.options, context.shared)
-    result = replay(task.config, context.trace, context.options, None, context.shared)
-    if result.interrupted:
-        raise KeyboardInterrupt
-    return point_row(result)
+    try:
+        if task.kind == "reference":
+            return reference_row(task.config, context.trace, context.options, context.shared)
+        result = replay(task.config, context.trace, context.options, None, context.shared)
+        if result.interrupted:
+            raise KeyboardInterrupt
+        return point_row(result)
+    finally:
+        # A replay's tree, scheduler and pools reference each other: without a collection their
+        # memory waits for the next full one, and a process running point after point grows.
+        gc.collect()
 
 
 def point_row(r: ReplayResult) -> dict[str, Any]:
     """The numbers of one point: a flat mapping of JSON values (the CSV's columns)."""
-    p = r.prefix
+    p, e = r.prefix, r.eviction
     return {
         "requests": r.summary.requests, "input_tokens": p.input_tokens, "output_tokens": r.summary.output_tokens,
-        "cached_tokens": p.cached_tokens, "hit_rate": _round(p.hit_rate), "block_ratio": _round(p.block_ratio),
+        "cached_tokens": p.cached_tokens, "hit_rate": _round(p.hit_rate),
+        "per_request_mean_hit_rate": _round(p.per_request_mean_hit_rate), "page_hit_rate": _round(p.page_hit_rate),
+        "block_ratio": _round(p.block_ratio), "sglang_batch_mean_hit_rate": _round(p.batch_mean_hit_rate),
+        "sglang_cumulative_hit_rate": _round(p.sglang_cumulative_hit_rate), "vllm_hit_rate": _round(p.vllm_hit_rate),
         "warmup_excluded_hit_rate": _round(p.warmup_excluded_hit_rate),
         "last_1000_hit_rate": _round(p.last_1000_hit_rate),
         "ceiling_hit_rate": _round(p.ceiling_hit_rate), "page_size": r.config.page_size,
         "eviction_policy": r.config.cache.eviction_policy,
-        "pool_tokens": r.occupancy.pool_tokens, "evictions": r.eviction.evictions,
-        "tokens_evicted": r.eviction.tokens_evicted, "retractions": r.scheduling.retractions,
+        "pool_tokens": r.occupancy.pool_tokens, "evictions": e.evictions,
+        "tokens_evicted": e.tokens_evicted,
+        "needed_again_share": _round(e.needed_again_share) if e.future_known else None,
+        "reuse_distance_requests_p50": e.reuse_distance_requests["p50"] if e.future_known else None,
+        "retractions": r.scheduling.retractions,
         "peak_used_tokens": r.occupancy.peak_used_tokens, "simulated_time_ms": _round(r.summary.simulated_ms, 3),
         "steps": r.summary.steps, "wall_time_s": _round(r.summary.wall_s, 3), "integrity_ok": r.integrity.ok,
         "stalled": r.stop is not None and r.stop.reason == "stalled",

@@ -20,10 +20,16 @@ from memcli.config import Config
 from memcli.errors import MemcliError
 from memcli.report.envelope import envelope
 from memcli.tools.replay.grid import point_key
-from memcli.tools.replay.metrics import DEFINITIONS
+from memcli.tools.replay.metrics import DEFINITIONS, EVICTION_DEFINITIONS
 from memcli.tools.replay.study import StudyContext, StudyState, Task
 
 JSON_NAME, CSV_NAME = "study.json", "study.csv"
+# The hit-rate columns of a point's row, and the definition each one follows.
+RATE_COLUMNS = {"hit_rate": "hit_rate", "per_request_mean_hit_rate": "per_request_mean",
+                "page_hit_rate": "page_hit_rate", "block_ratio": "block_ratio",
+                "sglang_batch_mean_hit_rate": "sglang_batch", "sglang_cumulative_hit_rate": "sglang_cumulative",
+                "vllm_hit_rate": "vllm", "warmup_excluded_hit_rate": "warmup_excluded",
+                "last_1000_hit_rate": "last_1000", "ceiling_hit_rate": "ceiling"}
 
 
 def config_value(config: Config, key: str) -> Any:
@@ -60,8 +66,10 @@ def study_document(state: StudyState, context: StudyContext, executor: str) -> d
         "requests": context.trace.num_requests,
         "input_tokens": context.trace.input_tokens,
         "arrivals": context.options.arrivals,
-        "definitions": {name: DEFINITIONS[name] for name in ("hit_rate", "block_ratio", "warmup_excluded",
-                                                            "last_1000", "ceiling", "belady")},
+        "definitions": {**{column: DEFINITIONS[name] for column, name in RATE_COLUMNS.items()},
+                        "needed_again_share": EVICTION_DEFINITIONS["needed_again"],
+                        "reuse_distance_requests_p50": EVICTION_DEFINITIONS["reuse_distance"],
+                        "eviction_policy belady": DEFINITIONS["belady"]},
         "points": points,
         "references": references,
     }, plan.base)

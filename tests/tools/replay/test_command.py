@@ -255,7 +255,7 @@ def test_sweep_eviction_policies_human(mooncake_trace):
     result = invoke(mooncake_trace, "--block-size", 32, *SMALL, "--sweep", "cache.eviction_policy=lru,lfu",
                     "--jobs", 1, env={"NO_COLOR": "1"})
     assert result.exit_code == 0, result.stderr
-    assert "lru" in result.stdout and "lfu" in result.stdout and "unlimited (ps 16, replayed)" in result.stdout
+    assert "lru" in result.stdout and "lfu" in result.stdout and "unlimited, ps 16 (replayed)" in result.stdout
     assert "…" not in result.stdout  # fits 120 columns
 
 
@@ -269,12 +269,39 @@ def test_plot_without_matplotlib_is_bad_input(memcli_trace, tmp_path, monkeypatc
     assert "error: --plot needs matplotlib" in result.stderr and "hint: pip install 'memcli[plot]'" in result.stderr
 
 
-def test_plot_writes_a_png(memcli_trace, tmp_path):
+def test_plot_writes_a_png_and_says_where(memcli_trace, tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "o.png"
     result = invoke(memcli_trace, *SMALL, "--plot", out, "--json")
     assert result.exit_code == 0, result.stderr
-    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert out.read_bytes()[:4] == b"\x89PNG" and f"plot: {out}" in result.stderr
+
+
+def test_occupancy_is_scaled_to_what_was_used():
+    import numpy as np
+
+    from memcli.tools.replay.plot import occupancy_scale
+
+    series = {"time_ms": np.arange(3.0), "used_tokens": np.array([10, 900, 400]), "used_pages": np.array([1, 60, 30])}
+    assert occupancy_scale(series, 4_194_304, 16) == (pytest.approx(1104.0), False)  # 60 pages of 16, +15 %
+    assert occupancy_scale(series, 1000, 16) == (pytest.approx(1050.0), True)  # near the pool: the pool is drawn
+
+
+def test_a_study_plot_draws_every_line(mooncake_trace, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "study.png"
+    result = invoke(mooncake_trace, "--block-size", 32, *SMALL, "--sweep", "memory.max_total_tokens=8000,60000",
+                    "--sweep", "cache.eviction_policy=lru,fifo", "--jobs", 1, "--plot", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert out.read_bytes()[:4] == b"\x89PNG" and f"plot: {out}" in result.stderr
+    from memcli.tools.replay.plot import study_lines
+
+    x_key, categories, lines, ceilings = study_lines(json.loads(result.stdout))
+    assert x_key == "memory.max_total_tokens" and categories == []
+    assert [(line.label, line.xs, line.bound) for line in lines] == [
+        ("eviction_policy=lru", [8000, 60000], False), ("eviction_policy=fifo", [8000, 60000], False),
+        ("eviction_policy=belady (offline bound)", [8000, 60000], True)]
+    assert [ps for ps, _ in ceilings] == [16]
 
 
 def test_synthetic_head_replays(tmp_path):

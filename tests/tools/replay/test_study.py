@@ -185,3 +185,13 @@ def test_a_sweep_file_study(trace_path, tmp_path):
         {"memory.max_total_tokens": 60000, "cache.eviction_policy": "lru", "memory.page_size": 1},
         {"memory.max_total_tokens": 8000, "cache.eviction_policy": "belady", "memory.page_size": 1},
         {"memory.max_total_tokens": 60000, "cache.eviction_policy": "belady", "memory.page_size": 1}]
+
+
+def test_every_rate_column_of_a_row_has_its_definition(serial_rows):
+    from memcli.tools.replay.study_files import RATE_COLUMNS
+
+    _, rows = serial_rows
+    row = next(r for k, r in rows.items() if k.startswith("point:"))
+    rates = {column for column in row if column.endswith("hit_rate") or column == "block_ratio"}
+    assert rates == set(RATE_COLUMNS)
+    assert row["needed_again_share"] is not None and 0 <= row["needed_again_share"] <= 1
