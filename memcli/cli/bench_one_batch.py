@@ -14,7 +14,7 @@ from typing import List, Optional
 import typer
 
 from memcli.cli.guard import note_ignored
-from memcli.cli.options import LIST_METAVAR, ConfigOpt, JsonOpt, SetOpt, parse_ints
+from memcli.cli.options import LIST_METAVAR, ConfigOpt, JsonOpt, ProgressOpt, SetOpt, parse_ints
 from memcli.errors import MemcliError
 
 NAME = "bench-one-batch"
@@ -48,11 +48,13 @@ def bench_one_batch(
     run_name: str = typer.Option("default", "--run-name", help="run_name field of every result"),
     result_file: Optional[Path] = typer.Option(None, "--result-file", metavar="FILE", help="Append one JSON line per case"),
     json_out: bool = JsonOpt,
+    progress: bool = ProgressOpt,
 ) -> None:
     """Time one static batch through the real stack: prefill, decode steps and finish.
 
     Every combination of the listed values is one case; each case times the memory path
     (allocation, index writes, frees), the KV store and each phase, and checks the idle stack."""
+    from memcli.cli.progress import lines, wanted
     from memcli.config import ignored_keys, load_config
     from memcli.report.console import print_json, stdout_console
     from memcli.tools.bench_one_batch.cases import plan_cases
@@ -71,7 +73,10 @@ def bench_one_batch(
     )
     options = _options(tree_cache, repeat, warmup, run_name, cfg)
     _check_result_file(result_file)
-    result = run_bench_one_batch(cfg, cases, options, progress=_progress)
+    say = lines(wanted(progress))
+    result = run_bench_one_batch(cfg, cases, options,
+                                 progress=(lambda done, total, case: say(f"{NAME}: case {done}/{total}: {case.label}"))
+                                 if say else None)
     if result_file is not None:
         _append_results(result_file, result)
     if json_out:
@@ -111,7 +116,3 @@ def _append_results(path: Path, result) -> None:
     with path.open("a") as f:
         for case in result.cases:
             f.write(json.dumps(case.to_dict()) + "\n")
-
-
-def _progress(done: int, total: int, case) -> None:
-    print(f"{NAME}: case {done}/{total}: {case.label}", file=sys.stderr, flush=True)

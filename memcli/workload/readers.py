@@ -21,7 +21,7 @@ import math
 import sys
 import zlib
 from pathlib import Path
-from typing import IO, Any, Iterator, NoReturn
+from typing import IO, Any, Callable, Iterator, NoReturn, Optional
 
 import numpy as np
 
@@ -48,22 +48,27 @@ STDIN_NAME = "<stdin>"
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 READABLE = "memcli reads JSONL traces, plain, gzip (.gz) or zstd (.zst)"
+PROGRESS_EVERY = 2048  # requests between two progress reports
+# progress(bytes read, file size or None, requests read); bytes of the file as stored (compressed)
+ReadProgress = Callable[[int, Optional[int], int], None]
 
 
-def read_trace(path: str | Path, format: str = "auto", block_size: int = 512, limit: int | None = None) -> Trace:
+def read_trace(path: str | Path, format: str = "auto", block_size: int = 512, limit: int | None = None,
+               progress: Optional[ReadProgress] = None) -> Trace:
     """Read and validate a whole trace (or its first `limit` requests, stopping early).
 
     `format` is "auto" (detected from the first non-empty line), "memcli" or "mooncake".
     `block_size` is the Mooncake hash-block size (512 for Mooncake, 16 for Qwen-Bailian) and
-    the chunk size of memcli block hashes. Raises `TraceError` on the first bad line and
-    `MemcliError` on bad arguments; returns only when every request read is valid.
+    the chunk size of memcli block hashes. `path` "-" reads standard input. Raises `TraceError`
+    on the first bad line and `MemcliError` on bad arguments; returns only when every request
+    read is valid. `progress` is called every few thousand requests and at the end.
     """
     path = Path(STDIN_NAME) if str(path) == STDIN else Path(path)
     _check_args(format, block_size, limit)
     requests: list[RequestSpec] = []
     parser = None
     arrivals = _ArrivalCheck()
-    with _open(path) as fh:
+    with _open(path) as (fh, where):
         for line in _lines(path, fh):
             if parser is None:
                 parser = _make_parser(line, format, block_size)
@@ -72,15 +77,20 @@ def read_trace(path: str | Path, format: str = "auto", block_size: int = 512, li
             requests.append(spec)
             if limit is not None and len(requests) == limit:
                 break
+            if progress is not None and len(requests) % PROGRESS_EVERY == 0:
+                progress(*where(), len(requests))
+        if progress is not None:
+            progress(*where(), len(requests))
     if not requests:
         raise TraceError(f"{path}:1: the file holds no requests", f"a trace has one JSON object per line; {DOCS}")
     return Trace(path, parser.format, block_size, requests, tuple(sorted(parser.ignored)))
 
 
 @contextlib.contextmanager
-def _open(path: Path) -> Iterator[IO[bytes]]:
-    """The trace's bytes, decompressed when its first bytes say gzip or zstd; standard input
-    for `<stdin>` (left open). Raises `TraceError` when it cannot be opened."""
+def _open(path: Path) -> Iterator[tuple[IO[bytes], Callable[[], tuple[int, Optional[int]]]]]:
+    """The trace's bytes, decompressed when its first bytes say gzip or zstd, and `where()`:
+    (bytes of the stored file read so far, its size or None). Standard input for `<stdin>`
+    (left open). Raises `TraceError` when it cannot be opened."""
     if path == Path(STDIN_NAME):
         raw, close = sys.stdin.buffer, False
     else:
@@ -89,14 +99,19 @@ def _open(path: Path) -> Iterator[IO[bytes]]:
         except OSError as exc:
             raise TraceError(f"cannot read {path}: {exc.strerror}", "check the path") from None
     buffered = raw if hasattr(raw, "peek") else io.BufferedReader(raw)  # a test's stdin may not peek
+    size = path.stat().st_size if close and path.is_file() else None
+
+    def where() -> tuple[int, Optional[int]]:
+        return (buffered.tell() if size is not None else 0), size
+
     try:
         head = buffered.peek(4)[:4]
         if head.startswith(GZIP_MAGIC):
-            yield gzip.GzipFile(fileobj=buffered, mode="rb")
+            yield gzip.GzipFile(fileobj=buffered, mode="rb"), where
         elif head.startswith(ZSTD_MAGIC):
-            yield _zstd_reader(path, buffered)
+            yield _zstd_reader(path, buffered), where
         else:
-            yield buffered
+            yield buffered, where
     finally:
         if buffered is not raw:
             buffered.detach()  # leaves `raw` open
