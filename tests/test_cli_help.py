@@ -92,3 +92,14 @@ def test_command_summaries_are_whole_sentences(group):
 def test_a_broken_summary_is_caught():
     text = "Commands\n│ replay   Replay a trace; report hits,  │\n│          allocation │\n"
     assert not _summaries(text)["replay"].endswith(".")
+
+
+def test_metavars_need_no_typer_internals():
+    """Older typer builds options on click: the type name then comes from the click type."""
+    from types import SimpleNamespace
+
+    from memcli.cli.options import _type_name
+
+    assert _type_name(SimpleNamespace(type=SimpleNamespace(name="integer"))) == "int"
+    assert _type_name(SimpleNamespace(type=SimpleNamespace(name="path"))) == "Path"
+    assert _type_name(SimpleNamespace(bare_type=lambda: "float")) == "float"

@@ -17,7 +17,7 @@ from memcli.cli.app import app
 REPO = Path(__file__).resolve().parents[1]
 # Appended to a tour line by its command; for an option given once, the last value wins.
 CHEAPER = {
-    "bench-one-batch": ["--input-len", "300", "--output-len", "2", "--repeat", "1", "--warmup", "0"],
+    "bench-one-batch": ["--input-len", "300", "--output-len", "2", "--repeat", "1", "--warmup", "0", "--rounds", "1"],
     "check-page-size": ["--steps", "120"],
     "gen-trace": ["--requests", "40"],
     "replay": ["--limit", "20"],

@@ -7,6 +7,7 @@ repeated flag (see `memcli.cli.options`).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -26,6 +27,8 @@ DEFAULT_BATCH_SIZES = [1, 8]
 DEFAULT_INPUT_LEN = 512
 DEFAULT_OUTPUT_LEN = 16
 DEFAULT_REPEAT = {"cuda": 10, "cpu": 5}
+DEFAULT_ROUNDS = 7
+COMPARE_CHOICES = ("sglang-0.5.5",)
 
 
 def bench_one_batch(
@@ -43,7 +46,12 @@ def bench_one_batch(
         None, "--page-size", metavar=LIST_METAVAR, help="Page sizes to compare (default: the config's memory.page_size)"),
     tree_cache: str = typer.Option("none", "--tree-cache", help="Prefix cache: none, chunk or radix"),
     repeat: Optional[int] = typer.Option(
-        None, "--repeat", help="Timed calls per phase; the median is reported (default 10 on a GPU, 5 on a CPU)"),
+        None, "--repeat", help="Timed calls per phase in each round (default 10 on a GPU, 5 on a CPU)"),
+    rounds: int = typer.Option(
+        DEFAULT_ROUNDS, "--rounds", help="Rounds over every case; each phase reports the median of its round medians"),
+    compare: Optional[str] = typer.Option(
+        None, "--compare", metavar="IMPL",
+        help="Time SGLang 0.5.5's own memory path beside memcli's in the same rounds (sglang-0.5.5)"),
     warmup: int = typer.Option(2, "--warmup", help="Untimed calls per phase before the timed ones"),
     run_name: str = typer.Option("default", "--run-name", help="run_name field of every result"),
     result_file: Optional[Path] = typer.Option(None, "--result-file", metavar="FILE", help="Append one JSON line per case"),
@@ -54,6 +62,8 @@ def bench_one_batch(
 
     Every combination of the listed values is one case; each case times the memory path
     (allocation, index writes, frees), the KV store and each phase, and checks the idle stack."""
+    if compare is not None:
+        _interpret_without_cuda()  # before the stack (and its kernels) is imported
     from memcli.cli.progress import lines, wanted
     from memcli.config import ignored_keys, load_config
     from memcli.report.console import print_json, stdout_console
@@ -71,12 +81,11 @@ def bench_one_batch(
         parse_ints("--prefix-len", prefix_len, [0]),
         parse_ints("--page-size", page_size, [cfg.page_size]),
     )
-    options = _options(tree_cache, repeat, warmup, run_name, cfg)
+    options = _options(tree_cache, repeat, warmup, rounds, run_name, cfg)
     _check_result_file(result_file)
+    comparison = _comparison(compare, cfg)
     say = lines(wanted(progress))
-    result = run_bench_one_batch(cfg, cases, options,
-                                 progress=(lambda done, total, case: say(f"{NAME}: case {done}/{total}: {case.label}"))
-                                 if say else None)
+    result = run_bench_one_batch(cfg, cases, options, progress=_progress(say) if say else None, comparison=comparison)
     if result_file is not None:
         _append_results(result_file, result)
     if json_out:
@@ -89,7 +98,33 @@ def bench_one_batch(
         raise typer.Exit(1)
 
 
-def _options(tree_cache: str, repeat: Optional[int], warmup: int, run_name: str, cfg):
+def _interpret_without_cuda() -> None:
+    """SGLang's Triton kernels run in the interpreter on a machine without CUDA. Triton
+    settles that when the first kernel is decorated, so it is set before any is imported."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _comparison(compare: Optional[str], cfg):
+    """SGLang's side of `--compare`, from the cached wheel (exit 2 with the fetch command when absent)."""
+    if compare is None:
+        return None
+    if compare not in COMPARE_CHOICES:
+        raise MemcliError(f"--compare {compare!r}: unknown", hint=f"use one of {', '.join(COMPARE_CHOICES)}")
+    from memcli.reference.fetch import cached_wheel, reference_dir
+    if cached_wheel() is None:
+        raise MemcliError(f"--compare {compare}: the sglang 0.5.5 wheel is not in {reference_dir()}",
+                          hint="fetch it once with `memcli reference fetch` (3.4 MB from PyPI; MEMCLI_CACHE_DIR moves"
+                               " the cache)")
+    from memcli.reference.loader import load_reference
+    from memcli.stack import resolve_device
+    from memcli.tools.bench_one_batch.sglang_side import SglangComparison
+    return SglangComparison(load_reference(), resolve_device(cfg))
+
+
+def _options(tree_cache: str, repeat: Optional[int], warmup: int, rounds: int, run_name: str, cfg):
     from memcli.stack import resolve_device
     from memcli.tools.bench_one_batch.run import BenchOptions
 
@@ -97,10 +132,10 @@ def _options(tree_cache: str, repeat: Optional[int], warmup: int, run_name: str,
         raise MemcliError(f"--tree-cache {tree_cache!r}: unknown", hint=f"use one of {', '.join(TREE_CACHES)}")
     if repeat is None:
         repeat = DEFAULT_REPEAT[resolve_device(cfg).type]
-    if repeat < 1 or warmup < 0:
-        raise MemcliError(f"--repeat {repeat} / --warmup {warmup}: out of range",
-                          hint="--repeat must be at least 1 and --warmup at least 0")
-    return BenchOptions(tree_cache=tree_cache, repeat=repeat, warmup=warmup, run_name=run_name,
+    if repeat < 1 or warmup < 0 or rounds < 1:
+        raise MemcliError(f"--repeat {repeat} / --warmup {warmup} / --rounds {rounds}: out of range",
+                          hint="--repeat and --rounds must be at least 1, --warmup at least 0")
+    return BenchOptions(tree_cache=tree_cache, repeat=repeat, warmup=warmup, rounds=rounds, run_name=run_name,
                         seed=cfg.runtime.seed)
 
 
@@ -116,3 +151,11 @@ def _append_results(path: Path, result) -> None:
     with path.open("a") as f:
         for case in result.cases:
             f.write(json.dumps(case.to_dict()) + "\n")
+
+
+def _progress(say):
+    """One line per round, on stderr."""
+    def report(round_number: int, rounds: int, number: int, cases: int, case) -> None:
+        if number == 1:
+            say(f"{NAME}: round {round_number}/{rounds} over {cases} case(s)")
+    return report

@@ -115,8 +115,22 @@ def _readable_metavar(param) -> None:
     if getattr(param, "is_flag", False) or getattr(param, "count", False):
         param.metavar = ""
     else:
-        name = param.bare_type()
+        name = _type_name(param)
         param.metavar = TYPE_METAVARS.get(name, name.upper())
+
+
+# click's type names, for a typer that builds its options on click (before 0.29).
+_CLICK_TYPE_NAMES = {"integer": "int", "float": "float", "text": "str", "path": "Path"}
+
+
+def _type_name(param) -> str:
+    """The option's value type as typer names it (`int`, `float`, `Path`, `str`), whatever
+    typer's version: typer 0.29 asks the parameter itself, earlier ones its click type."""
+    bare = getattr(param, "bare_type", None)
+    if callable(bare):
+        return bare()
+    name = getattr(getattr(param, "type", None), "name", "") or "value"
+    return _CLICK_TYPE_NAMES.get(name, name)
 
 
 def list_flags_command(list_flags: tuple[str, ...]) -> type[MemcliCommand]:
