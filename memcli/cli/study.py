@@ -5,12 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, List, Optional
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
 from memcli.cli.guard import Interrupted
 from memcli.config import Config
 from memcli.errors import MemcliError
-from memcli.report.console import stderr_console
 from memcli.tools.replay.grid import Point, grid_points, parse_sweep, point_label, read_sweep_file
 from memcli.tools.replay.study import StudyContext
 from memcli.tools.replay.study_run import choose_executor, prepare_study
@@ -49,18 +46,21 @@ def check_study_options(study: bool, jobs: Optional[int], use_ray: bool, ray_add
 
 def run_study_command(points: list[Point], make_config: Callable[[list[str]], Config], context: StudyContext,
                       jobs: Optional[int], use_ray: bool, ray_address: Optional[str], out: Optional[Path],
-                      resume: bool, show: bool) -> dict[str, Any]:
-    """Plan, run and record the study; the document. Ctrl-C: `Interrupted`, after the files
-    were written with what finished."""
+                      resume: bool, task: Callable[[str], Callable[..., None]]) -> dict[str, Any]:
+    """Plan, run and record the study; the document. `task(label)` adds the one progress bar
+    (`memcli.cli.progress.bars`). Ctrl-C: `Interrupted`, after the files were written with
+    what finished."""
     study = prepare_study(points, make_config, context, choose_executor(jobs, use_ray, ray_address), out, resume)
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.fields[status]}"), console=stderr_console(), transient=False, disable=not show)
-    with bar:
-        task_id = bar.add_task(f"study ({study.choice.label})", total=study.total, completed=study.finished,
-                               status="resumed" if study.finished else "")
-        try:
-            return study.run(lambda task, row: bar.update(
-                task_id, advance=1, status=f"{task.kind} {point_label(task.point)}: hit rate {row['hit_rate']:.2%}"))
-        except KeyboardInterrupt:
-            where = f"; --resume --out {out} runs the rest" if out is not None else ""
-            raise Interrupted(f"interrupted: {study.finished} of {study.total} replays finished{where}") from None
+    update = task(f"study ({study.choice.label})")
+    update(study.finished, study.total, "resumed" if study.finished else "")
+    done = [study.finished]
+
+    def finished(task_done, row) -> None:
+        done[0] += 1
+        update(done[0], study.total, f"{task_done.kind} {point_label(task_done.point)}: hit rate {row['hit_rate']:.2%}")
+
+    try:
+        return study.run(finished)
+    except KeyboardInterrupt:
+        where = f"; --resume --out {out} runs the rest" if out is not None else ""
+        raise Interrupted(f"interrupted: {study.finished} of {study.total} replays finished{where}") from None

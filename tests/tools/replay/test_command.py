@@ -203,6 +203,31 @@ def test_progress_goes_to_stderr_and_stdout_stays_one_document(memcli_trace):
     assert result.exit_code == 0
     json.loads(result.stdout)
     assert "replay" in result.stderr and "30/30" in result.stderr
+    assert "reading the trace" in result.stderr and "MB, 30 requests" in result.stderr
+
+
+def test_no_progress_when_stderr_is_not_a_terminal(memcli_trace):
+    result = invoke(memcli_trace, *SMALL)
+    assert result.exit_code == 0 and result.stderr == ""
+
+
+def test_a_study_has_one_progress_bar_over_its_replays(memcli_trace):
+    result = invoke(memcli_trace, *SMALL, "--sweep", "memory.max_total_tokens=20000,60000", "--jobs", 1,
+                    "--progress", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.count("study (serial)") >= 1 and "3/3" in result.stderr  # two points, one reference
+    assert "replay " not in result.stderr.replace("study", "")
+
+
+def test_plot_says_where_it_wrote(memcli_trace, tmp_path, monkeypatch):
+    import memcli.tools.replay.plot as plot
+
+    monkeypatch.setattr(plot, "require_matplotlib", lambda: None)
+    monkeypatch.setattr(plot, "plot_replay", lambda result, path: path.write_bytes(b"png"))
+    out = tmp_path / "o.png"
+    result = invoke(memcli_trace, *SMALL, "--plot", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == f"plot: wrote {out}\n" and out.read_bytes() == b"png"
 
 
 def test_check_every_step(memcli_trace):
@@ -274,7 +299,7 @@ def test_plot_writes_a_png_and_says_where(memcli_trace, tmp_path):
     out = tmp_path / "o.png"
     result = invoke(memcli_trace, *SMALL, "--plot", out, "--json")
     assert result.exit_code == 0, result.stderr
-    assert out.read_bytes()[:4] == b"\x89PNG" and f"plot: {out}" in result.stderr
+    assert out.read_bytes()[:4] == b"\x89PNG" and f"plot: wrote {out}" in result.stderr
 
 
 def test_occupancy_is_scaled_to_what_was_used():
@@ -293,7 +318,7 @@ def test_a_study_plot_draws_every_line(mooncake_trace, tmp_path):
     result = invoke(mooncake_trace, "--block-size", 32, *SMALL, "--sweep", "memory.max_total_tokens=8000,60000",
                     "--sweep", "cache.eviction_policy=lru,fifo", "--jobs", 1, "--plot", out, "--json")
     assert result.exit_code == 0, result.stderr
-    assert out.read_bytes()[:4] == b"\x89PNG" and f"plot: {out}" in result.stderr
+    assert out.read_bytes()[:4] == b"\x89PNG" and f"plot: wrote {out}" in result.stderr
     from memcli.tools.replay.plot import study_lines
 
     x_key, categories, lines, ceilings = study_lines(json.loads(result.stdout))
