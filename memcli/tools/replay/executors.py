@@ -21,11 +21,15 @@ import concurrent.futures as cf
 import multiprocessing
 import os
 import signal
+import sys
 from typing import Any, Iterable, Iterator, Optional
 
 from memcli.errors import MemcliError
 from memcli.tools.replay.study import StudyContext, Task, run_task
 
+# Ray binds a runtime it starts to the host's network address unless this is "0" (then to
+# 127.0.0.1): a study's local runtime serves no other machine.
+LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 RAY_HINT = "pip install 'memcli[ray]' (or pip install ray), or leave out --ray to run the points in local processes"
 
 
@@ -96,8 +100,11 @@ def _stop(pool: cf.ProcessPoolExecutor) -> None:
 # -- ray ------------------------------------------------------------------------------------
 
 
-def require_ray():
-    """The ray module; `MemcliError` with the install hint without it."""
+def require_ray(local: bool = False):
+    """The ray module; `MemcliError` with the install hint without it. `local`: the runtime
+    will be started here, on the loopback address only (Ray reads the switch when imported)."""
+    if local and "ray" not in sys.modules:
+        os.environ.setdefault(LOOPBACK_SWITCH, "0")
     try:
         import ray
     except ImportError:
@@ -134,8 +141,8 @@ def ray_executor(address: Optional[str], jobs: int):
         tasks = list(tasks)
         if not tasks:
             return
-        ray = require_ray()
         target = ray_address(address)
+        ray = require_ray(local=target is None)
         started = not ray.is_initialized()
         if started:
             try:

@@ -36,7 +36,7 @@ class ExecutorChoice:
     def check(self) -> None:
         """Raise `MemcliError` before anything runs (Ray not installed)."""
         if self.use_ray:
-            require_ray()
+            require_ray(local=ray_address(self.address) is None)
 
 
 def choose_executor(jobs: Optional[int], use_ray: bool, address: Optional[str]) -> ExecutorChoice:

@@ -195,3 +195,23 @@ def test_every_rate_column_of_a_row_has_its_definition(serial_rows):
     rates = {column for column in row if column.endswith("hit_rate") or column == "block_ratio"}
     assert rates == set(RATE_COLUMNS)
     assert row["needed_again_share"] is not None and 0 <= row["needed_again_share"] <= 1
+
+
+def test_ctrl_c_keeps_what_finished_and_exits_130(trace_path, tmp_path, monkeypatch):
+    out = tmp_path / "study"
+    real = study_mod.run_task
+
+    def interrupted_at_the_third(task, context):
+        if task.index == 2:
+            raise KeyboardInterrupt
+        return real(task, context)
+
+    from memcli.tools.replay import executors
+
+    monkeypatch.setattr(executors, "run_task", interrupted_at_the_third)
+    result = invoke(trace_path, "--block-size", 32, *SMALL, "--sweep", "memory.max_total_tokens=8000,20000,60000",
+                    "--jobs", 1, "--out", out)
+    assert result.exit_code == 130
+    assert "interrupted: 2 of 4 replays finished; --resume --out" in result.stderr
+    doc = json.loads((out / "study.json").read_text())
+    assert [p["index"] for p in doc["points"]] == [0, 1] and not doc["study"]["complete"]
