@@ -63,6 +63,14 @@ class Workload:
         """Enough steps to finish every request one token at a time, plus one per prefill chunk."""
         return sum(r.output_len + r.input_len // 64 + 2 for r in self.requests)
 
+    def steps_one_by_one(self, chunk_tokens: int | None) -> int:
+        """Steps that finish every request when each runs alone, one after another: its prefill
+        chunks (of `chunk_tokens`; None: one chunk), its decode steps, and one idle step before it
+        (the scheduler waits for its arrival). Concurrent requests need fewer; a retraction more."""
+        def chunks(n: int) -> int:
+            return 1 if not chunk_tokens or chunk_tokens < 1 else -(-n // chunk_tokens)
+        return sum(chunks(r.input_len) + r.output_len + 1 for r in self.requests)
+
 
 @dataclass(frozen=True)
 class Adjustment:
