@@ -96,9 +96,9 @@ def check_options(trace: Trace, config: Config, options: ReplayOptions) -> None:
 
 def check_fits(config: Config, trace: Trace) -> None:
     """Raise `CapacityError` for the first request that can never run: longer than a request row
-    (`memory.max_context_len`), or more than an empty pool admits or holds."""
+    (`memory.max_context_len`), or more than an empty pool admits or holds. The hint's values
+    hold every request of the trace (the largest need), so that following it is enough."""
     ps, pool, context = config.page_size, config.pool_size, config.memory.max_context_len
-    clip = config.scheduler.max_new_tokens_clip
     for index, spec in enumerate(trace.requests):
         need = spec.input_len + spec.output_len
         where = f"{trace.path}:{spec.line}: request {spec.rid} (#{index + 1})" if spec.line else \
@@ -107,15 +107,35 @@ def check_fits(config: Config, trace: Trace) -> None:
             raise CapacityError(
                 f"{where} needs {need} tokens (input {spec.input_len} + output {spec.output_len}),"
                 f" more than memory.max_context_len {context}",
-                f"raise it (--set memory.max_context_len={need}) or replay fewer requests (--limit {index})"
-                if index else f"raise it: --set memory.max_context_len={need}",
+                _fit_hint(config, trace, index),
             )
-        paged = align_up(need, ps)
-        if paged > pool or spec.input_len + min(spec.output_len, clip) >= pool:
+        if _pool_need(config, spec.input_len, spec.output_len) > pool:
             raise CapacityError(
-                f"{where} needs {paged} tokens ({need} rounded to pages of {ps}) but the pool holds {pool}",
-                f"enlarge the pool: --set memory.max_total_tokens={paged + ps} (and memory.kv_budget_gib=null)",
+                f"{where} needs {align_up(need, ps)} tokens ({need} rounded to pages of {ps}) but the pool holds {pool}",
+                _fit_hint(config, trace, index),
             )
+
+
+def _pool_need(config: Config, input_len: int, output_len: int) -> int:
+    """The smallest pool (tokens, whole pages) that admits and holds one request alone."""
+    ps, clip = config.page_size, config.scheduler.max_new_tokens_clip
+    return max(align_up(input_len + output_len, ps), align_up(input_len + min(output_len, clip) + 1, ps))
+
+
+def _fit_hint(config: Config, trace: Trace, index: int) -> str:
+    """Settings that hold the largest request of the whole trace, or fewer requests."""
+    mem = config.memory
+    context = max(max(s.input_len + s.output_len for s in trace.requests), mem.max_context_len)
+    pool = max(max(_pool_need(config, s.input_len, s.output_len) for s in trace.requests),
+               align_up(context, config.page_size), config.pool_size)
+    settings = []
+    if context > mem.max_context_len:
+        settings.append(f"--set memory.max_context_len={context}")
+    if pool > config.pool_size:
+        settings.append(f"--set memory.max_total_tokens={pool}"
+                        + (" --set memory.kv_budget_gib=null" if mem.kv_budget_gib is not None else ""))
+    fewer = f"replay fewer requests (--limit {index}), or " if index else ""
+    return f"{fewer}hold every request of the trace: {' '.join(settings)}"
 
 
 def replay(config: Config, trace: Trace, options: ReplayOptions, progress: Optional[ProgressFn] = None,
