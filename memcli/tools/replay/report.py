@@ -45,6 +45,7 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
             "simulated_time_ms": _round(s.simulated_ms, 3), "steps": s.steps, "prefill_steps": s.prefill_steps,
             "decode_steps": s.decode_steps, "idle_steps": s.idle_steps, "wall_time_s": _round(s.wall_s, 3),
             "steps_per_s": _round(s.steps_per_s, 1),
+            "queueing_delay_ms": result.queueing_delay.to_dict() if result.queueing_delay else None,
         },
         "prefix_cache": {
             "requests": p.requests,
@@ -134,6 +135,7 @@ def replay_tables(result: ReplayResult) -> list[Table]:
         ("input tokens", result.trace.input_tokens), ("output tokens", s.output_tokens),
         ("simulated time (s)", s.simulated_ms / 1e3),
         ("steps (prefill / decode / idle)", f"{s.steps:,} ({s.prefill_steps:,} / {s.decode_steps:,} / {s.idle_steps:,})"),
+        *_delay_row(result.queueing_delay),
         ("wall time (s)", s.wall_s), ("steps per second", s.steps_per_s),
     ])
     prefix = kv_table(f"prefix cache (page size {ps}, block size {p.block_size})", [
@@ -177,6 +179,13 @@ def replay_tables(result: ReplayResult) -> list[Table]:
         ("everything free at the end", i.everything_free),
     ])
     return [summary, prefix, allocation, eviction, scheduling, integrity]
+
+
+def _delay_row(delay) -> list[tuple[str, str]]:
+    if delay is None or not delay.requests:
+        return []
+    return [("queueing delay p50 / p90 / p99 / max (ms)",
+             " / ".join(fmt(round(v, 1)) for v in (delay.p50, delay.p90, delay.p99, delay.max)))]
 
 
 def _pct(value: float) -> str:

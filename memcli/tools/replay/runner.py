@@ -31,6 +31,7 @@ from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from memcli.mem_cache.pages import align_up
 from memcli.tools.replay import ARRIVALS
 from memcli.tools.replay.ceiling import shared_prefix_lens
+from memcli.tools.replay.requests import RequestLog, delay_stats
 from memcli.tools.replay.metrics import (EvictionLog, StepSeries, eviction_stats, occupancy_stats, prefix_stats,
                                    queue_stats)
 from memcli.tools.replay.result import (AllocationStats, IntegrityStats, ReplayResult, RunSummary, SchedulingStats,
@@ -177,7 +178,10 @@ class _Run:
         self.config, self.trace, self.options = config, trace, options
         self.events, self.progress = events, progress
         self.index = {spec.rid: i for i, spec in enumerate(trace.requests)}
-        self.cached = np.full(trace.num_requests, -1, dtype=np.int64)
+        timed = options.arrivals == "timestamp"
+        self.log = RequestLog(trace.num_requests, np.fromiter(
+            (spec.arrival_ms if timed else np.nan for spec in trace.requests), dtype=np.float64,
+            count=trace.num_requests))
         self.next = 0
         self.output_tokens = 0
         self.series = StepSeries()
@@ -277,8 +281,7 @@ class _Run:
             self._report_progress()
 
     def _harvest(self, req) -> None:
-        if req.first_cached_tokens is not None:
-            self.cached[self.index[req.rid]] = req.first_cached_tokens
+        self.log.record(self.index[req.rid], req)
 
     def _harvest_unfinished(self) -> None:
         """After a stop: the hits of requests admitted but not finished count too."""
@@ -316,7 +319,7 @@ class _Run:
                 prefill_steps=stats.prefill_batches, decode_steps=stats.decode_steps, idle_steps=stats.idle_steps,
                 wall_s=wall_s,
             ),
-            prefix=prefix_stats(input_lens, self.cached, shared, ps, trace.block_size),
+            prefix=prefix_stats(input_lens, self.log.cached_tokens, shared, ps, trace.block_size),
             occupancy=occupancy_stats(series, pool, ps),
             allocation=AllocationStats(
                 allocations=stats.allocations, allocated_tokens=stats.allocated_tokens, frees=self.stack.allocator.num_frees,
@@ -337,7 +340,9 @@ class _Run:
                 failure_step=self.failure_at[0], failure_check=self.failure_at[1],
             ),
             series=series,
-            first_cached_tokens=self.cached,
+            first_cached_tokens=self.log.cached_tokens,
+            requests_log=self.log,
+            queueing_delay=delay_stats(self.log),
             stop=self.stop,
         )
 
