@@ -198,6 +198,23 @@ class BasePrefixCache(abc.ABC):
     def check_hicache_events(self) -> None:
         """Acknowledge host copies that are done (their nodes are unlocked)."""
 
+    def host_tier(self) -> Optional[Any]:
+        """The host tier's counters (`HostTierCounters`), or None for a cache without one."""
+        return None
+
+    def copy_protected_size(self) -> int:
+        """Device tokens locked only because a host copy of theirs is in flight (at idle the
+        only locks left); 0 for caches without a host tier."""
+        return 0
+
+    def finish_copies(self) -> None:
+        """Wait for every copy in flight and acknowledge it (end of a replay)."""
+
+    def take_transfer_stall_ms(self) -> float:
+        """Time the caller must wait for copies it depends on (write-backs during eviction),
+        accumulated since the last call; 0 for caches without a host tier."""
+        return 0.0
+
     def ready_to_load_host_cache(self) -> Optional[float]:
         """Start the load-backs queued for the batch being built; the time (on the cache's
         clock) they end, or None when none is queued."""

@@ -132,13 +132,15 @@ class CacheController:
         """Node ids of the writes done by now, oldest first (the scan stops at the first not done)."""
         return self._drain(self.ack_write_queue)
 
-    def wait_writes(self) -> list[int]:
-        """Every write, done or not: the scheduler waits for the last (added to `stall_ms`)."""
+    def wait_writes(self, stall: bool = True) -> list[int]:
+        """Every write, done or not: the scheduler waits for the last (added to `stall_ms`
+        unless `stall` is False: nobody waits in the simulated time)."""
         ids = []
         now = self.now()
         while self.ack_write_queue:
             ack = self.ack_write_queue.popleft()
-            self._pending_stall = max(self._pending_stall, ack.end_ms - now)
+            if stall:
+                self._pending_stall = max(self._pending_stall, ack.end_ms - now)
             ids.extend(ack.node_ids)
         return ids
 

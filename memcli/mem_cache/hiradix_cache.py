@@ -68,6 +68,48 @@ class HiTreeNode(TreeNode):
         return self.host_value is not None
 
 
+class HostTierCounters:
+    """A live view of a hierarchical cache's host tier, for step records and reports."""
+
+    def __init__(self, cache: "HiRadixCache"):
+        self._cache = cache
+
+    @property
+    def used(self) -> int:
+        return self._cache.host_size()
+
+    @property
+    def size(self) -> int:
+        return self._cache.host_pool.size
+
+    @property
+    def d2h_bytes(self) -> int:
+        return self._cache.controller.stats.d2h_bytes
+
+    @property
+    def h2d_bytes(self) -> int:
+        return self._cache.controller.stats.h2d_bytes
+
+    def record_load_wait(self, wait_ms: float) -> None:
+        """A prefill batch waited `wait_ms` past its compute for its load-backs."""
+        self._cache.controller.stats.load_wait_ms += wait_ms
+
+    def summary(self) -> dict:
+        """Totals: transfers (bytes, copies, busy and wait time) and the tree's host events."""
+        c, stats = self._cache, self._cache.controller.stats
+        return {
+            "host_pool_tokens": c.host_pool.size, "host_used_tokens": c.host_size(),
+            "write_policy": c.write_policy, "load_back_threshold": c.load_back_threshold,
+            "d2h_bytes": stats.d2h_bytes, "h2d_bytes": stats.h2d_bytes,
+            "d2h_copies": stats.d2h_copies, "h2d_copies": stats.h2d_copies,
+            "d2h_busy_ms": stats.d2h_busy_ms, "h2d_busy_ms": stats.h2d_busy_ms,
+            "write_back_stall_ms": stats.stall_ms, "load_wait_ms": stats.load_wait_ms,
+            "backed_up_tokens": c.backed_up_tokens, "loaded_back_tokens": c.loaded_back_tokens,
+            "write_backs": c.written_back_nodes, "host_evicted_tokens": c.host_evicted_tokens,
+            "dropped_tokens": c.dropped_tokens,
+        }
+
+
 class HiRadixCache(RadixCache):
     """See the module docstring. `host_pool` is a `HostKVPool` that must have the allocator's
     page size (a larger one cannot take a node's pages: its `alloc` raises; `check-page-size
@@ -110,6 +152,7 @@ class HiRadixCache(RadixCache):
         # Copies are timed in milliseconds on `clock` (replays set it to the simulated clock).
         self.clock = lambda: time.monotonic() * 1e3
         self.controller.now = lambda: self.clock()
+        self._counters = HostTierCounters(self)
 
     # -- tree scaffolding -----------------------------------------------------------------
 
@@ -454,6 +497,38 @@ class HiRadixCache(RadixCache):
 
     def ready_to_load_host_cache(self) -> Optional[float]:
         return self.controller.start_loading()
+
+    def copy_protected_size(self) -> int:
+        """Device tokens on the paths that copies in flight lock (write-through backups and
+        load-backs)."""
+        seen, total = set(), 0
+        holders = list(self.ongoing_load.values())
+        if self.write_policy != "write_back":
+            holders += self.ongoing_write.values()
+        for node in holders:
+            while node is not self.root and node.id not in seen:
+                seen.add(node.id)
+                total += len(node.key)
+                node = node.parent
+        return total
+
+    def finish_copies(self) -> None:
+        """Acknowledge every copy, done or not (the caller waited for them)."""
+        self.controller.start_loading()
+        for node_id in self.controller.wait_writes(stall=False):
+            node = self.ongoing_write.pop(node_id)
+            if self.write_policy != "write_back":
+                self.dec_lock_ref(node)
+        for ack in list(self.controller.ack_load_queue):
+            for node_id in ack.node_ids:
+                self.dec_lock_ref(self.ongoing_load.pop(node_id))
+        self.controller.ack_load_queue.clear()
+
+    def host_tier(self) -> HostTierCounters:
+        return self._counters
+
+    def take_transfer_stall_ms(self) -> float:
+        return self.controller.take_stall_ms()
 
     # -- inspection -----------------------------------------------------------------------------
 

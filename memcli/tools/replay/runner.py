@@ -193,6 +193,7 @@ class _Run:
                     break
                 sched.step()
                 self._after_step()
+            self.stack.tree_cache.finish_copies()  # the host tier's last copies are waited for
             reports = check_memory(self.stack, sched.memory_holders())
         except IntegrityError as exc:
             self.failure_at = (getattr(exc, "step", None), getattr(exc, "check", None))
