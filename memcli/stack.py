@@ -19,6 +19,7 @@ from memcli.mem_cache.allocator import BaseAllocator, make_allocator
 from memcli.mem_cache.base_prefix_cache import BasePrefixCache, EvictRule
 from memcli.mem_cache.cache_controller import CacheController
 from memcli.mem_cache.chunk_cache import ChunkCache
+from memcli.mem_cache.decode_graph import DecodeGraphs
 from memcli.mem_cache.hiradix_cache import HiRadixCache
 from memcli.mem_cache.host_pool import HostKVPool
 from memcli.mem_cache.null_cache import NullCache
@@ -96,6 +97,17 @@ def resolve_backend(config: Config, device: torch.device) -> str:
     return backend
 
 
+def use_decode_graph(config: Config, device: torch.device, backend: str) -> bool:
+    """Whether decode steps replay a CUDA graph (`runtime.decode_graph`); not in debug mode,
+    whose per-call validation reads host values."""
+    want = config.runtime.decode_graph
+    possible = device.type == "cuda" and backend == "triton"
+    if want is True and not possible:
+        raise ConfigError("runtime.decode_graph: true needs a CUDA device and the triton kernel backend",
+                          hint="use --set runtime.decode_graph=auto (or false)")
+    return want is not False and possible and not config.memory.debug
+
+
 def build_stack(config: Config, cache_kind: str | None = None,
                 page_size_overrides: dict[str, int] | None = None) -> MemoryStack:
     """Build pools, allocator and prefix cache. `cache_kind` overrides `cache.kind`.
@@ -118,6 +130,9 @@ def build_stack(config: Config, cache_kind: str | None = None,
                      model.dtype, device, materialized=mem.kv_pool == "materialized")
     alloc_ps = overrides.get("allocator", ps)
     allocator = make_allocator(size // alloc_ps * alloc_ps, alloc_ps, device, backend, mem.need_sort, mem.debug)
+    if use_decode_graph(config, device, backend):
+        allocator.decode_graphs = DecodeGraphs(allocator._buf, req_to_token_pool.req_to_token, alloc_ps,
+                                               ring=alloc_ps == 1)
     kind = cache_kind or config.cache.kind
     if kind == "none" and "tree_cache" in overrides:
         raise ConfigError("cannot inject tree_cache.page_size: the tree cache is the bench null cache here",

@@ -12,13 +12,8 @@ from typing import List, Optional
 
 import typer
 
-from memcli.tools.check_page_size.run import DEFAULT_STEPS, parse_injections, run_check_page_size
-from memcli.tools.check_page_size.workload import TRACE_DEFAULT_REQUESTS
 from memcli.cli.options import LIST_METAVAR, ConfigOpt, JsonOpt, SetOpt, parse_ints
-from memcli.config import load_config
-from memcli.report.console import print_json, stdout_console
-from memcli.tools.check_page_size.report import render
-
+from memcli.tools.check_page_size import DEFAULT_STEPS, TRACE_DEFAULT_REQUESTS
 
 LIST_FLAGS = ("--page-size",)
 
@@ -31,26 +26,36 @@ def check_page_size(
     config: Optional[Path] = ConfigOpt,
     set_: List[str] = SetOpt,
     inject: List[str] = typer.Option(
-        [], "--inject", help="Debugging: give one component another page size, COMPONENT.page_size=N (components:"
-        " kv_pool, allocator, tree_cache, scheduler, null_cache); repeatable"),
+        [], "--inject", metavar="COMPONENT.page_size=N",
+        help="Debugging: give one component another page size (components: kv_pool, allocator, tree_cache,"
+        " scheduler, null_cache); repeatable"),
     page_size: List[str] = typer.Option(
-        [], "--page-size", metavar=LIST_METAVAR, help="Page sizes to check and compare (default: the config's): --page-size 1 16 64"),
-    workload: str = typer.Option("default", "--workload",
+        [], "--page-size", metavar=LIST_METAVAR,
+        help="Page sizes to check and compare (default: the config's): --page-size 1 16 64"),
+    workload: str = typer.Option("default", "--workload", metavar="default|TRACE",
                                  help="default (the built-in paged workload) or a trace file"),
     steps: int = typer.Option(DEFAULT_STEPS, "--steps", help="Most scheduler steps per run (0: static checks only)"),
     requests: int = typer.Option(TRACE_DEFAULT_REQUESTS, "--requests",
                                  help="Trace requests to replay, from the start of the file"),
     json_out: bool = JsonOpt,
 ) -> None:
-    """Check that every component agrees on the page size, then run a paged workload and check
-    the paged layout, page sharing, free list and conservation after every step."""
+    """Check that every component agrees on the page size, and that paged workloads keep the invariants.
+
+    The static checks compare the page size each component holds; the dynamic run replays a
+    workload and checks the paged layout, page sharing, free list and conservation after
+    every step."""
+    from memcli.config import load_config
+    from memcli.report.console import print_json, stdout_console
+    from memcli.tools.check_page_size.report import check_document, render
+    from memcli.tools.check_page_size.run import parse_injections, run_check_page_size
+
     sizes = parse_ints("--page-size", page_size, None)
     injections = parse_injections(inject)
     cfg = load_config(config, set_)
     result = run_check_page_size(cfg, sizes or None, injections, workload, steps, requests=requests,
                                  progress=None if json_out else _progress)
     if json_out:
-        print_json(result.to_dict())
+        print_json(check_document(result, cfg))
     else:
         render(result, stdout_console())
     raise typer.Exit(result.exit_code)

@@ -8,43 +8,53 @@ from pathlib import Path
 from typing import Iterator, List, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from memcli.cli.guard import Interrupted, note_ignored
-from memcli.cli.options import JsonOpt, SetOpt
-from memcli.config import ignored_keys, load_config
+from memcli.cli.options import JsonOpt, ProgressOpt, SetOpt
 from memcli.errors import MemcliError
-from memcli.tools.replay.ceiling import shared_prefix_lens
-from memcli.tools.replay.plot import check_plot_path, plot_replay, plot_sweep, require_matplotlib
-from memcli.tools.replay.runner import ARRIVALS, ReplayOptions, check_options, default_arrivals, replay
-from memcli.tools.replay.sweep import parse_sweep, run_sweep
-from memcli.report.console import print_json, stderr_console, stdout_console
-from memcli.tools.replay.report import render_replay, render_sweep, replay_document, sweep_document
-from memcli.workload.readers import FORMATS, read_trace
+from memcli.tools.replay import ARRIVALS
+from memcli.workload import FORMATS
 
 
 def replay_command(
     trace_path: Path = typer.Argument(..., metavar="TRACE", help="Trace file: memcli or Mooncake JSONL"),
-    check_level: Optional[str] = typer.Argument(None, metavar="[full]", help="After --check: full", show_default=False),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (default: the built-in replay config)"),
+    check_level: Optional[str] = typer.Argument(None, metavar="full", help="After --check: full", show_default=False),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", metavar="FILE",
+                                          help="YAML config (default: the built-in replay config)"),
     set_: List[str] = SetOpt,
-    trace_format: str = typer.Option("auto", "--format", help=f"Trace format: {', '.join(FORMATS)}"),
+    trace_format: str = typer.Option("auto", "--format", metavar="FORMAT",
+                                     help=f"Trace format: {', '.join(FORMATS)}"),
     block_size: int = typer.Option(512, "--block-size", help="Tokens per hash block (Mooncake 512, Qwen-Bailian 16)"),
     limit: Optional[int] = typer.Option(None, "--limit", help="Replay only the first N requests"),
     arrivals: Optional[str] = typer.Option(
-        None, "--arrivals", help="timestamp (trace times on the simulated clock; default when the trace has times),"
+        None, "--arrivals", metavar="MODE",
+        help="timestamp (trace times on the simulated clock; default when the trace has times),"
         " burst (all at t=0; default otherwise) or sequential (one request at a time)"),
     check: bool = typer.Option(
         False, "--check", help="Check integrity after every step, incrementally (what the step changed, plus sampled"
         " full walks on idle steps); `--check full`: the full walk of the pool after every step (slow on large pools)"),
-    sweep: Optional[str] = typer.Option(None, "--sweep", help="KEY=v1,v2,...: one replay per value, one row each"),
+    sweep: Optional[str] = typer.Option(None, "--sweep", metavar="KEY=V1,V2,...",
+                                         help="One replay per value of a config key, one row each"),
     json_out: bool = JsonOpt,
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write occupancy and running requests over time (PNG)"),
-    events: Optional[Path] = typer.Option(None, "--events", help="Write the KV events stream (JSON lines)"),
-    progress: bool = typer.Option(False, "--progress", help="Show progress on stderr (always on when it is a terminal)"),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="PNG",
+                                        help="Write occupancy and running requests over time (PNG)"),
+    events: Optional[Path] = typer.Option(None, "--events", metavar="FILE",
+                                          help="Write the KV events stream (JSON lines)"),
+    progress: bool = ProgressOpt,
 ) -> None:
-    """Replay a trace through the memory stack and the scheduler; report hits, allocation,
-    eviction, scheduling and the integrity checks."""
+    """Replay a trace through the memory stack and the scheduler with continuous batching.
+
+    Reports prefix-cache hits, allocation, eviction, scheduling and the integrity checks;
+    --sweep runs one replay per value of a config key."""
+    from memcli.config import ignored_keys, load_config
+    from memcli.report.console import print_json, stdout_console
+    from memcli.tools.replay.ceiling import shared_prefix_lens
+    from memcli.tools.replay.plot import check_plot_path, plot_replay, plot_sweep, require_matplotlib
+    from memcli.tools.replay.report import render_replay, render_sweep, replay_document, sweep_document
+    from memcli.tools.replay.runner import ReplayOptions, check_options, default_arrivals, replay
+    from memcli.tools.replay.sweep import parse_sweep, run_sweep
+    from memcli.workload.readers import read_trace
+
     if arrivals is not None and arrivals not in ARRIVALS:
         raise MemcliError(f'unknown --arrivals "{arrivals}"', f"use one of: {', '.join(ARRIVALS)}")
     if plot is not None:
@@ -90,6 +100,8 @@ def replay_command(
 
 
 def _emit(json_out: bool, document: dict, render) -> None:
+    from memcli.report.console import print_json, stdout_console
+
     if json_out:
         print_json(document)
     else:
@@ -102,6 +114,10 @@ def _progress(show: bool) -> Iterator:
     if not show:
         yield lambda label: None
         return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from memcli.report.console import stderr_console
+
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[status]}"), console=stderr_console(), transient=False)
 

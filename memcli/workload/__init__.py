@@ -1,17 +1,9 @@
-"""Workloads: trace readers and generators. Pure data in, request specs out."""
+"""Workloads: trace readers (`readers`) and the generator (`generate`). Pure data in, request
+specs out.
 
-from memcli.workload.generate import TraceSummary, generate_trace, prefix_reuse_tokens, summarize_records, write_trace
-from memcli.workload.readers import read_trace
-from memcli.workload.spec import RequestSpec, Trace, output_token_base
+Nothing is imported here: the CLI reads the defaults below for its --help, which must not
+import numpy.
+"""
 
-__all__ = [
-    "RequestSpec",
-    "Trace",
-    "TraceSummary",
-    "generate_trace",
-    "output_token_base",
-    "prefix_reuse_tokens",
-    "read_trace",
-    "summarize_records",
-    "write_trace",
-]
+FORMATS = ("auto", "memcli", "mooncake")
+DEFAULT_MAX_TOKENS = 50_000_000  # gen-trace --max-tokens: about 300 MB of JSON and a few GB while generating

@@ -121,7 +121,6 @@ def _check_params(rate: float, **counts: int) -> None:
 
 
 _LIBRARY_ONLY = ("active_chats", "vocab_size")
-DEFAULT_MAX_TOKENS = 50_000_000  # about 300 MB of JSON and a few GB while generating
 
 
 def expected_tokens(num_requests: int, system_prompts: int, system_prompt_len: int, turns: int,

@@ -17,10 +17,10 @@ from typing import Any, Iterator, NoReturn
 import numpy as np
 
 from memcli.errors import MemcliError, TraceError
+from memcli.workload import FORMATS
 from memcli.mem_cache.pages import cdiv
 from memcli.workload.spec import SYNTHETIC_TOKEN_BASE, RequestSpec, Trace, TokenRun
 
-FORMATS = ("auto", "memcli", "mooncake")
 MEMCLI_KEYS = ("rid", "input_ids", "input_len", "prefix", "output_len", "arrival_ms", "extra_key")
 PREFIX_KEYS = ("rid", "len")
 MOONCAKE_REQUIRED = ("input_length", "output_length", "hash_ids")

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from memcli.report.envelope import envelope
 from memcli.report.tables import fmt
 
 COVERAGE_LABELS = {
@@ -36,6 +37,12 @@ COVERAGE_LABELS = {
     "drained": "aborted at the step limit (drained)",
     "mean_partial_page_waste": "mean partial-page waste per running request (tokens)",
 }
+
+
+def check_document(result, config) -> dict:
+    """The --json document: the envelope (the user's config; each run's page size is in `runs`),
+    then the result."""
+    return envelope("check-page-size", result.to_dict(), config)
 
 
 def verdict(ok: bool) -> str:

@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
+from memcli.tools.check_page_size import DEFAULT_STEPS, TRACE_DEFAULT_REQUESTS
 from memcli.tools.check_page_size.dynamic import FaultHook, PhaseResult, run_phase
 from memcli.tools.check_page_size.static import PageCost, StaticResult, page_cost, static_checks
 from memcli.tools.check_page_size.workload import (
-    TRACE_DEFAULT_REQUESTS, Adjustment, Workload, bench_workload, builtin_config, builtin_workload, check_fits,
+    Adjustment, Workload, bench_workload, builtin_config, builtin_workload, check_fits,
     indices_only, trace_workload,
 )
 from memcli.config import Config, replace
 from memcli.errors import MemcliError
 from memcli.stack import COMPONENTS, build_stack
 
-DEFAULT_STEPS = 3000
 OTHER_LOOP = {"overlap": "normal", "normal": "overlap"}  # the dynamic workload runs in both loops
 BUILTIN = "default"
 
@@ -109,9 +109,8 @@ class CheckPageSizeResult:
         return rows
 
     def to_dict(self) -> dict:
+        """The fields of the --json document (its envelope carries the config and profile)."""
         return {
-            "command": "check-page-size",
-            "semantics": self.semantics,
             "ok": self.ok,
             "exit_code": self.exit_code,
             "workload": self.workload,

@@ -39,7 +39,6 @@ SYSTEM_PROMPT_LENS = (181, 333, 77)
 WAVES, WAVE_SIZE, WAVE_GAP_MS = 5, 6, 120.0
 LAST_WAVE_MS = 10_000.0  # long after the others: the stack goes idle with a full tree first
 BENCH_PROMPT_LENS = (37, 91, 151, 201)  # odd: every prompt ends mid-page
-TRACE_DEFAULT_REQUESTS = 200
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.console import Console
 
+from memcli.report.envelope import envelope
 from memcli.report.tables import kv_table
 from memcli.workload.generate import summarize_records
 
@@ -28,7 +29,8 @@ def trace_stats(records: list) -> dict[str, Any]:
 
 
 def gen_trace_document(out: Path, num_bytes: int, params: dict, stats: dict) -> dict[str, Any]:
-    return {"path": str(out), "bytes": num_bytes, "params": params, "summary": stats}
+    """The --json document: the envelope (gen-trace reads no config), then what was written."""
+    return envelope("gen-trace", {"path": str(out), "bytes": num_bytes, "params": params, "summary": stats})
 
 
 def render(out: Path, num_bytes: int, stats: dict, console: Console) -> None:

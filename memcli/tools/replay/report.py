@@ -11,6 +11,7 @@ from rich.table import Table
 from memcli.tools.replay.metrics import DEFINITIONS, downsample
 from memcli.tools.replay.result import ReplayResult
 from memcli.tools.replay.sweep import SweepResult
+from memcli.report.envelope import envelope
 from memcli.report.tables import fmt, kv_table
 
 SERIES_POINTS = 500
@@ -24,8 +25,7 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
     """The JSON document of one replay (headline fields first, then one object per section)."""
     s, p, o, a, e, q, i = (result.summary, result.prefix, result.occupancy, result.allocation, result.eviction,
                            result.scheduling, result.integrity)
-    return {
-        "command": "replay",
+    return envelope("replay", {
         "interrupted": result.interrupted,
         "stalled": result.stop.message if result.stop is not None and result.stop.reason == "stalled" else None,
         "requests": s.requests,
@@ -34,13 +34,11 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
         "cached_tokens": p.cached_tokens,
         "hit_rate": _round(p.hit_rate),
         "page_size": result.config.page_size,
-        "semantics": result.config.semantics.label,
         "event_loop": result.config.behaviour.event_loop,
         "arrivals": result.arrivals,
         "device": result.device,
         "kernel_backend": result.kernel_backend,
         "trace": dataclasses.asdict(result.trace),
-        "config": result.config.to_dict(),
         "summary": {
             "requests": s.requests, "finished": s.finished, "aborted": s.aborted,
             "input_tokens": result.trace.input_tokens, "output_tokens": s.output_tokens,
@@ -98,7 +96,7 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
             "final_reports": list(i.final_reports),
         },
         "series": {"points": series_points, **downsample(_series_fields(result), series_points)},
-    }
+    }, result.config)
 
 
 def _series_fields(result: ReplayResult) -> dict:
@@ -194,19 +192,17 @@ def _dist(values: dict[str, float], scale: float) -> str:
 
 def sweep_document(sweep: SweepResult) -> dict[str, Any]:
     base = sweep.rows[0].result if sweep.rows else None
-    return {
-        "command": "replay",
+    return envelope("replay", {
         "sweep": {"key": sweep.key, "values": [row.value for row in sweep.rows]},
         "requests": base.summary.requests if base else 0,
         "input_tokens": base.prefix.input_tokens if base else 0,
         "output_tokens": base.summary.output_tokens if base else 0,
         "page_size": base.config.page_size if base else None,
         "arrivals": sweep.arrivals,
-        "config": sweep.config.to_dict(),
         "hit_rate_definition": DEFINITIONS["hit_rate"],
         "rows": [_sweep_row(row.value, row.result) for row in sweep.rows],
         "reference": sweep.reference.to_dict(),
-    }
+    }, sweep.config)
 
 
 def _sweep_row(value: Any, r: ReplayResult) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from memcli.errors import CapacityError, IntegrityError, MemcliError, StalledErr
 from memcli.mem_cache.integrity import CheckPolicy, IntegrityChecker, check_memory
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from memcli.mem_cache.pages import align_up
+from memcli.tools.replay import ARRIVALS
 from memcli.tools.replay.ceiling import shared_prefix_lens
 from memcli.tools.replay.metrics import (EvictionLog, StepSeries, eviction_stats, occupancy_stats, prefix_stats,
                                    queue_stats)
@@ -39,7 +40,6 @@ from memcli.stack import build_stack, resolve_device
 from memcli.timing import torch_threads
 from memcli.workload.spec import Trace, output_token_base
 
-ARRIVALS = ("timestamp", "burst", "sequential")
 RECORDS_KEPT = 4096  # the scheduler's own step records are trimmed to this many (we keep our own)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 
 from memcli.config import Config
+from memcli.report.envelope import envelope
 from memcli.report.tables import kv_table
 
 
@@ -27,8 +28,7 @@ def in_force(cfg: Config) -> dict[str, str]:
 
 
 def show_config_document(cfg: Config) -> dict[str, Any]:
-    return {"command": "show-config", "config": cfg.to_dict(), "semantics_in_force": in_force(cfg),
-            "derived": derived_sizes(cfg)}
+    return envelope("show-config", {"semantics_in_force": in_force(cfg), "derived": derived_sizes(cfg)}, cfg)
 
 
 def render(cfg: Config, console: Console) -> None:
