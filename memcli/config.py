@@ -382,7 +382,7 @@ RANGES: dict[str, Range] = {
     "scheduler.max_new_tokens_clip": SIZE,
     "sim.step_base_ms": COST, "sim.prefill_token_us": COST, "sim.decode_req_us": COST, "sim.kv_read_ns": COST,
     "sim.host_bandwidth_gbps": Range(0.0, 1e6, low_open=True), "sim.host_latency_us": COST,
-    "cache.host_ratio": Range(0.0, 1024.0), "cache.host_size_gib": Range(0.0, 2.0**30),
+    "cache.host_ratio": Range(0.0, 1024.0, low_open=True), "cache.host_size_gib": Range(0.0, 2.0**30, low_open=True),
     "cache.load_back_threshold": COUNT,
     "runtime.seed": Range(0, 2**63 - 1),
 }
@@ -441,6 +441,9 @@ def host_pool_size(config: Config) -> int:
 
 def _validate_host_pool(config: Config) -> None:
     cache, size, ps = config.cache, config.pool_size, config.page_size
+    if cache.kv_events:
+        raise ConfigError("cache.kv_events: the hierarchical cache (cache.kind hiradix) records no KV events",
+                          hint="set cache.kv_events=false, or use cache.kind=radix")
     host = host_pool_size(config)
     key = "cache.host_size_gib" if cache.host_size_gib is not None else "cache.host_ratio"
     if host < ps:

@@ -207,6 +207,10 @@ class BasePrefixCache(abc.ABC):
         only locks left); 0 for caches without a host tier."""
         return 0
 
+    def next_copy_end(self) -> Optional[float]:
+        """When the oldest host copy in flight ends, on the cache's clock (None: none in flight)."""
+        return None
+
     def finish_copies(self) -> None:
         """Wait for every copy in flight and acknowledge it (end of a replay)."""
 

@@ -200,6 +200,11 @@ class CacheController:
     def evict_host(self, host_indices: torch.Tensor) -> int:
         return self.host_pool.free(host_indices)
 
+    def next_end_ms(self) -> Optional[float]:
+        """When the oldest copy in flight ends (None when none is)."""
+        heads = [queue[0].end_ms for queue in (self.ack_write_queue, self.ack_load_queue) if queue]
+        return min(heads) if heads else None
+
     @property
     def in_flight(self) -> int:
         return len(self.ack_write_queue) + len(self.ack_load_queue) + bool(self.load_queue)

@@ -512,6 +512,9 @@ class HiRadixCache(RadixCache):
                 node = node.parent
         return total
 
+    def next_copy_end(self) -> Optional[float]:
+        return self.controller.next_end_ms()
+
     def finish_copies(self) -> None:
         """Acknowledge every copy, done or not (the caller waited for them)."""
         self.controller.start_loading()

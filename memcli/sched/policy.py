@@ -135,6 +135,7 @@ class PrefillAdder:
     def _load_back(self, req, locked):
         """Load the match's host-only part back; the request's prefix and lock follow."""
         new_indices, req.last_node = self.tree_cache.init_load_back(req.last_host_node, req.host_hit_length)
+        req.host_skipped_len = req.host_hit_length - len(new_indices)
         if len(new_indices):
             req.prefix_indices = torch.cat([req.prefix_indices, new_indices])
             req.extend_input_len = len(req.fill_ids) - len(req.prefix_indices)

@@ -229,6 +229,11 @@ class Scheduler:
         self.new_token_ratio = self.init_new_token_ratio
         if self.pending and not self.waiting:
             self.clock_ms = max(self.clock_ms, self.pending[0].arrival_ms)
+        elif self.waiting and self.hierarchical:
+            # Waiting on memory that host copies in flight still lock: time passes until one ends.
+            end = self.tree_cache.next_copy_end()
+            if end is not None:
+                self.clock_ms = max(self.clock_ms, end)
 
     def _record(self, kind: str, bs: int, new_tokens: int) -> StepRecord:
         evicted = getattr(self.tree_cache, "evicted_tokens_total", 0)
@@ -300,6 +305,8 @@ class Scheduler:
         never hold it, so abort it instead of waiting forever."""
         if self.running.reqs or self.chunked_req is not None or not self.waiting:
             return
+        if self.tree_cache.next_copy_end() is not None:
+            return  # a copy in flight still locks memory: wait for it (see `_idle`)
         self._abort_waiting(self.waiting.pop(0))
         self.gate.shrank()  # nothing runs that could clear SGLang's batch_is_full flag
 
@@ -323,7 +330,7 @@ class Scheduler:
         for req in reqs:
             if req.first_cached_tokens is None:
                 req.first_cached_tokens = len(req.prefix_indices)
-                req.first_host_hit = req.host_hit_length
+                req.first_host_skipped = req.host_skipped_len
                 req.admit_ms = self.clock_ms
                 self._event("admit", req.rid, len(req.prefix_indices))
             elif req.retraction_count and req.kv_committed_len == 0:
