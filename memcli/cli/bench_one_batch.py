@@ -15,7 +15,7 @@ from typing import List, Optional
 import typer
 
 from memcli.cli.guard import note_ignored
-from memcli.cli.options import LIST_METAVAR, ConfigOpt, JsonOpt, SetOpt, parse_ints
+from memcli.cli.options import LIST_METAVAR, ConfigOpt, JsonOpt, ProgressOpt, SetOpt, parse_ints
 from memcli.errors import MemcliError
 
 NAME = "bench-one-batch"
@@ -56,6 +56,7 @@ def bench_one_batch(
     run_name: str = typer.Option("default", "--run-name", help="run_name field of every result"),
     result_file: Optional[Path] = typer.Option(None, "--result-file", metavar="FILE", help="Append one JSON line per case"),
     json_out: bool = JsonOpt,
+    progress: bool = ProgressOpt,
 ) -> None:
     """Time one static batch through the real stack: prefill, decode steps and finish.
 
@@ -63,6 +64,7 @@ def bench_one_batch(
     (allocation, index writes, frees), the KV store and each phase, and checks the idle stack."""
     if compare is not None:
         _interpret_without_cuda()  # before the stack (and its kernels) is imported
+    from memcli.cli.progress import lines, wanted
     from memcli.config import ignored_keys, load_config
     from memcli.report.console import print_json, stdout_console
     from memcli.tools.bench_one_batch.cases import plan_cases
@@ -82,7 +84,8 @@ def bench_one_batch(
     options = _options(tree_cache, repeat, warmup, rounds, run_name, cfg)
     _check_result_file(result_file)
     comparison = _comparison(compare, cfg)
-    result = run_bench_one_batch(cfg, cases, options, progress=_progress, comparison=comparison)
+    say = lines(wanted(progress))
+    result = run_bench_one_batch(cfg, cases, options, progress=_progress(say) if say else None, comparison=comparison)
     if result_file is not None:
         _append_results(result_file, result)
     if json_out:
@@ -150,6 +153,9 @@ def _append_results(path: Path, result) -> None:
             f.write(json.dumps(case.to_dict()) + "\n")
 
 
-def _progress(round_number: int, rounds: int, number: int, cases: int, case) -> None:
-    if number == 1:
-        print(f"{NAME}: round {round_number}/{rounds} over {cases} case(s)", file=sys.stderr, flush=True)
+def _progress(say):
+    """One line per round, on stderr."""
+    def report(round_number: int, rounds: int, number: int, cases: int, case) -> None:
+        if number == 1:
+            say(f"{NAME}: round {round_number}/{rounds} over {cases} case(s)")
+    return report

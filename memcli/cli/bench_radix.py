@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import typer
 
-from memcli.cli.options import JsonOpt
+from memcli.cli.options import JsonOpt, ProgressOpt
 from memcli.errors import MemcliError
 from memcli.tools.bench_radix import DEFAULT_CAPACITY_TOKENS
-
-
-def _stderr_progress(name: str, done: int, total: int) -> None:
-    print(f"{name}: {done}/{total} requests", file=sys.stderr, flush=True)
 
 
 def bench_radix(
@@ -25,8 +20,10 @@ def bench_radix(
     threads: int = typer.Option(1, "--threads", help="torch intra-op threads during the replay (0: keep torch's)"),
     repeat: int = typer.Option(3, "--repeat", help="Replays per implementation; the median is reported"),
     json_out: bool = JsonOpt,
+    progress: bool = ProgressOpt,
 ) -> None:
     """Time match, insert and evict of the radix cache against a token-by-token baseline tree."""
+    from memcli.cli.progress import lines, wanted
     from memcli.report.console import print_json, stdout_console
     from memcli.tools.bench_radix.report import bench_radix_document, render
     from memcli.tools.bench_radix.run import run_bench_radix
@@ -34,7 +31,9 @@ def bench_radix(
     if threads < 0:
         raise MemcliError(f"--threads {threads}: must be 0 (keep torch's setting) or more",
                           hint="for example --threads 1")
-    result = run_bench_radix(trace, requests, page_size, capacity, progress=_stderr_progress,
+    say = lines(wanted(progress))
+    result = run_bench_radix(trace, requests, page_size, capacity,
+                             progress=(lambda name, done, total: say(f"{name}: {done}/{total} requests")) if say else None,
                              torch_threads=threads or None, repeat=repeat)
     if json_out:
         print_json(bench_radix_document(result))

@@ -6,20 +6,15 @@ Exit 0 when everything is consistent, 1 when a check fails, 2 for bad input.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
-from memcli.cli.options import LIST_METAVAR, ConfigOpt, JsonOpt, SetOpt, parse_ints
+from memcli.cli.options import LIST_METAVAR, ConfigOpt, JsonOpt, ProgressOpt, SetOpt, parse_ints
 from memcli.tools.check_page_size import DEFAULT_STEPS, TRACE_DEFAULT_REQUESTS
 
 LIST_FLAGS = ("--page-size",)
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def check_page_size(
@@ -38,12 +33,14 @@ def check_page_size(
     requests: int = typer.Option(TRACE_DEFAULT_REQUESTS, "--requests",
                                  help="Trace requests to replay, from the start of the file"),
     json_out: bool = JsonOpt,
+    progress: bool = ProgressOpt,
 ) -> None:
     """Check that every component agrees on the page size, and that paged workloads keep the invariants.
 
     The static checks compare the page size each component holds; the dynamic run replays a
     workload and checks the paged layout, page sharing, free list and conservation after
     every step."""
+    from memcli.cli.progress import lines, wanted
     from memcli.config import load_config
     from memcli.report.console import print_json, stdout_console
     from memcli.tools.check_page_size.report import check_document, render
@@ -53,7 +50,7 @@ def check_page_size(
     injections = parse_injections(inject)
     cfg = load_config(config, set_)
     result = run_check_page_size(cfg, sizes or None, injections, workload, steps, requests=requests,
-                                 progress=None if json_out else _progress)
+                                 progress=lines(wanted(progress)))
     if json_out:
         print_json(check_document(result, cfg))
     else:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import List, Optional
 
 import typer
 
@@ -46,6 +45,7 @@ def replay_command(
 
     Reports prefix-cache hits, allocation, eviction, scheduling and the integrity checks;
     --sweep runs one replay per value of a config key."""
+    from memcli.cli.progress import bars, wanted
     from memcli.config import ignored_keys, load_config
     from memcli.report.console import print_json, stdout_console
     from memcli.tools.replay.ceiling import shared_prefix_lens
@@ -67,13 +67,16 @@ def replay_command(
     cfg = load_config(config, set_, builtin="replay")
     ignored = ignored_keys(cfg, "replay")
     note_ignored(ignored, "replay")
-    trace = read_trace(trace_path, format=trace_format, block_size=block_size, limit=limit)
     if check_level is not None and (check_level != "full" or not check):
         raise MemcliError(f'unexpected argument "{check_level}"', "the one word after TRACE is full, in --check full")
-    options = ReplayOptions(arrivals or default_arrivals(trace), check, events, check_level=check_level or "incremental")
-    check_options(trace, cfg, options)
-    show = progress or sys.stderr.isatty()
-    with _progress(show) as progress_for:
+    show = wanted(progress)
+    with bars(show) as task:
+        trace = read_trace(trace_path, format=trace_format, block_size=block_size, limit=limit,
+                           progress=_reading(task("reading the trace")) if show else None)
+        options = ReplayOptions(arrivals or default_arrivals(trace), check, events,
+                                check_level=check_level or "incremental")
+        check_options(trace, cfg, options)
+        progress_for = (lambda label: _replaying(task(label))) if show else (lambda label: None)
         shared = shared_prefix_lens(trace)
         if spec is not None:
             result = run_sweep(spec, lambda extra: load_config(config, [*set_, *extra], builtin="replay"), trace, options,
@@ -89,6 +92,8 @@ def replay_command(
                   lambda console: render_replay(result, console))
             if plot is not None and result.stop is None:
                 plot_replay(result, plot)
+    if plot is not None and (spec is not None or result.stop is None):
+        print(f"plot: wrote {plot}", file=sys.stderr)
     if spec is None and result.stop is not None:
         if result.interrupted:
             raise Interrupted(result.stop.message)
@@ -108,27 +113,13 @@ def _emit(json_out: bool, document: dict, render) -> None:
         render(stdout_console())
 
 
-@contextlib.contextmanager
-def _progress(show: bool) -> Iterator:
-    """Yields `progress_for(label)`: a callback for one replay's progress (None when hidden)."""
-    if not show:
-        yield lambda label: None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _reading(update):
+    """Progress of reading a trace, in MB of the file as stored."""
+    def report(done: int, size, requests: int) -> None:
+        update(-(-done >> 20), None if size is None else max(-(-size >> 20), 1), f"MB, {requests:,} requests")
+    return report
 
-    from memcli.report.console import stderr_console
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.fields[status]}"), console=stderr_console(), transient=False)
-
-    def progress_for(label: str):
-        task = bar.add_task(label, total=None, status="")
-
-        def update(p) -> None:
-            bar.update(task, total=p.total, completed=p.finished,
-                       status=f"sim {p.simulated_ms / 1e3:,.0f} s, {p.steps:,} steps")
-
-        return update
-
-    with bar:
-        yield progress_for
+def _replaying(update):
+    """Progress of one replay: requests finished, the simulated clock and the steps."""
+    return lambda p: update(p.finished, p.total, f"sim {p.simulated_ms / 1e3:,.0f} s, {p.steps:,} steps")

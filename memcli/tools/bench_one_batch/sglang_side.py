@@ -59,7 +59,7 @@ class SglangComparison:
             runner.decode_step()
         if steps:
             phases["decode_memory"] = combine_steps(steps)
-        phases["free"] = timed(runner.finish, setup=runner.replay_to_finish)
+        phases["free"] = timed(runner.finish, setup=runner.before_finish)
         return phases
 
 
@@ -91,6 +91,7 @@ class SglangCase:
         self.batch: Any = None
         self._before_prefill: Any = None
         self._rows_before_prefill: list[int] = []
+        self._before_finish: Any = None
 
     # -- start: idle stack -> before prefill ------------------------------------------------
     def _req(self, rid: str, prompt: np.ndarray) -> Any:
@@ -188,6 +189,22 @@ class SglangCase:
         self._sample()
 
     # -- finish -----------------------------------------------------------------------------
+    def before_finish(self) -> None:
+        """Setup of `finish`, as memcli's runner does it: with the chunk cache, whose finish
+        only frees, a snapshot (free lists, request rows, its protected count) puts the batch
+        back; the radix cache's finish inserts into the tree, so the case is run again from an
+        idle stack."""
+        if self.case_uses_radix:
+            self.replay_to_finish()
+        elif self._before_finish is None:
+            self._before_finish = (self.allocator.backup_state(), list(self.pool.free_slots),
+                                   self.tree_cache.protected_size_)
+        else:
+            state, rows, protected = self._before_finish
+            self.allocator.restore_state(state)
+            self.pool.free_slots = list(rows)
+            self.tree_cache.protected_size_ = protected
+
     def finish(self) -> None:
         """Every request released through SGLang's own finish path, in one free group."""
         self.allocator.free_group_begin()

@@ -44,7 +44,7 @@ def cdiv(a, b):
 
 
 def test_default_run():
-    result = invoke()
+    result = invoke("--progress")
     assert result.exit_code == 0, result.stderr
     out = result.stdout
     assert "bs=1 input=512 output=16 prefix=0 page_size=1" in out
@@ -91,11 +91,12 @@ def test_json_is_one_document_with_every_figure():
 
 
 def test_several_page_sizes_give_a_comparison_table():
-    result = invoke("-b", "1,2", "--input-len", 40, "--page-size", 1, 16, *QUICK)
+    result = invoke("-b", "1,2", "--input-len", 40, "--page-size", 1, 16, *QUICK, "--progress")
     assert result.exit_code == 0, result.stderr
     assert "page sizes compared" in result.stdout
     assert "page_size=1" in result.stdout and "page_size=16" in result.stdout
     assert "round 1/1 over 4 case(s)" in result.stderr
+    assert invoke("-b", "1", "--input-len", 40, *QUICK).stderr == ""  # no --progress, no terminal: silent
 
 
 def test_list_options_accept_spaces_commas_and_repeated_flags():

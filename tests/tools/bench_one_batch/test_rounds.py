@@ -138,7 +138,10 @@ def test_sglang_side_runs_the_same_batch_slot_for_slot(tree_cache, page_size, pr
 
 @needs_reference
 def test_compare_prints_a_speedup_per_phase():
-    result = runner.invoke(app, ["bench-one-batch", "--set", "runtime.device=cpu", "-b", "2", "--input-len", "24",
+    from memcli.reference.loader import load_reference
+
+    result = runner.invoke(app, ["bench-one-batch", "--set", f"runtime.device={load_reference().device}", "-b", "2",
+                                 "--input-len", "24",
                                  "--output-len", "3", "--page-size", "1", "--repeat", "1", "--warmup", "0",
                                  "--rounds", "2", "--compare", "sglang-0.5.5", "--json"])
     assert result.exit_code == 0, result.stderr
