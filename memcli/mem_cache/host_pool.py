@@ -10,11 +10,15 @@ Host slots are token indices, as on the device; a page of the host pool is `page
 consecutive slots starting at a multiple of `page_size`, because every allocation takes
 whole pages from a free list that only ever holds whole pages.
 
-Materialized (`materialized=True`) the pool also holds K and V of every slot, layer-first
-like the device pool (`[num_layers, size, heads, head_dim]`), in pinned memory when a CUDA
-device is present; `backup_from_device` gathers device slots into it and `load_to_device`
-scatters it into device slots. Indices-only, it keeps the slot bookkeeping alone (replays of
-large pools on a CPU).
+Materialized (`materialized=True`) the pool also holds K and V of every slot, page-first
+(`[size, num_layers, heads, head_dim]`: a slot's K of every layer is one contiguous run, as
+SGLang's `page_first` host layout), in pinned memory when a CUDA device is present.
+`backup_from_device` gathers device slots (one `index_select` on the device, layer-first to
+page-first there) and copies each run of consecutive host slots with one non-blocking copy;
+`load_to_device` copies the runs into a device staging buffer and scatters it into the device
+slots with one `index_copy_`. A batch's backup usually lands in one run (fresh host pages are
+consecutive), so it costs one gather and one device-to-host copy per K and V. Indices-only,
+the pool keeps the slot bookkeeping alone (replays of large pools on a CPU).
 """
 
 from __future__ import annotations
@@ -26,6 +30,39 @@ import torch
 
 from memcli.mem_cache.integrity import CheckResult, IntegrityReport
 from memcli.mem_cache.pools import TORCH_DTYPES
+
+
+def _runs(host_indices: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Runs of consecutive host slots: (first slot, length, position in `host_indices`)."""
+    idx = host_indices.detach().reshape(-1).cpu().numpy()
+    if not len(idx):
+        return []
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(idx)]])
+    return [(int(idx[a]), int(b - a), int(a)) for a, b in zip(starts, ends)]
+
+
+MAX_PAIRED_RUNS = 64  # above this many runs, one gather (or scatter) on the device is cheaper
+
+
+def _paired_runs(device_indices: torch.Tensor, host_indices: torch.Tensor) -> Optional[list[tuple[int, int, int]]]:
+    """Runs consecutive on both sides: (first device slot, first host slot, length); None when
+    there are more than `MAX_PAIRED_RUNS`."""
+    dev = device_indices.detach().reshape(-1).cpu().numpy()
+    host = host_indices.detach().reshape(-1).cpu().numpy()
+    if not len(dev):
+        return []
+    breaks = np.flatnonzero((np.diff(dev) != 1) | (np.diff(host) != 1)) + 1
+    if len(breaks) >= MAX_PAIRED_RUNS:
+        return None
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(dev)]])
+    return [(int(dev[a]), int(host[a]), int(b - a)) for a, b in zip(starts, ends)]
+
+
+def _to(tensor: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
+    return tensor if tensor.device == device else tensor.to(device, non_blocking=non_blocking)
 
 
 class HostKVPool:
@@ -44,7 +81,7 @@ class HostKVPool:
         self.materialized = materialized
         self.pinned = False
         if materialized:
-            shape = (num_layers, size, num_kv_heads, head_dim)
+            shape = (size, num_layers, num_kv_heads, head_dim)
             pin = pin_memory and torch.cuda.is_available()
             self.k_buffer = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)
             self.v_buffer = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)
@@ -116,33 +153,37 @@ class HostKVPool:
 
     def backup_from_device(self, kv_pool, device_indices: torch.Tensor, host_indices: torch.Tensor,
                            non_blocking: bool = True) -> None:
-        """Copy K/V of `device_indices` (all layers) into host slots `host_indices`: one
-        gather on the device, one copy into pinned memory, one scatter on the host."""
+        """Copy K/V of `device_indices` (all layers) into host slots `host_indices`. Non-blocking
+        on a GPU: the caller synchronises before reading the host copy."""
         self._need_buffers(kv_pool)
-        host_idx = host_indices.to(torch.int64).cpu()
+        nb = non_blocking and self.pinned
+        pairs = _paired_runs(device_indices, host_indices)
         for dev_buf, host_buf in ((kv_pool.k_buffer, self.k_buffer), (kv_pool.v_buffer, self.v_buffer)):
-            gathered = dev_buf.index_select(1, device_indices.to(dev_buf.device))
-            if gathered.device.type == "cpu":
-                host_buf.index_copy_(1, host_idx, gathered)
-            else:
-                staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=self.pinned)
-                staging.copy_(gathered, non_blocking=non_blocking and self.pinned)
-                if non_blocking and self.pinned:
-                    torch.cuda.current_stream(gathered.device).synchronize()
-                host_buf.index_copy_(1, host_idx, staging)
+            if pairs is not None:  # few runs on both sides: copy slices, no gather
+                for dev, host, length in pairs:
+                    host_buf[host:host + length].copy_(dev_buf[:, dev:dev + length].transpose(0, 1), non_blocking=nb)
+                continue
+            idx = device_indices.to(dev_buf.device, torch.int64)
+            gathered = dev_buf.index_select(1, idx).transpose(0, 1)  # [n, layers, heads, dim]
+            for start, length, pos in _runs(host_indices):
+                host_buf[start:start + length].copy_(gathered[pos:pos + length], non_blocking=nb)
 
     def load_to_device(self, kv_pool, host_indices: torch.Tensor, device_indices: torch.Tensor,
                        non_blocking: bool = True) -> None:
-        """Copy K/V of host slots `host_indices` (all layers) into device slots `device_indices`:
-        one gather on the host (into pinned memory), one copy to the device, one scatter there."""
+        """Copy K/V of host slots `host_indices` (all layers) into device slots `device_indices`."""
         self._need_buffers(kv_pool)
-        host_idx = host_indices.to(torch.int64).cpu()
+        nb = non_blocking and self.pinned
+        pairs = _paired_runs(device_indices, host_indices)
         for dev_buf, host_buf in ((kv_pool.k_buffer, self.k_buffer), (kv_pool.v_buffer, self.v_buffer)):
-            gathered = host_buf.index_select(1, host_idx)
-            if self.pinned:
-                gathered = gathered.pin_memory()
-            moved = gathered.to(dev_buf.device, non_blocking=non_blocking and self.pinned)
-            dev_buf.index_copy_(1, device_indices.to(dev_buf.device, torch.int64), moved)
+            if pairs is not None:
+                for dev, host, length in pairs:
+                    dev_buf[:, dev:dev + length].copy_(_to(host_buf[host:host + length], dev_buf.device, nb).transpose(0, 1))
+                continue
+            idx = device_indices.to(dev_buf.device, torch.int64)
+            staging = torch.empty((len(idx), *host_buf.shape[1:]), dtype=host_buf.dtype, device=dev_buf.device)
+            for start, length, pos in _runs(host_indices):
+                staging[pos:pos + length].copy_(host_buf[start:start + length], non_blocking=nb)
+            dev_buf.index_copy_(1, idx, staging.transpose(0, 1))
 
     def _need_buffers(self, kv_pool) -> None:
         if self.k_buffer is None or kv_pool.k_buffer is None:
