@@ -8,6 +8,7 @@ from typing import Optional
 import numpy as np
 
 from memcli.config import Config
+from memcli.tools.replay.hicache import HostTierStats
 from memcli.tools.replay.metrics import EvictionStats, OccupancyStats, PrefixStats, QueueStats
 
 
@@ -129,6 +130,8 @@ class ReplayResult:
     """Per request in trace order: tokens matched at first admission, -1 if never admitted."""
     stop: Optional[Stop] = None
     """Set when the replay stopped early; the rest of the result covers the replay so far."""
+    host_tier: Optional[HostTierStats] = None
+    """The host tier's tiers, transfers and occupancy (`cache.kind: hiradix` only)."""
 
     @property
     def interrupted(self) -> bool:

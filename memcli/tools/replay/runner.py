@@ -31,6 +31,7 @@ from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from memcli.mem_cache.pages import align_up
 from memcli.tools.replay import ARRIVALS
 from memcli.tools.replay.ceiling import shared_prefix_lens
+from memcli.tools.replay.hicache import TierLog, host_tier_stats
 from memcli.tools.replay.metrics import (EvictionLog, StepSeries, eviction_stats, occupancy_stats, prefix_stats,
                                    queue_stats)
 from memcli.tools.replay.result import (AllocationStats, IntegrityStats, ReplayResult, RunSummary, SchedulingStats,
@@ -158,6 +159,7 @@ class _Run:
         self.events, self.progress = events, progress
         self.index = {spec.rid: i for i, spec in enumerate(trace.requests)}
         self.cached = np.full(trace.num_requests, -1, dtype=np.int64)
+        self.tiers = TierLog(trace.num_requests) if config.cache.kind == "hiradix" else None
         self.next = 0
         self.output_tokens = 0
         self.series = StepSeries()
@@ -193,6 +195,7 @@ class _Run:
                     break
                 sched.step()
                 self._after_step()
+            self.stack.tree_cache.finish_copies()  # the host tier's last copies are waited for
             reports = check_memory(self.stack, sched.memory_holders())
         except IntegrityError as exc:
             self.failure_at = (getattr(exc, "step", None), getattr(exc, "check", None))
@@ -258,7 +261,10 @@ class _Run:
 
     def _harvest(self, req) -> None:
         if req.first_cached_tokens is not None:
-            self.cached[self.index[req.rid]] = req.first_cached_tokens
+            index = self.index[req.rid]
+            self.cached[index] = req.first_cached_tokens
+            if self.tiers is not None:
+                self.tiers.harvest(index, req)
 
     def _harvest_unfinished(self) -> None:
         """After a stop: the hits of requests admitted but not finished count too."""
@@ -319,6 +325,8 @@ class _Run:
             series=series,
             first_cached_tokens=self.cached,
             stop=self.stop,
+            host_tier=None if self.tiers is None else host_tier_stats(self.tiers, self.cached, input_lens, series,
+                                                                       tree.host_tier()),
         )
 
 
