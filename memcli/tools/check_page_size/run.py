@@ -245,7 +245,7 @@ def _run_page_size(config: Config, injections: dict[str, int], trace: Optional[W
         _report(progress, config.page_size, phases[-1])
         bench = bench_workload(dyn_config)
         # The bench path has no tree cache of its own: its tree cache is the null cache.
-        bench_injections = {k: v for k, v in injections.items() if k != "tree_cache"}
+        bench_injections = {k: v for k, v in injections.items() if k not in ("tree_cache", "host_pool")}
         bench_stack = build_stack(dyn_config, cache_kind="none", page_size_overrides=bench_injections)
         phases.append(run_phase(f"bench path (null cache, {loop} loop)", bench_stack, dyn_config, bench,
                                 bench.step_bound))

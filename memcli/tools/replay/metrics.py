@@ -60,7 +60,8 @@ def _mean(values: np.ndarray, weights: np.ndarray) -> float:
 class StepSeries:
     """One entry per scheduler step, in compact arrays (steps can number in the millions)."""
 
-    FIELDS = ("time_ms", "running", "waiting", "available", "evictable", "protected", "held_tokens", "held_pages")
+    FIELDS = ("time_ms", "running", "waiting", "available", "evictable", "protected", "held_tokens", "held_pages",
+              "host_used", "d2h_bytes", "h2d_bytes")
 
     def __init__(self) -> None:
         self.time_ms = array("d")
@@ -76,6 +77,9 @@ class StepSeries:
         ints["protected"].append(record.protected)
         ints["held_tokens"].append(record.held_tokens)
         ints["held_pages"].append(record.held_pages)
+        ints["host_used"].append(record.host_used)
+        ints["d2h_bytes"].append(record.d2h_bytes)
+        ints["h2d_bytes"].append(record.h2d_bytes)
 
     def __len__(self) -> int:
         return len(self.time_ms)

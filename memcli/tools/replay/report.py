@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from memcli.tools.replay.hicache import TIER_DEFINITION, tier_rows
 from memcli.tools.replay.metrics import DEFINITIONS, downsample
 from memcli.tools.replay.result import ReplayResult
 from memcli.tools.replay.sweep import SweepResult
@@ -97,11 +98,14 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
             "final_reports": list(i.final_reports),
         },
         "series": {"points": series_points, **downsample(_series_fields(result), series_points)},
+        **({"host_tier": result.host_tier.to_dict()} if result.host_tier is not None else {}),
     }, result.config)
 
 
 def _series_fields(result: ReplayResult) -> dict:
     keep = ("time_ms", "running", "waiting", "used_tokens", "used_pages", "evictable", "protected", "waste_tokens")
+    if result.host_tier is not None:
+        keep += ("host_used", "d2h_bytes", "h2d_bytes")
     return {name: result.series[name] for name in keep}
 
 
@@ -115,6 +119,8 @@ def render_replay(result: ReplayResult, console: Console) -> None:
     if p.sub_page_prefix_requests:
         console.print(f"{p.sub_page_prefix_requests} request(s) shared a prefix shorter than one page"
                       f" ({p.page_size} tokens): they can never hit.")
+    if result.host_tier is not None:
+        console.print(f"host tier = {TIER_DEFINITION}.")
     if result.integrity.failure:
         console.print(f"INTEGRITY FAILURE (replay stopped): {result.integrity.failure}")
     if result.stop is not None:
@@ -178,7 +184,11 @@ def replay_tables(result: ReplayResult) -> list[Table]:
         ("result", "ok" if i.ok else "FAILED"),
         ("everything free at the end", i.everything_free),
     ])
-    return [summary, prefix, allocation, eviction, scheduling, integrity]
+    tables = [summary, prefix, allocation, eviction, scheduling, integrity]
+    if result.host_tier is not None:
+        tables.insert(2, kv_table(f"host tier (hiradix, host pool {result.host_tier.host_pool_tokens:,} tokens)",
+                                  tier_rows(result.host_tier)))
+    return tables
 
 
 def _delay_row(delay) -> list[tuple[str, str]]:
@@ -225,6 +235,7 @@ def _sweep_row(value: Any, r: ReplayResult) -> dict[str, Any]:
         "tokens_evicted": r.eviction.tokens_evicted, "retractions": r.scheduling.retractions,
         "peak_used_tokens": r.occupancy.peak_used_tokens, "simulated_time_ms": _round(r.summary.simulated_ms, 3),
         "steps": r.summary.steps, "wall_time_s": _round(r.summary.wall_s, 3), "integrity_ok": r.integrity.ok,
+        **({"host_tier": r.host_tier.to_dict()} if r.host_tier is not None else {}),
     }
 
 
@@ -244,14 +255,36 @@ def render_sweep(sweep: SweepResult, console: Console) -> None:
                   _optional_pct(ref.block_ratio), _optional_pct(ref.warmup_excluded_hit_rate),
                   _pct(ref.ceiling_hit_rate), *(["-"] * 4))
     console.print(table)
+    tiers = [row for row in sweep.rows if row.result.host_tier is not None]
+    if tiers:
+        console.print(_tier_table(sweep.key, tiers))
     for row in sweep.rows:
         if not row.result.integrity.ok:
             console.print(f"INTEGRITY FAILURE at {sweep.key}={row.value} (replay stopped):"
                           f" {row.result.integrity.failure}")
     console.print("blocks = block ratio; warm-up excl = hit rate without the first 50% of requests;"
                   " ceiling = sequential, never evicting (see the single-replay report).")
+    if tiers:
+        console.print("host tier: hit rate by tier (device, host loaded back, host skipped, miss; see the"
+                      " single-replay report), GB copied device -> host and back, host tokens evicted.")
     console.print(f"hit rate = {DEFINITIONS['hit_rate']}.")
     console.print(f"unlimited ({ref.method}): {ref.note}.")
+
+
+def _tier_table(key: str, rows: list) -> Table:
+    """Hit rate by tier per swept value (the rows with a host tier)."""
+    table = Table(title=f"host tier by {key}", title_justify="left")
+    for name in ("value", "host pool", "device", "host load", "host skip", "miss", "GB d2h", "GB h2d",
+                 "host evict", "sim s"):
+        table.add_column(name, justify="left" if name == "value" else "right", no_wrap=True)
+    for row in rows:
+        h = row.result.host_tier
+        r, t = h.rates, h.transfers
+        table.add_row(str(row.value), fmt(h.host_pool_tokens), _pct(r["device_hit"]), _pct(r["host_loaded"]),
+                      _pct(r["host_skipped"]), _pct(r["miss"]), f"{t['d2h_bytes'] / 1e9:,.1f}",
+                      f"{t['h2d_bytes'] / 1e9:,.1f}", fmt(t["host_evicted_tokens"]),
+                      f"{row.result.summary.simulated_ms / 1e3:,.0f}")
+    return table
 
 
 def _optional_pct(value) -> str:

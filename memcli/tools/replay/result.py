@@ -8,6 +8,7 @@ from typing import Optional
 import numpy as np
 
 from memcli.config import Config
+from memcli.tools.replay.hicache import HostTierStats
 from memcli.tools.replay.metrics import EvictionStats, OccupancyStats, PrefixStats, QueueStats
 from memcli.tools.replay.requests import DelayStats, RequestLog
 
@@ -133,6 +134,8 @@ class ReplayResult:
     requests_log: Optional[RequestLog] = None
     """Per request: arrival, admission, finish, tokens, retractions (`replay --requests-out`)."""
     queueing_delay: Optional[DelayStats] = None
+    host_tier: Optional[HostTierStats] = None
+    """The host tier's tiers, transfers and occupancy (`cache.kind: hiradix` only)."""
 
     @property
     def interrupted(self) -> bool:

@@ -32,6 +32,7 @@ from memcli.mem_cache.pages import align_up
 from memcli.tools.replay import ARRIVALS
 from memcli.tools.replay.ceiling import shared_prefix_lens
 from memcli.tools.replay.requests import RequestLog, delay_stats
+from memcli.tools.replay.hicache import TierLog, host_tier_stats
 from memcli.tools.replay.metrics import (EvictionLog, StepSeries, eviction_stats, occupancy_stats, prefix_stats,
                                    queue_stats)
 from memcli.tools.replay.result import (AllocationStats, IntegrityStats, ReplayResult, RunSummary, SchedulingStats,
@@ -182,6 +183,7 @@ class _Run:
         self.log = RequestLog(trace.num_requests, np.fromiter(
             (spec.arrival_ms if timed else np.nan for spec in trace.requests), dtype=np.float64,
             count=trace.num_requests))
+        self.tiers = TierLog(trace.num_requests) if config.cache.kind == "hiradix" else None
         self.next = 0
         self.output_tokens = 0
         self.series = StepSeries()
@@ -217,6 +219,7 @@ class _Run:
                     break
                 sched.step()
                 self._after_step()
+            self.stack.tree_cache.finish_copies()  # the host tier's last copies are waited for
             reports = check_memory(self.stack, sched.memory_holders())
         except IntegrityError as exc:
             self.failure_at = (getattr(exc, "step", None), getattr(exc, "check", None))
@@ -281,7 +284,10 @@ class _Run:
             self._report_progress()
 
     def _harvest(self, req) -> None:
-        self.log.record(self.index[req.rid], req)
+        index = self.index[req.rid]
+        self.log.record(index, req)
+        if self.tiers is not None and req.first_cached_tokens is not None:
+            self.tiers.harvest(index, req)
 
     def _harvest_unfinished(self) -> None:
         """After a stop: the hits of requests admitted but not finished count too."""
@@ -344,6 +350,8 @@ class _Run:
             requests_log=self.log,
             queueing_delay=delay_stats(self.log),
             stop=self.stop,
+            host_tier=None if self.tiers is None else host_tier_stats(self.tiers, self.log.cached_tokens, input_lens,
+                                                                       series, tree.host_tier()),
         )
 
 

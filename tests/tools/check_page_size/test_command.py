@@ -264,3 +264,22 @@ def test_a_count_has_one_name_in_every_table():
         assert (row["pressure_retractions"], row["forced_retractions"]) == (
             coverage["pressure_retractions"], coverage["forced_retractions"])
         assert row["forced_retractions"] > 0  # the built-in workload forces some
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_hiradix_host_pool_is_a_page_size_holder(page_size):
+    result = run_check_page_size(config("cache.kind=hiradix"), page_sizes=[page_size], steps=3000)
+    run = result.runs[0]
+    assert result.exit_code == 0, [p.violation for p in run.phases]
+    host = next(c for c in run.static.components if c.name == "host_pool")
+    assert host.page_size == page_size and host.holder == "HostKVPool" and host.agrees
+
+
+def test_an_injected_host_pool_page_size_breaks_the_backups():
+    result = run_check_page_size(config("cache.kind=hiradix"), injections={"host_pool": 16}, steps=3000)
+    assert result.exit_code == 1
+    run = result.runs[0]
+    assert run.static.mismatched == ["host_pool"]
+    violation = run.phases[0].violation
+    assert violation.name == "no_exception" and "host alloc" in violation.detail and "page_size 16" in violation.detail
+    assert run.phases[1].ok  # the bench path has no host pool
