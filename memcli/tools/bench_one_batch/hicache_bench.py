@@ -88,13 +88,13 @@ class TransferBench:
 
 
 def transfer_config(config: Config, case: Case) -> Config:
-    """The case's stack: hiradix over a materialized KV pool, both pools large enough for the
-    batch (the device pool as configured when it holds it)."""
+    """The case's stack: hiradix over a materialized KV pool, both pools sized to the batch
+    (a pinned host pool as large as the configured device pool could exhaust host memory)."""
     tokens = case.batch_size * align_up(case.input_len, case.page_size)
-    pool = max(config.pool_size, tokens + case.page_size)
+    pool = tokens + case.page_size
     return replace(config, memory={"page_size": case.page_size, "kv_pool": "materialized", "max_total_tokens": pool,
                                    "kv_budget_gib": None, "max_context_len": min(config.memory.max_context_len, pool)},
-                   cache={"kind": "hiradix", "host_size_gib": None, "host_ratio": 2.0},
+                   cache={"kind": "hiradix", "host_size_gib": None, "host_ratio": 1.0},
                    semantics={"host_pool_floor": "any"})
 
 

@@ -26,9 +26,9 @@ def test_json_reports_bytes_and_gbps_for_every_phase():
         assert case["bytes"] == tokens * cfg.model.bytes_per_token
         for phase in ("backup", "load_back", "plain_d2h", "plain_h2d"):
             p = case["phases"][phase]
-            assert p["us"] > 0 and p["gbps"] == pytest.approx(case["bytes"] / (p["us"] * 1e3), rel=1e-3)
+            assert p["us"] > 0 and p["gbps"] == pytest.approx(case["bytes"] / (p["us"] * 1e3), rel=1e-3, abs=2e-3)
         assert case["backup_share_of_plain_d2h"] == pytest.approx(
-            case["phases"]["backup"]["gbps"] / case["phases"]["plain_d2h"]["gbps"], rel=1e-2)
+            case["phases"]["backup"]["gbps"] / case["phases"]["plain_d2h"]["gbps"], rel=2e-2, abs=2e-3)
 
 
 def test_the_table_prints_one_row_per_case():
