@@ -46,6 +46,7 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
             "simulated_time_ms": _round(s.simulated_ms, 3), "steps": s.steps, "prefill_steps": s.prefill_steps,
             "decode_steps": s.decode_steps, "idle_steps": s.idle_steps, "wall_time_s": _round(s.wall_s, 3),
             "steps_per_s": _round(s.steps_per_s, 1),
+            "queueing_delay_ms": result.queueing_delay.to_dict() if result.queueing_delay else None,
         },
         "prefix_cache": {
             "requests": p.requests,
@@ -140,6 +141,7 @@ def replay_tables(result: ReplayResult) -> list[Table]:
         ("input tokens", result.trace.input_tokens), ("output tokens", s.output_tokens),
         ("simulated time (s)", s.simulated_ms / 1e3),
         ("steps (prefill / decode / idle)", f"{s.steps:,} ({s.prefill_steps:,} / {s.decode_steps:,} / {s.idle_steps:,})"),
+        *_delay_row(result.queueing_delay),
         ("wall time (s)", s.wall_s), ("steps per second", s.steps_per_s),
     ])
     prefix = kv_table(f"prefix cache (page size {ps}, block size {p.block_size})", [
@@ -187,6 +189,13 @@ def replay_tables(result: ReplayResult) -> list[Table]:
         tables.insert(2, kv_table(f"host tier (hiradix, host pool {result.host_tier.host_pool_tokens:,} tokens)",
                                   tier_rows(result.host_tier)))
     return tables
+
+
+def _delay_row(delay) -> list[tuple[str, str]]:
+    if delay is None or not delay.requests:
+        return []
+    return [("queueing delay p50 / p90 / p99 / max (ms)",
+             " / ".join(fmt(round(v, 1)) for v in (delay.p50, delay.p90, delay.p99, delay.max)))]
 
 
 def _pct(value: float) -> str:
