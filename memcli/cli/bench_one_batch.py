@@ -20,7 +20,7 @@ from memcli.errors import MemcliError
 
 NAME = "bench-one-batch"
 LIST_FLAGS = ("--batch-size", "-b", "--input-len", "--output-len", "--prefix-len", "--page-size")
-TREE_CACHES = ("none", "chunk", "radix")
+TREE_CACHES = ("none", "chunk", "radix", "hiradix")
 # Defaults that fit the built-in config (16,384-token pool, 64 request rows) and run in a
 # few seconds on a CPU. SGLang's own defaults (bs 1, input 1024, output 16) fit too.
 DEFAULT_BATCH_SIZES = [1, 8]
@@ -44,7 +44,10 @@ def bench_one_batch(
         None, "--prefix-len", metavar=LIST_METAVAR, help="Prompt tokens per request already cached (default 0)"),
     page_size: Optional[List[str]] = typer.Option(
         None, "--page-size", metavar=LIST_METAVAR, help="Page sizes to compare (default: the config's memory.page_size)"),
-    tree_cache: str = typer.Option("none", "--tree-cache", help="Prefix cache: none, chunk or radix"),
+    tree_cache: str = typer.Option(
+        "none", "--tree-cache",
+        help="Prefix cache: none, chunk or radix; hiradix times the host tier's backup and load-back of the batch"
+             " (GB/s beside a plain copy of the same bytes)"),
     repeat: Optional[int] = typer.Option(
         None, "--repeat", help="Timed calls per phase in each round (default 10 on a GPU, 5 on a CPU)"),
     rounds: int = typer.Option(
@@ -82,6 +85,9 @@ def bench_one_batch(
         parse_ints("--page-size", page_size, [cfg.page_size]),
     )
     options = _options(tree_cache, repeat, warmup, rounds, run_name, cfg)
+    if tree_cache == "hiradix":
+        _hiradix(cfg, cases, options, compare, result_file, json_out, sorted(ignored), progress)
+        return
     _check_result_file(result_file)
     comparison = _comparison(compare, cfg)
     say = lines(wanted(progress))
@@ -96,6 +102,24 @@ def bench_one_batch(
     if failed:
         print(f"idle check failed after: {'; '.join(failed)} (memory not accounted for)", file=sys.stderr)
         raise typer.Exit(1)
+
+
+def _hiradix(cfg, cases, options, compare, result_file, json_out: bool, ignored: list, progress: bool) -> None:
+    """The host tier's copies (memcli.tools.bench_one_batch.hicache_bench), one table or document."""
+    from memcli.cli.progress import lines, wanted
+    from memcli.report.console import print_json, stdout_console
+    from memcli.tools.bench_one_batch.hicache_bench import render_transfers, run_transfer_bench
+
+    if compare is not None or result_file is not None:
+        raise MemcliError("--tree-cache hiradix times host copies only: --compare and --result-file do not apply",
+                          hint="leave out --compare and --result-file")
+    say = lines(wanted(progress))
+    report = (lambda r, n, case: say(f"round {r}/{n}: {case.label}")) if say else None
+    bench = run_transfer_bench(cfg, cases, options.repeat, options.warmup, options.rounds, report)
+    if json_out:
+        print_json(bench.to_document(ignored))
+    else:
+        render_transfers(bench, stdout_console())
 
 
 def _interpret_without_cuda() -> None:

@@ -56,6 +56,10 @@ def replay_command(
                                         help="Write occupancy and running requests over time (PNG)"),
     events: Optional[Path] = typer.Option(None, "--events", metavar="FILE",
                                           help="Write the KV events stream (JSON lines)"),
+    requests_out: Optional[Path] = typer.Option(
+        None, "--requests-out", metavar="FILE.csv|FILE.jsonl",
+        help="Write one row per request: arrival, admission and finish on the simulated clock, queueing delay,"
+        " input, output and cached tokens, retractions, aborted"),
     progress: bool = ProgressOpt,
 ) -> None:
     """Replay a trace through the memory stack and the scheduler with continuous batching.
@@ -70,6 +74,7 @@ def replay_command(
     from memcli.tools.replay.bound import bound_config
     from memcli.tools.replay.plot import check_plot_path, plot_replay, plot_study, require_matplotlib
     from memcli.tools.replay.report import render_replay, render_study, replay_document
+    from memcli.tools.replay.requests import check_requests_out, write_requests
     from memcli.tools.replay.runner import ReplayOptions, check_options, default_arrivals, replay
     from memcli.tools.replay.study import StudyContext, with_belady
     from memcli.workload.readers import read_trace
@@ -83,6 +88,12 @@ def replay_command(
         raise MemcliError(f'unknown --bound "{bound}"', "the one bound is belady: --bound belady")
     points = study_points(sweep, sweep_file)
     check_study_options(points is not None, jobs, use_ray, ray_address, out, resume, events)
+    if points is not None and requests_out is not None:
+        raise MemcliError("--requests-out writes what one replay did; it cannot be combined with --sweep or"
+                          " --sweep-file",
+                          "leave out --sweep / --sweep-file, or --requests-out")
+    if requests_out is not None:
+        check_requests_out(requests_out)
     cfg = load_config(config, set_, builtin="replay")
     ignored = ignored_keys(cfg, "replay")
     note_ignored(ignored, "replay")
@@ -111,6 +122,9 @@ def replay_command(
             belady_cfg = bound_config(cfg) if bound is not None else None
             result = replay(cfg, trace, options, progress_for("replay"), shared)
             failed = not result.integrity.ok or result.stop is not None
+            if requests_out is not None:
+                count = write_requests(requests_out, result.requests_log, trace)
+                print(f"requests: wrote {count:,} rows to {requests_out}", file=sys.stderr)
             bound_result = None
             if belady_cfg is not None and result.stop is None:
                 bound_result = result if belady_cfg is cfg else replay(

@@ -31,7 +31,8 @@ def check_study_options(study: bool, jobs: Optional[int], use_ray: bool, ray_add
                               "add --sweep KEY=v1,v2 or --sweep-file FILE, or leave out " + given[0])
         return
     if events is not None:
-        raise MemcliError("--events writes the stream of one replay; it cannot be combined with a study",
+        raise MemcliError("--events writes the stream of one replay; it cannot be combined with --sweep or"
+                          " --sweep-file",
                           "leave out --sweep / --sweep-file, or --events")
     if jobs is not None and jobs < 1:
         raise MemcliError(f"--jobs {jobs}: at least 1", "--jobs 1 runs the points one after another")

@@ -127,6 +127,9 @@ def plot_study(doc: dict, path: Path) -> None:
     dashed), the never-evicting ceiling of each page size dotted, the replayed unlimited pool
     dashed grey."""
     plt = require_matplotlib()
+    if doc["points"] and all("tier_device_hit" in p for p in doc["points"]):
+        _plot_tiers(plt, doc, path)
+        return
     x_key, categories, lines, ceilings = study_lines(doc)
     fig, ax = plt.subplots(figsize=(9, 5))
     top = 0.0
@@ -159,3 +162,35 @@ def plot_study(doc: dict, path: Path) -> None:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+TIERS = (("tier_device_hit", "device hit"), ("tier_host_loaded", "host hit, loaded back"),
+         ("tier_host_skipped", "host hit, skipped (recomputed)"))
+
+
+def _plot_tiers(plt, doc: dict, path: Path) -> None:
+    """Stacked bars: the hit rate by tier of every point (a host size, a write policy), and
+    the unlimited-pool references."""
+    from memcli.tools.replay.grid import point_label
+
+    points = doc["points"]
+    labels = [point_label(p["point"]) for p in points]
+    x = np.arange(len(labels))
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(labels)), 4.5))
+    bottom = np.zeros(len(x))
+    for key, label in TIERS:
+        values = np.array([p[key] for p in points])
+        ax.bar(x, values, bottom=bottom, label=label, width=0.6)
+        bottom += values
+    top = float(bottom.max()) if len(bottom) else 0.0
+    for ref in doc["references"]:
+        ax.axhline(ref["hit_rate"], color="grey", ls="--", label=f"unlimited, page size {ref['page_size']} ({ref['method']})")
+        top = max(top, ref["hit_rate"])
+    ax.set_ylim(0, top * 1.15 + 1e-3)
+    ax.set_xticks(x, labels, rotation=20, ha="right", fontsize=7)
+    ax.set_ylabel("share of prompt tokens")
+    ax.set_title("hit rate by tier (hiradix)")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -8,6 +8,7 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
+from memcli.tools.replay.hicache import TIER_DEFINITION, tier_rows
 from memcli.tools.replay.metrics import DEFINITIONS, EVICTION_DEFINITIONS, WINDOW_REQUESTS, downsample
 from memcli.tools.replay.result import ReplayResult
 from memcli.tools.replay.grid import point_label, short_key
@@ -47,6 +48,7 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS,
             "simulated_time_ms": _round(s.simulated_ms, 3), "steps": s.steps, "prefill_steps": s.prefill_steps,
             "decode_steps": s.decode_steps, "idle_steps": s.idle_steps, "wall_time_s": _round(s.wall_s, 3),
             "steps_per_s": _round(s.steps_per_s, 1),
+            "queueing_delay_ms": result.queueing_delay.to_dict() if result.queueing_delay else None,
         },
         "prefix_cache": {
             "requests": p.requests,
@@ -115,11 +117,14 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS,
             "final_reports": list(i.final_reports),
         },
         "series": {"points": series_points, **downsample(_series_fields(result), series_points)},
+        **({"host_tier": result.host_tier.to_dict()} if result.host_tier is not None else {}),
     }, result.config)
 
 
 def _series_fields(result: ReplayResult) -> dict:
     keep = ("time_ms", "running", "waiting", "used_tokens", "used_pages", "evictable", "protected", "waste_tokens")
+    if result.host_tier is not None:
+        keep += ("host_used", "d2h_bytes", "h2d_bytes")
     return {name: result.series[name] for name in keep}
 
 
@@ -127,34 +132,43 @@ def render_replay(result: ReplayResult, console: Console, bound: Optional[Replay
     for table in replay_tables(result, bound):
         console.print(table)
     p = result.prefix
-    console.print("Hit rates (prefix cache table), each counted its own way:")
-    for label, name in HIT_RATE_LINES:
-        if name != "belady" or bound is not None:
-            console.print(f"  {label} = {DEFINITIONS[name]}.")
-    console.print(f"lost to page alignment = {DEFINITIONS['lost_to_page_alignment']}.")
-    if result.eviction.future_known:
+    for label, name in footnotes(result, bound):
+        console.print(f"{label} = {DEFINITIONS[name]}.")
+    if result.eviction.future_known and result.eviction.evictions:
         console.print(f"reuse distance = {EVICTION_DEFINITIONS['reuse_distance']}.")
     if p.sub_page_prefix_requests:
         console.print(f"{p.sub_page_prefix_requests} request(s) shared a prefix shorter than one page"
                       f" ({p.page_size} tokens): they can never hit.")
+    if result.host_tier is not None:
+        console.print(f"host tier = {TIER_DEFINITION}.")
     if result.integrity.failure:
         console.print(f"INTEGRITY FAILURE (replay stopped): {result.integrity.failure}")
     if result.stop is not None:
         console.print(f"STOPPED EARLY ({result.stop.reason}): {result.stop.message}")
 
 
-HIT_RATE_LINES = (
-    ("hit rate", "hit_rate"), ("per-request mean", "per_request_mean"), ("page hit rate", "page_hit_rate"),
-    ("block ratio", "block_ratio"), ("SGLang per batch", "sglang_batch"), ("SGLang cumulative", "sglang_cumulative"),
-    ("vLLM", "vllm"), ("first 50% excluded", "warmup_excluded"), ("last 1,000", "last_1000"),
-    ("ceiling", "ceiling"), ("Belady bound", "belady"),
-)
+def footnotes(result: ReplayResult, bound: Optional[ReplayResult] = None) -> list[tuple[str, str]]:
+    """(label, DEFINITIONS key) of every figure in the tables that needs its definition: each
+    hit rate, the ceiling, the Belady bound when there is one, and each "lost" or "waste"
+    figure shown."""
+    paged = result.prefix.page_size > 1
+    return [("hit rate", "hit_rate"), ("per-request mean", "per_request_mean"), ("page hit rate", "page_hit_rate"),
+            ("block ratio", "block_ratio"), ("SGLang per batch", "sglang_batch"),
+            ("SGLang cumulative", "sglang_cumulative"), ("vLLM", "vllm"), ("first 50% excluded", "warmup_excluded"),
+            *([(f"last {WINDOW_REQUESTS:,} requests", "last_1000")] if result.trace.requests > WINDOW_REQUESTS else []),
+            ("ceiling", "ceiling"), *([("Belady bound", "belady")] if bound is not None else []),
+            ("lost to capacity and timing", "lost_to_capacity_and_timing"),
+            *([("lost to page alignment", "lost_to_page_alignment"),
+               ("partial-page waste", "partial_page_waste")] if paged else []),
+            ("returned to the free list", "returned_to_free_list"),
+            ("no request holds memory at the end", "no_request_holds_memory")]
 
 
 def replay_tables(result: ReplayResult, bound: Optional[ReplayResult] = None) -> list[Table]:
     s, p, o, a, e, q, i = (result.summary, result.prefix, result.occupancy, result.allocation, result.eviction,
                            result.scheduling, result.integrity)
     ps = p.page_size
+    paged = ps > 1  # page alignment and partial pages cost nothing at page size 1
     summary = kv_table("summary", [
         ("trace", f"{result.trace.path} ({result.trace.format})"),
         ("arrivals", result.arrivals),
@@ -165,6 +179,7 @@ def replay_tables(result: ReplayResult, bound: Optional[ReplayResult] = None) ->
         ("input tokens", result.trace.input_tokens), ("output tokens", s.output_tokens),
         ("simulated time (s)", s.simulated_ms / 1e3),
         ("steps (prefill / decode / idle)", f"{s.steps:,} ({s.prefill_steps:,} / {s.decode_steps:,} / {s.idle_steps:,})"),
+        *_delay_row(result.queueing_delay),
         ("wall time (s)", s.wall_s), ("steps per second", s.steps_per_s),
     ])
     prefix = kv_table(f"prefix cache (page size {ps}, block size {p.block_size})", [
@@ -178,22 +193,26 @@ def replay_tables(result: ReplayResult, bound: Optional[ReplayResult] = None) ->
         ("SGLang cumulative", _pct(p.sglang_cumulative_hit_rate)),
         ("vLLM (hits / queries)", f"{_pct(p.vllm_hit_rate)} ({p.vllm_hits:,} / {p.vllm_queries:,})"),
         ("hit rate, first 50% excluded", _pct(p.warmup_excluded_hit_rate)),
-        ("hit rate, last 1,000 requests", _pct(p.last_1000_hit_rate)),
+        # over a trace of at most WINDOW_REQUESTS the window is the whole trace: the hit rate above
+        *([(f"hit rate, last {WINDOW_REQUESTS:,} requests", _pct(p.last_1000_hit_rate))]
+          if result.trace.requests > WINDOW_REQUESTS else []),
         ("ceiling (sequential, never evicting)", f"{_pct(p.ceiling_hit_rate)} ({p.ceiling_tokens:,} tokens)"),
         *([("Belady bound (offline, same pool)", _pct(bound.prefix.hit_rate))] if bound is not None else []),
         ("lost to capacity and timing", p.lost_to_capacity_and_timing),
-        ("lost to page alignment", p.lost_to_page_alignment),
-        ("requests with a sub-page shared prefix", p.sub_page_prefix_requests),
+        *([("lost to page alignment", p.lost_to_page_alignment),
+           ("requests with a sub-page shared prefix", p.sub_page_prefix_requests)] if paged else []),
         ("requests with a hit", p.requests_with_hits),
     ])
     allocation = kv_table(f"allocation (pool {o.pool_tokens:,} tokens = {o.num_pages:,} pages)", [
         ("peak used tokens", f"{o.peak_used_tokens:,} ({_pct(o.peak_token_fraction)})"),
-        ("peak used pages", f"{o.peak_used_pages:,} ({_pct(o.peak_page_fraction)})"),
-        ("mean used tokens / pages", f"{o.mean_used_tokens:,.0f} / {o.mean_used_pages:,.0f}"),
-        ("partial-page waste, peak / mean (tokens)", f"{o.peak_waste_tokens:,} / {o.mean_waste_tokens:,.0f}"),
+        *([("peak used pages", f"{o.peak_used_pages:,} ({_pct(o.peak_page_fraction)})"),
+           ("mean used tokens / pages", f"{o.mean_used_tokens:,.0f} / {o.mean_used_pages:,.0f}")] if paged else
+          [("mean used tokens", f"{o.mean_used_tokens:,.0f}")]),
+        *([("partial-page waste, peak / mean (tokens)", f"{o.peak_waste_tokens:,} / {o.mean_waste_tokens:,.0f}")]
+          if paged else []),
         ("peak evictable / protected (tokens)", f"{o.peak_evictable_tokens:,} / {o.peak_protected_tokens:,}"),
         ("allocations (tokens)", f"{a.allocations:,} ({a.allocated_tokens:,})"),
-        ("frees (tokens)", f"{a.frees:,} ({a.freed_tokens:,})"),
+        ("returned to the free list: calls (tokens)", f"{a.frees:,} ({a.freed_tokens:,})"),
         ("request rows, peak / total", f"{a.peak_request_rows:,} / {a.request_rows:,}"),
         ("out-of-memory events", a.oom_events),
     ])
@@ -204,12 +223,11 @@ def replay_tables(result: ReplayResult, bound: Optional[ReplayResult] = None) ->
     ] if e.future_known else [("reuse distance", "not computed (the trace is too large for its future index)")]
     eviction = kv_table(f"eviction (policy {e.policy})", [
         ("evictions (nodes)", e.evictions), ("tokens evicted", e.tokens_evicted),
-        ("age at eviction p50 / p90 / max (s)", _dist(e.age_ms, 1e-3)),
-        ("hits before eviction p50 / p90 / max", _dist(e.hits_before_eviction, 1)),
-        *reuse,
+        *([("age at eviction p50 / p90 / max (s)", _dist(e.age_ms, 1e-3)),
+           ("hits before eviction p50 / p90 / max", _dist(e.hits_before_eviction, 1)), *reuse] if e.evictions else []),
     ])
     scheduling = kv_table("scheduling", [
-        ("retractions (requests)", f"{q.retractions:,} ({q.retracted_requests:,})"),
+        ("retraction events (requests retracted)", f"{q.retractions:,} ({q.retracted_requests:,})"),
         ("recomputed tokens", q.recomputed_tokens), ("aborted", q.aborted),
         ("running, mean / max", f"{q.queue.mean_running:,.1f} / {q.queue.max_running:,}"),
         ("waiting, mean / max", f"{q.queue.mean_waiting:,.1f} / {q.queue.max_waiting:,}"),
@@ -218,9 +236,20 @@ def replay_tables(result: ReplayResult, bound: Optional[ReplayResult] = None) ->
         ("checks", i.mode), ("checks run", i.checks_run),
         ("incremental / full walks", f"{i.incremental_checks:,} / {i.full_walks:,} ({i.check_s:,.2f} s)"),
         ("result", "ok" if i.ok else "FAILED"),
-        ("everything free at the end", i.everything_free),
+        ("no request holds memory at the end", i.everything_free),
     ])
-    return [summary, prefix, allocation, eviction, scheduling, integrity]
+    tables = [summary, prefix, allocation, eviction, scheduling, integrity]
+    if result.host_tier is not None:
+        tables.insert(2, kv_table(f"host tier (hiradix, host pool {result.host_tier.host_pool_tokens:,} tokens)",
+                                  tier_rows(result.host_tier)))
+    return tables
+
+
+def _delay_row(delay) -> list[tuple[str, str]]:
+    if delay is None or not delay.requests:
+        return []
+    return [("queueing delay p50 / p90 / p99 / max (ms)",
+             " / ".join(fmt(round(v, 1)) for v in (delay.p50, delay.p90, delay.p99, delay.max)))]
 
 
 def _pct(value: float) -> str:
@@ -253,6 +282,9 @@ def render_study(doc: dict[str, Any], console: Console) -> None:
         table.add_row(*label, fmt(ref["pool_tokens"]) if ref["pool_tokens"] else "-", _pct(ref["hit_rate"]),
                       _pct(ref["ceiling_hit_rate"]), "-", "-", "-")
     console.print(table)
+    tiers = [entry for entry in doc["points"] if "tier_device_hit" in entry]
+    if tiers:
+        console.print(_tier_table(tiers))
     for entry in doc["points"]:
         if not entry["integrity_ok"]:
             console.print(f"INTEGRITY FAILURE at {point_label(entry['point'])} (that replay stopped)")
@@ -261,9 +293,26 @@ def render_study(doc: dict[str, Any], console: Console) -> None:
     console.print("ceiling = sequential, never evicting; needed again = share of evicted tokens a later request"
                   " uses (see the single-replay report); --out DIR (study.csv) and --json have every number of"
                   " every point, every hit-rate definition included.")
+    if tiers:
+        console.print("host tier: hit rate by tier (device, host loaded back, host skipped, miss; see the"
+                      " single-replay report), GB copied device -> host and back, host tokens evicted.")
     console.print(f"hit rate = {DEFINITIONS['hit_rate']}.")
     for ref in doc["references"]:
         console.print(f"unlimited, ps {ref['page_size']} ({ref['method']}): {ref['note']}.")
+
+
+def _tier_table(entries: list[dict[str, Any]]) -> Table:
+    """Hit rate by tier per point (the points with a host tier)."""
+    table = Table(title="host tier by point", title_justify="left")
+    for name in ("point", "host pool", "device", "host load", "host skip", "miss", "GB d2h", "GB h2d",
+                 "host evict", "sim s"):
+        table.add_column(name, justify="left" if name == "point" else "right", no_wrap=True)
+    for e in entries:
+        table.add_row(point_label(e["point"]), fmt(e["host_pool_tokens"]), _pct(e["tier_device_hit"]),
+                      _pct(e["tier_host_loaded"]), _pct(e["tier_host_skipped"]), _pct(e["tier_miss"]),
+                      f"{e['d2h_bytes'] / 1e9:,.1f}", f"{e['h2d_bytes'] / 1e9:,.1f}", fmt(e["host_evicted_tokens"]),
+                      f"{e['simulated_time_ms'] / 1e3:,.0f}")
+    return table
 
 
 def _value(value: Any) -> str:

@@ -140,7 +140,16 @@ def point_row(r: ReplayResult) -> dict[str, Any]:
         "peak_used_tokens": r.occupancy.peak_used_tokens, "simulated_time_ms": _round(r.summary.simulated_ms, 3),
         "steps": r.summary.steps, "wall_time_s": _round(r.summary.wall_s, 3), "integrity_ok": r.integrity.ok,
         "stalled": r.stop is not None and r.stop.reason == "stalled",
+        **(_tier_columns(r) if r.host_tier is not None else {}),
     }
+
+
+def _tier_columns(r: ReplayResult) -> dict[str, Any]:
+    """The host tier of a hiradix point, flat: hit rate by tier, the host pool, the copies."""
+    h = r.host_tier
+    return {**{f"tier_{key}": _round(value) for key, value in h.rates.items()},
+            "host_pool_tokens": h.host_pool_tokens, "d2h_bytes": h.transfers["d2h_bytes"],
+            "h2d_bytes": h.transfers["h2d_bytes"], "host_evicted_tokens": h.transfers["host_evicted_tokens"]}
 
 
 # Columns that depend on the machine, not on the replay: left out when results are compared.

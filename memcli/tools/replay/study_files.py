@@ -132,8 +132,10 @@ def csv_text(document: dict[str, Any]) -> str:
     import io
 
     buffer = io.StringIO()
-    columns = ["index", *keys] + [c for c in (rows[0] if rows else {}) if c not in ("index", *keys)]
-    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    columns = ["index", *keys]
+    for row in rows:  # points of other cache kinds may carry more columns (hiradix: the host tier)
+        columns += [c for c in row if c not in columns]
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n", restval="")
     writer.writeheader()
     writer.writerows(rows)
     return buffer.getvalue()

@@ -51,6 +51,8 @@ def test_bound_belady_is_a_second_replay_beside_the_first(by_policy):
     (["replay", str(CONVERSATION), "--set", "cache.kind=chunk", "--bound", "belady"], "--bound belady ranks the radix"),
     (["replay", str(CONVERSATION), "--bound", "opt"], 'unknown --bound "opt"'),
     (["check-page-size", "--set", "cache.eviction_policy=belady"], "belady evicts by the trace's future uses"),
+    (["replay", str(CONVERSATION), "--set", "cache.kind=hiradix", "--set", "cache.eviction_policy=belady"],
+     "the host tier (cache.kind hiradix) is not modelled with it"),
 ])
 def test_belady_where_it_cannot_apply_is_bad_input(args, needle):
     result = runner.invoke(app, args)

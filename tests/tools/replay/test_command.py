@@ -127,7 +127,7 @@ def test_empty_and_missing_files(tmp_path):
     (["--set", "memory.bogus=1"], "unknown config key 'memory.bogus'"),
     (["--sweep", "memory.max_total_tokens"], "expected KEY=v1,v2"),
     (["--sweep", "cache.eviction_policy=lru,mru"], "cache.eviction_policy: invalid value 'mru'"),
-    (["--sweep", "cache.eviction_policy=lru", "--events", "x.jsonl"], "cannot be combined with a study"),
+    (["--sweep", "cache.eviction_policy=lru", "--events", "x.jsonl"], "cannot be combined with --sweep or --sweep-file"),
     (["--jobs", "2"], "--jobs runs the points of a study"),
     (["--sweep", "cache.eviction_policy=lru", "--jobs", "0"], "--jobs 0: at least 1"),
     (["--sweep", "cache.eviction_policy=lru", "--resume"], "--resume continues the study under --out"),
