@@ -21,7 +21,7 @@ CASES = {
     "show-config": (["--set", "memory.page_size=16"], True),
     "bench-one-batch": (["--batch-size", "1", "--input-len", "16", "--output-len", "2", "--repeat", "1",
                          "--warmup", "0", "--set", "memory.page_size=16"], True),
-    "check-page-size": (["--set", "memory.page_size=16", "--steps", "40"], True),
+    "check-page-size": (["--set", "memory.page_size=16", "--steps", "40", "--allow-unfinished"], True),
     "gen-trace": (["{tmp}/t.jsonl", "--requests", "5"], False),
     "replay": ([TRACE, "--limit", "4", *SMALL, "--set", "memory.page_size=16"], True),
     "replay --sweep": ([TRACE, "--limit", "3", *SMALL, "--sweep", "memory.page_size=1,16"], True),

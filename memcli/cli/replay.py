@@ -39,6 +39,10 @@ def replay_command(
                                         help="Write occupancy and running requests over time (PNG)"),
     events: Optional[Path] = typer.Option(None, "--events", metavar="FILE",
                                           help="Write the KV events stream (JSON lines)"),
+    requests_out: Optional[Path] = typer.Option(
+        None, "--requests-out", metavar="FILE.csv|FILE.jsonl",
+        help="Write one row per request: arrival, admission and finish on the simulated clock, queueing delay,"
+        " input, output and cached tokens, retractions, aborted"),
     progress: bool = ProgressOpt,
 ) -> None:
     """Replay a trace through the memory stack and the scheduler with continuous batching.
@@ -51,6 +55,7 @@ def replay_command(
     from memcli.tools.replay.ceiling import shared_prefix_lens
     from memcli.tools.replay.plot import check_plot_path, plot_replay, plot_sweep, require_matplotlib
     from memcli.tools.replay.report import render_replay, render_sweep, replay_document, sweep_document
+    from memcli.tools.replay.requests import check_requests_out, write_requests
     from memcli.tools.replay.runner import ReplayOptions, check_options, default_arrivals, replay
     from memcli.tools.replay.sweep import parse_sweep, run_sweep
     from memcli.workload.readers import read_trace
@@ -61,9 +66,12 @@ def replay_command(
         check_plot_path(plot)
         require_matplotlib()
     spec = parse_sweep(sweep) if sweep is not None else None
-    if spec is not None and events is not None:
-        raise MemcliError("--events writes the stream of one replay; it cannot be combined with --sweep",
-                          "leave out --sweep, or --events")
+    for flag, value in (("--events", events), ("--requests-out", requests_out)):
+        if spec is not None and value is not None:
+            raise MemcliError(f"{flag} writes what one replay did; it cannot be combined with --sweep",
+                              f"leave out --sweep, or {flag}")
+    if requests_out is not None:
+        check_requests_out(requests_out)
     cfg = load_config(config, set_, builtin="replay")
     ignored = ignored_keys(cfg, "replay")
     note_ignored(ignored, "replay")
@@ -88,6 +96,9 @@ def replay_command(
         else:
             result = replay(cfg, trace, options, progress_for("replay"), shared)
             failed = not result.integrity.ok or result.stop is not None
+            if requests_out is not None:
+                count = write_requests(requests_out, result.requests_log, trace)
+                print(f"requests: wrote {count:,} rows to {requests_out}", file=sys.stderr)
             _emit(json_out, {**replay_document(result), "ignored_keys": sorted(ignored)},
                   lambda console: render_replay(result, console))
             if plot is not None and result.stop is None:

@@ -312,6 +312,7 @@ class Scheduler:
 
     def _abort_waiting(self, req: Req) -> None:
         req.aborted = req.finished = True
+        req.finish_ms = self.clock_ms
         self.stats.aborted += 1
         self._event("abort", req.rid, req.input_len)
         self.finished.append(req)

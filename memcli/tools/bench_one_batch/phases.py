@@ -82,9 +82,9 @@ def measure(fn: Fn, device: torch.device, repeat: int, warmup: int, setup: Fn = 
         first_call_s = wall_time(fn, device)
     setup()
     syncs = count_syncs(fn, device)
-    timing = time_call(fn, device, repeat=repeat, warmup=warmup, setup=setup)
-    # A call that syncs waits for the spin ahead of it: its device time would count host time.
-    device_us = timing.device_us if not syncs else None
+    # A call that syncs waits for the spin ahead of it: its device time cannot be taken.
+    timing = time_call(fn, device, repeat=repeat, warmup=warmup, setup=setup, device_time=not syncs)
+    device_us = timing.device_us
     return PhaseTiming(timing.median_us, timing.min_us, timing.samples, timing.method, first_call_s * 1e3, syncs,
                        device_us)
 

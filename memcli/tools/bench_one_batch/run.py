@@ -24,7 +24,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
-from memcli.tools.bench_one_batch.cases import Case, check_capacity
+from memcli.tools.bench_one_batch.cases import Case, check_cases_fit
 from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_rounds, combine_steps, measure
 from memcli.tools.bench_one_batch.results import (BenchResult, CaseResult, KVStoreFigures, ReferenceResult,
                                                   combine_case_rounds)
@@ -78,8 +78,7 @@ def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOpt
     """Run every case `options.rounds` times; raises `CapacityError` before running anything
     if one cannot fit."""
     configs = case_configs(config, cases, options.tree_cache)
-    for case in cases:
-        check_capacity(case, configs[case.page_size])
+    check_cases_fit(cases, configs)
     device = resolve_device(config)
     rounds: dict[Case, list[CaseResult]] = {case: [] for case in cases}
     floor = GraphFloor(device) if device.type == "cuda" else None

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from memcli.tools.replay.hicache import TIER_DEFINITION, tier_rows
-from memcli.tools.replay.metrics import DEFINITIONS, downsample
+from memcli.tools.replay.metrics import DEFINITIONS, WINDOW_REQUESTS, downsample
 from memcli.tools.replay.result import ReplayResult
 from memcli.tools.replay.sweep import SweepResult
 from memcli.report.envelope import envelope
@@ -46,6 +46,7 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
             "simulated_time_ms": _round(s.simulated_ms, 3), "steps": s.steps, "prefill_steps": s.prefill_steps,
             "decode_steps": s.decode_steps, "idle_steps": s.idle_steps, "wall_time_s": _round(s.wall_s, 3),
             "steps_per_s": _round(s.steps_per_s, 1),
+            "queueing_delay_ms": result.queueing_delay.to_dict() if result.queueing_delay else None,
         },
         "prefix_cache": {
             "requests": p.requests,
@@ -112,9 +113,8 @@ def render_replay(result: ReplayResult, console: Console) -> None:
     for table in replay_tables(result):
         console.print(table)
     p = result.prefix
-    console.print(f"hit_rate = {DEFINITIONS['hit_rate']}.")
-    console.print(f"ceiling = {DEFINITIONS['ceiling']}.")
-    console.print(f"lost to page alignment = {DEFINITIONS['lost_to_page_alignment']}.")
+    for label, name in footnotes(result):
+        console.print(f"{label} = {DEFINITIONS[name]}.")
     if p.sub_page_prefix_requests:
         console.print(f"{p.sub_page_prefix_requests} request(s) shared a prefix shorter than one page"
                       f" ({p.page_size} tokens): they can never hit.")
@@ -126,10 +126,23 @@ def render_replay(result: ReplayResult, console: Console) -> None:
         console.print(f"STOPPED EARLY ({result.stop.reason}): {result.stop.message}")
 
 
+def footnotes(result: ReplayResult) -> list[tuple[str, str]]:
+    """(label, DEFINITIONS key) of every figure in the tables that needs its definition: the hit
+    rate, the ceiling, and each "lost" or "waste" figure shown."""
+    paged = result.prefix.page_size > 1
+    return [("hit rate", "hit_rate"), ("ceiling", "ceiling"),
+            ("lost to capacity and timing", "lost_to_capacity_and_timing"),
+            *([("lost to page alignment", "lost_to_page_alignment"),
+               ("partial-page waste", "partial_page_waste")] if paged else []),
+            ("returned to the free list", "returned_to_free_list"),
+            ("no request holds memory at the end", "no_request_holds_memory")]
+
+
 def replay_tables(result: ReplayResult) -> list[Table]:
     s, p, o, a, e, q, i = (result.summary, result.prefix, result.occupancy, result.allocation, result.eviction,
                            result.scheduling, result.integrity)
     ps = p.page_size
+    paged = ps > 1  # page alignment and partial pages cost nothing at page size 1
     summary = kv_table("summary", [
         ("trace", f"{result.trace.path} ({result.trace.format})"),
         ("arrivals", result.arrivals),
@@ -140,6 +153,7 @@ def replay_tables(result: ReplayResult) -> list[Table]:
         ("input tokens", result.trace.input_tokens), ("output tokens", s.output_tokens),
         ("simulated time (s)", s.simulated_ms / 1e3),
         ("steps (prefill / decode / idle)", f"{s.steps:,} ({s.prefill_steps:,} / {s.decode_steps:,} / {s.idle_steps:,})"),
+        *_delay_row(result.queueing_delay),
         ("wall time (s)", s.wall_s), ("steps per second", s.steps_per_s),
     ])
     prefix = kv_table(f"prefix cache (page size {ps}, block size {p.block_size})", [
@@ -147,31 +161,35 @@ def replay_tables(result: ReplayResult) -> list[Table]:
         ("hit rate", _pct(p.hit_rate)),
         ("block ratio (hit blocks / blocks)", f"{_pct(p.block_ratio)} ({p.hit_blocks:,} / {p.blocks:,})"),
         ("hit rate, first 50% excluded", _pct(p.warmup_excluded_hit_rate)),
-        ("hit rate, last 1,000 requests", _pct(p.last_1000_hit_rate)),
+        # over a trace of at most WINDOW_REQUESTS the window is the whole trace: the hit rate above
+        *([(f"hit rate, last {WINDOW_REQUESTS:,} requests", _pct(p.last_1000_hit_rate))]
+          if result.trace.requests > WINDOW_REQUESTS else []),
         ("ceiling (sequential, never evicting)", f"{_pct(p.ceiling_hit_rate)} ({p.ceiling_tokens:,} tokens)"),
         ("lost to capacity and timing", p.lost_to_capacity_and_timing),
-        ("lost to page alignment", p.lost_to_page_alignment),
-        ("requests with a sub-page shared prefix", p.sub_page_prefix_requests),
+        *([("lost to page alignment", p.lost_to_page_alignment),
+           ("requests with a sub-page shared prefix", p.sub_page_prefix_requests)] if paged else []),
         ("requests with a hit", p.requests_with_hits),
     ])
     allocation = kv_table(f"allocation (pool {o.pool_tokens:,} tokens = {o.num_pages:,} pages)", [
         ("peak used tokens", f"{o.peak_used_tokens:,} ({_pct(o.peak_token_fraction)})"),
-        ("peak used pages", f"{o.peak_used_pages:,} ({_pct(o.peak_page_fraction)})"),
-        ("mean used tokens / pages", f"{o.mean_used_tokens:,.0f} / {o.mean_used_pages:,.0f}"),
-        ("partial-page waste, peak / mean (tokens)", f"{o.peak_waste_tokens:,} / {o.mean_waste_tokens:,.0f}"),
+        *([("peak used pages", f"{o.peak_used_pages:,} ({_pct(o.peak_page_fraction)})"),
+           ("mean used tokens / pages", f"{o.mean_used_tokens:,.0f} / {o.mean_used_pages:,.0f}")] if paged else
+          [("mean used tokens", f"{o.mean_used_tokens:,.0f}")]),
+        *([("partial-page waste, peak / mean (tokens)", f"{o.peak_waste_tokens:,} / {o.mean_waste_tokens:,.0f}")]
+          if paged else []),
         ("peak evictable / protected (tokens)", f"{o.peak_evictable_tokens:,} / {o.peak_protected_tokens:,}"),
         ("allocations (tokens)", f"{a.allocations:,} ({a.allocated_tokens:,})"),
-        ("frees (tokens)", f"{a.frees:,} ({a.freed_tokens:,})"),
+        ("returned to the free list: calls (tokens)", f"{a.frees:,} ({a.freed_tokens:,})"),
         ("request rows, peak / total", f"{a.peak_request_rows:,} / {a.request_rows:,}"),
         ("out-of-memory events", a.oom_events),
     ])
     eviction = kv_table(f"eviction (policy {e.policy})", [
         ("evictions (nodes)", e.evictions), ("tokens evicted", e.tokens_evicted),
-        ("age at eviction p50 / p90 / max (s)", _dist(e.age_ms, 1e-3)),
-        ("reuse count p50 / p90 / max", _dist(e.reuse, 1)),
+        *([("age at eviction p50 / p90 / max (s)", _dist(e.age_ms, 1e-3)),
+           ("reuse count p50 / p90 / max", _dist(e.reuse, 1))] if e.evictions else []),
     ])
     scheduling = kv_table("scheduling", [
-        ("retractions (requests)", f"{q.retractions:,} ({q.retracted_requests:,})"),
+        ("retraction events (requests retracted)", f"{q.retractions:,} ({q.retracted_requests:,})"),
         ("recomputed tokens", q.recomputed_tokens), ("aborted", q.aborted),
         ("running, mean / max", f"{q.queue.mean_running:,.1f} / {q.queue.max_running:,}"),
         ("waiting, mean / max", f"{q.queue.mean_waiting:,.1f} / {q.queue.max_waiting:,}"),
@@ -180,13 +198,20 @@ def replay_tables(result: ReplayResult) -> list[Table]:
         ("checks", i.mode), ("checks run", i.checks_run),
         ("incremental / full walks", f"{i.incremental_checks:,} / {i.full_walks:,} ({i.check_s:,.2f} s)"),
         ("result", "ok" if i.ok else "FAILED"),
-        ("everything free at the end", i.everything_free),
+        ("no request holds memory at the end", i.everything_free),
     ])
     tables = [summary, prefix, allocation, eviction, scheduling, integrity]
     if result.host_tier is not None:
         tables.insert(2, kv_table(f"host tier (hiradix, host pool {result.host_tier.host_pool_tokens:,} tokens)",
                                   tier_rows(result.host_tier)))
     return tables
+
+
+def _delay_row(delay) -> list[tuple[str, str]]:
+    if delay is None or not delay.requests:
+        return []
+    return [("queueing delay p50 / p90 / p99 / max (ms)",
+             " / ".join(fmt(round(v, 1)) for v in (delay.p50, delay.p90, delay.p99, delay.max)))]
 
 
 def _pct(value: float) -> str:

@@ -184,7 +184,7 @@ def test_human_output_prints_the_definition(memcli_trace):
     result = invoke(memcli_trace, *SMALL, env={"NO_COLOR": "1"})
     assert result.exit_code == 0, result.stderr
     for needle in ("prefix cache", "hit rate", "allocation", "eviction", "scheduling", "integrity",
-                   "hit_rate = cached_tokens / input_tokens"):
+                   "hit rate = cached_tokens / input_tokens"):
         assert needle in result.stdout
 
 
