@@ -1,6 +1,6 @@
 """Measure a study's executors and Belady's cost (docs/PERFORMANCE.md, "Studies").
 
-    python docs/studies/measure.py OUT_DIR [--trace FILE] [--limit N] [--skip-ray]
+    python docs/studies/measure.py OUT_DIR [--trace FILE] [--limit N] [--modes serial,jobs2,ray] [--no-replays]
 
 Runs, one after another in this order, each as its own `memcli` process:
 
@@ -97,20 +97,20 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--trace", default=str(Path(__file__).resolve().parents[3] / "shared/traces/conversation_trace.jsonl"))
     parser.add_argument("--limit", type=int, default=None)
-    parser.add_argument("--skip-ray", action="store_true")
+    parser.add_argument("--modes", default="serial,jobs2,ray", help="which study runs, in this order")
+    parser.add_argument("--no-replays", action="store_true", help="skip the two single replays")
     opts = parser.parse_args()
     opts.out.mkdir(parents=True, exist_ok=True)
     base = ["replay", opts.trace, *(["--limit", str(opts.limit)] if opts.limit else [])]
     print("before:", uptime(), flush=True)
     results = {"before": uptime(), "trace": opts.trace, "limit": opts.limit}
-    for name, extra in (("lru", []), ("belady", ["--set", "cache.eviction_policy=belady"])):
+    for name, extra in () if opts.no_replays else (("lru", []), ("belady", ["--set", "cache.eviction_policy=belady"])):
         r = run([*base, *extra], opts.out / f"{name}.json")
         results[name] = {"wall_s": r["wall_s"], "replay_wall_s": r["doc"]["summary"]["wall_time_s"],
                          "peak_rss_mib": r["peak_rss_mib"], "hit_rate": r["doc"]["hit_rate"]}
         print(name, results[name], flush=True)
-    modes = [("serial", ["--jobs", "1"]), ("jobs2", ["--jobs", "2"])]
-    if not opts.skip_ray:
-        modes.append(("ray", ["--ray", "--jobs", "2"]))
+    known = {"serial": ["--jobs", "1"], "jobs2": ["--jobs", "2"], "ray": ["--ray", "--jobs", "2"]}
+    modes = [(name, known[name]) for name in opts.modes.split(",")]
     docs = {}
     for name, extra in modes:
         r = run([*base, *STUDY, *extra], opts.out / f"study_{name}.json")
@@ -118,23 +118,25 @@ def main() -> None:
         results[f"study_{name}"] = {"wall_s": r["wall_s"], "peak_rss_mib": r["peak_rss_mib"],
                                     "points": len(r["doc"]["points"])}
         print(name, results[f"study_{name}"], flush=True)
-    serial = results["study_serial"]["wall_s"]
+    first = next(iter(docs))
     for name in docs:
-        results[f"study_{name}"]["vs_serial"] = round(results[f"study_{name}"]["wall_s"] / serial, 3)
-        results[f"study_{name}"]["identical_to_serial"] = points(docs[name]) == points(docs["serial"])
-    results["belady_vs_lru"] = round(results["belady"]["replay_wall_s"] / results["lru"]["replay_wall_s"], 3)
+        results[f"study_{name}"]["vs_" + first] = round(results[f"study_{name}"]["wall_s"] / results[f"study_{first}"]["wall_s"], 3)
+        results[f"study_{name}"]["identical_to_" + first] = points(docs[name]) == points(docs[first])
+    if not opts.no_replays:
+        results["belady_vs_lru"] = round(results["belady"]["replay_wall_s"] / results["lru"]["replay_wall_s"], 3)
     results["after"] = uptime()
     (opts.out / "measure.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(f"{'run':<14}{'wall s':>10}{'vs serial':>11}{'peak MiB':>10}  identical")
+    print(f"{'run':<14}{'wall s':>10}{'vs ' + first:>11}{'peak MiB':>10}  identical")
     for name in docs:
         s = results[f"study_{name}"]
-        print(f"{'study ' + name:<14}{s['wall_s']:>10.1f}{s['vs_serial']:>11.3f}{s['peak_rss_mib']:>10.0f}"
-              f"  {s['identical_to_serial']}")
-    for name in ("lru", "belady"):
-        s = results[name]
-        print(f"{'replay ' + name:<14}{s['replay_wall_s']:>10.1f}{'':>11}{s['peak_rss_mib']:>10.0f}"
-              f"  hit rate {s['hit_rate']:.4f}")
-    print(f"belady / lru replay time: {results['belady_vs_lru']}")
+        print(f"{'study ' + name:<14}{s['wall_s']:>10.1f}{s['vs_' + first]:>11.3f}{s['peak_rss_mib']:>10.0f}"
+              f"  {s['identical_to_' + first]}")
+    if not opts.no_replays:
+        for name in ("lru", "belady"):
+            s = results[name]
+            print(f"{'replay ' + name:<14}{s['replay_wall_s']:>10.1f}{'':>11}{s['peak_rss_mib']:>10.0f}"
+                  f"  hit rate {s['hit_rate']:.4f}")
+        print(f"belady / lru replay time: {results['belady_vs_lru']}")
     print("after:", results["after"])
 
 

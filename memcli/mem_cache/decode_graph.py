@@ -28,8 +28,9 @@ import torch
 
 from memcli import kernels
 
-# Graphs kept at once (one per batch size seen; the oldest is dropped beyond this).
-MAX_GRAPHS = 64
+# Graphs kept at once: one per batch size seen, each a few small buffers and one tiny graph,
+# so every batch size a scheduler can run (its request rows) fits; beyond this the oldest goes.
+MAX_GRAPHS = 1024
 
 
 @dataclass

@@ -180,9 +180,9 @@ class HiRadixCache(RadixCache):
     def _device_leaf(self, node: HiTreeNode) -> bool:
         """An evictable device leaf: in the tree, on the device, unlocked, every child evicted
         (or being written back in this evict call)."""
-        if node.parent is None or node.value is None or node.lock_ref:
-            return False
         pending = self._writing_back
+        if node.parent is None or node.value is None or node.lock_ref or node in pending:
+            return False
         return all(child.value is None or child in pending for child in node.children.values())
 
     @staticmethod
@@ -380,6 +380,8 @@ class HiRadixCache(RadixCache):
                 pending.append(node)
                 self._writing_back.add(node)
                 self.written_back_nodes += 1
+            elif any(child in self._writing_back for child in node.children.values()):
+                continue  # no host room for it, and a child is still being written: keep it
             else:
                 freed += self._evict_regular(node, now)
             self._touched(parent)

@@ -192,3 +192,27 @@ def test_host_floor_any_drops_a_node_that_finds_no_room():
     assert cache.evict(12) == 12
     assert not cache.root.children and cache.host_size() == 0 and alloc.available_size() == 32
     assert_ok(cache)
+
+
+@pytest.mark.parametrize("write_policy", ["write_through", "write_through_selective", "write_back"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_host_pools_smaller_than_the_device_pool_keep_every_invariant(write_policy, seed):
+    """semantics.host_pool_floor=any: host pools of half the device pool (SGLang refuses them),
+    random operations; backups and write-backs that find no host room drop nodes instead. The
+    full walk holds after every operation, and at the end everything is accounted for."""
+    from memcli.config import SemanticsConfig
+    from memcli.reference.hiops import _apply, _memcli_side, _skip_reason, block_pages, generate_hi_ops
+
+    page_size = 4
+    size = 12 * block_pages(page_size) * page_size
+    side = _memcli_side(size, page_size, "lru", write_policy, 0.5, SemanticsConfig(profile="memcli"))
+    side.locks = locks = {}
+    for index, op in enumerate(generate_hi_ops(seed, page_size, 200)):
+        if _skip_reason(op, side, locks) is None:
+            _apply(side, index, op)
+            if op.kind in ("lock", "unlock"):
+                locks[op.arg] = locks.get(op.arg, 0) + (1 if op.kind == "lock" else -1)
+        assert_ok(side.tree)
+    tree = side.tree
+    assert tree.host_size() + tree.host_pool.available_size() == tree.host_pool.size
+    assert side.allocator.available_size() + tree.total_size() == side.allocator.size

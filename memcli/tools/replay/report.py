@@ -284,7 +284,7 @@ def render_study(doc: dict[str, Any], console: Console) -> None:
     console.print(table)
     tiers = [entry for entry in doc["points"] if "tier_device_hit" in entry]
     if tiers:
-        console.print(_tier_table(tiers))
+        console.print(_tier_table(tiers, keys))
     for entry in doc["points"]:
         if not entry["integrity_ok"]:
             console.print(f"INTEGRITY FAILURE at {point_label(entry['point'])} (that replay stopped)")
@@ -301,9 +301,9 @@ def render_study(doc: dict[str, Any], console: Console) -> None:
         console.print(f"unlimited, ps {ref['page_size']} ({ref['method']}): {ref['note']}.")
 
 
-def _tier_table(entries: list[dict[str, Any]]) -> Table:
+def _tier_table(entries: list[dict[str, Any]], keys: list[str]) -> Table:
     """Hit rate by tier per point (the points with a host tier)."""
-    table = Table(title="host tier by point", title_justify="left")
+    table = Table(title=f"host tier by {', '.join(keys)}", title_justify="left")
     for name in ("point", "host pool", "device", "host load", "host skip", "miss", "GB d2h", "GB h2d",
                  "host evict", "sim s"):
         table.add_column(name, justify="left" if name == "point" else "right", no_wrap=True)

@@ -7,19 +7,23 @@ from typing import Any
 
 from rich.console import Console
 
-from memcli.config import Config
+from memcli.config import Config, host_pool_size
 from memcli.report.envelope import envelope
 from memcli.report.tables import kv_table
 
 
 def derived_sizes(cfg: Config) -> dict[str, int]:
-    return {
+    sizes = {
         "pool_size": cfg.pool_size,
         "requested_total_tokens": cfg.requested_total_tokens,
         "bytes_per_token": cfg.model.bytes_per_token,
         "kv_pool_bytes": (cfg.pool_size + cfg.page_size) * cfg.model.bytes_per_token,
         "num_pages": cfg.pool_size // cfg.page_size,
     }
+    if cfg.cache.kind == "hiradix":
+        host = host_pool_size(cfg)
+        sizes.update(host_pool_size=host, host_pool_bytes=host * cfg.model.bytes_per_token)
+    return sizes
 
 
 def in_force(cfg: Config) -> dict[str, str]:

@@ -87,7 +87,7 @@ def test_cli_json_and_sweeps(trace_path):
     human = runner.invoke(app, [arg for arg in base if arg != "--json"] + ["--sweep", "cache.write_policy=write_back",
                                                                            "--jobs", "1"])
     assert human.exit_code == 0, human.output
-    assert "host tier by point" in human.stdout and "write_policy=write_back" in human.stdout
+    assert "host tier by cache.write_policy" in human.stdout and "write_policy=write_back" in human.stdout
 
 
 def test_a_host_pool_not_above_the_device_pool_is_refused_under_sglang(trace_path):
@@ -102,3 +102,13 @@ def test_series_host_used_is_time_weighted_in_the_mean(trace):
     used, t = result.series["host_used"], result.series["time_ms"]
     expected = np.average(used[:-1], weights=np.diff(t))
     assert result.host_tier.mean_host_used_tokens == pytest.approx(expected)
+
+
+def test_a_host_size_sweep_plots_the_tiers(trace_path, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "tiers.png"
+    result = CliRunner().invoke(app, ["replay", str(trace_path), "--block-size", "32", "--limit", "60",
+                                      "--set", "memory.max_total_tokens=12000", "--set", "memory.max_context_len=12000",
+                                      "--set", "cache.kind=hiradix", "--sweep", "cache.host_ratio=2,4", "--plot", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:4] == b"\x89PNG" and "host tier by cache.host_ratio" in result.stdout
