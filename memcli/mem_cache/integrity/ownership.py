@@ -213,8 +213,17 @@ class OwnershipLedger:
         `distinct`: the caller knows no page occurs twice (skips that test)."""
         if self._handed is not None:
             self.settle()
-        if not len(pages):
+        n = len(pages)
+        if n == 1 and 0 < pages[0] <= self.num_pages and self.owner[pages[0]] == src:
+            self.owner[pages[0]] = dst  # one page (a decode slot in flight, a small free): no array work
+        elif not n:
             return
+        else:
+            self._transition_all(pages, src, dst, op, distinct)
+        self._count(src, -n)
+        self._count(dst, n)
+
+    def _transition_all(self, pages: np.ndarray, src: int, dst: int, op: str, distinct: bool) -> None:
         found = self.owners_of(pages)  # one gather tests the range and the owner
         bad = found != src
         if np.count_nonzero(bad):
@@ -225,8 +234,6 @@ class OwnershipLedger:
             twice = self._set_if_distinct(pages, dst, src)
             if twice is not None:
                 raise self._given_twice(pages, twice, op)
-        self._count(src, -len(pages))
-        self._count(dst, len(pages))
 
     def _count(self, owner: int, n: int) -> None:
         if owner >= 0:
@@ -245,7 +252,8 @@ class OwnershipLedger:
         """The allocator hands out `pages` to a caller that claims them at once (`claim_rows`,
         through `extended` / `decoded`): the FREE -> LOOSE step is folded into the claim. Until
         then the pages stay FREE here; anything else that reads the ledger first settles them."""
-        self.settle()
+        if self._handed is not None:
+            self.settle()
         self._handed = _host(pages).copy()  # the ring positions are rewritten by later frees
 
     def settle(self) -> None:

@@ -125,3 +125,17 @@ def test_a_claim_of_a_page_not_handed_out_is_refused():
         ledger.claim_rows(np.array([1, 2, 3, 9]), np.array([0]), "alloc_for_extend", lens=np.array([4]))
     assert "slot 9 is owned by free" in str(info.value)
     assert ledger.counts[LOOSE] == 4 and not ledger.row_pages.any()
+
+
+@pytest.mark.parametrize("page,check", [(3, "owned_twice"), (0, "owned_twice"), (-2, "slot_range"),
+                                        (NUM_PAGES + 1, "slot_range")])
+def test_one_page_takes_the_same_tests(page, check):
+    ledger, pages = claimed(4, [1])
+    ledger.move(pages[2:3], 1, TREE, "cache_unfinished_req")  # page 3 now the tree's
+    before = state(ledger)
+    with pytest.raises(OwnershipError) as info:
+        ledger.move(np.array([page]), 1, TREE, "decode slot in flight")
+    assert info.value.check == check
+    assert_same(ledger, before)
+    ledger.move(np.array([2]), 1, TREE, "decode slot in flight")
+    assert ledger.owner[2] == TREE and ledger.row_pages[1] == 2 and ledger.counts[TREE] == 2
