@@ -96,8 +96,8 @@ class OwnershipLedger:
         self.row_pages = np.zeros(num_rows, dtype=np.int64)  # pages each request row owns
         self.row_len = np.zeros(num_rows, dtype=np.int64)  # slots written in each row
         # Marks for duplicate detection, one per position of a call (`_set_if_distinct`): below
-        # every owner and state, sliced, never allocated per call.
-        self._marks = np.arange(-8, -num_pages - 10, -1, dtype=np.int32)
+        # every owner and state; sliced, grown to the longest call.
+        self._marks = np.arange(-8, -8 - 4096, -1, dtype=np.int32)
         self.dirty: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (rows, starts, ends) written
         self.step: Optional[int] = None  # the step running now (set by the checker), named in errors
         self._handed: Optional[np.ndarray] = None  # pages handed out, FREE until claimed (`hand_out`)
@@ -162,9 +162,11 @@ class OwnershipLedger:
         if n <= 48 and len(set(pages.tolist())) == n:  # a set beats the marks' three passes here
             self.owner[pages] = value
             return None
-        if n > len(self._marks):  # more positions than pages: one is given twice
+        if n > self.num_pages + 1:  # more positions than pages: one is given twice
             _, first, times = np.unique(pages, return_index=True, return_counts=True)
             return int(first[times > 1].min())
+        if n > len(self._marks):
+            self._marks = np.arange(-8, -8 - max(n, 2 * len(self._marks)), -1, dtype=np.int32)
         marks = self._marks[:n]
         self.owner[pages] = marks
         twice = self.owner.take(pages) != marks
@@ -388,7 +390,10 @@ class OwnershipLedger:
     def wrote(self, row: int, start: int, end: int) -> None:
         """Row `row` positions [start, end) were written (checked at the end of the step)."""
         if end > start:
-            self.wrote_rows(np.array([row]), np.array([start]), np.array([end]))
+            span = np.array([[row], [start], [end]], dtype=np.int64)  # one array: rows, starts, ends are its rows
+            self.dirty.append((span[0], span[1], span[2]))
+            if end > self.row_len[row]:
+                self.row_len[row] = end
 
     def wrote_rows(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
         self.dirty.append((rows, starts, ends))

@@ -139,3 +139,18 @@ def test_one_page_takes_the_same_tests(page, check):
     assert_same(ledger, before)
     ledger.move(np.array([2]), 1, TREE, "decode slot in flight")
     assert ledger.owner[2] == TREE and ledger.row_pages[1] == 2 and ledger.counts[TREE] == 2
+
+
+def test_duplicates_in_calls_longer_than_the_marks_and_than_the_pool():
+    ledger = OwnershipLedger(6000, 1, num_rows=2)
+    pages = np.arange(1, 6001, dtype=np.int64)
+    ledger.take(pages)
+    ledger.claim_rows(pages, np.zeros(6000, dtype=np.int64), "test")
+    before = state(ledger)
+    for twice in (np.concatenate([pages[:5000], pages[4321:4322]]),  # past the first marks: they grow
+                  np.concatenate([pages, pages[17:18]])):  # more positions than pages
+        with pytest.raises(OwnershipError, match=f"slot {int(twice[-1])} given twice"):
+            ledger.move(twice, 0, TREE, "cache_finished_req")
+        assert_same(ledger, before)
+    ledger.move(pages[:5000], 0, TREE, "cache_finished_req")
+    assert ledger.counts[TREE] == 5000 and ledger.row_pages[0] == 1000
