@@ -6,6 +6,9 @@ dispatcher ``op(..., backend="triton" | "torch")``.
 
 from .alloc import (
     ExtendWrite,
+    alloc_decode_step,
+    alloc_decode_step_torch,
+    alloc_decode_step_triton,
     alloc_decode,
     alloc_decode_torch,
     alloc_decode_triton,
@@ -18,6 +21,8 @@ from .alloc import (
     alloc_extend_write,
     alloc_extend_write_torch,
     alloc_extend_write_triton,
+    pack_free_state,
+    unpack_free_state,
 )
 from .cache_indices import (
     get_last_loc,
@@ -31,6 +36,9 @@ from .kv_store import store_kv, store_kv_torch, store_kv_triton
 
 __all__ = [
     "ExtendWrite",
+    "alloc_decode_step",
+    "alloc_decode_step_torch",
+    "alloc_decode_step_triton",
     "alloc_decode",
     "alloc_decode_torch",
     "alloc_decode_triton",
@@ -44,6 +52,8 @@ __all__ = [
     "alloc_extend_write_torch",
     "alloc_extend_write_triton",
     "get_last_loc",
+    "pack_free_state",
+    "unpack_free_state",
     "get_last_loc_torch",
     "get_last_loc_triton",
     "store_kv",

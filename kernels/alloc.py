@@ -343,6 +343,36 @@ _DECODE_WRITE_RUNTIME = ["seq_lens_before_ptr", "req_pool_indices_ptr", "req_to_
                          "out_ptr", "bs", "free_start", "free_cap", "num_free_pages", "row_stride"]
 
 
+@triton.jit
+def _decode_write_block(
+    i,
+    bs,
+    seq_lens_before_ptr,
+    req_pool_indices_ptr,
+    req_to_token_ptr,
+    row_stride,
+    pages_before,
+    free_pages_ptr,
+    free_start,
+    free_cap,
+    num_free_pages,
+    PAGE_SIZE: tl.constexpr,
+):
+    """One block of a decode step: each request's new slot, written at column `seq` of its
+    row. Returns (mask, seq, slot, pages this block takes)."""
+    mask = i < bs
+    seq = tl.load(seq_lens_before_ptr + i, mask=mask, other=0)
+    row = req_to_token_ptr + tl.load(req_pool_indices_ptr + i, mask=mask, other=0) * row_stride
+    needs_page = seq % PAGE_SIZE == 0
+    # Column seq - 1 is only read when the new token shares its page (so seq >= 1).
+    last_loc = tl.load(row + seq - 1, mask=mask & ~needs_page, other=0).to(tl.int64)
+    slot, taken = _decode_slots(
+        mask, needs_page, last_loc, pages_before, free_pages_ptr, free_start, free_cap, num_free_pages, PAGE_SIZE,
+    )
+    tl.store(row + seq, slot.to(tl.int32), mask=mask)
+    return mask, seq, slot, taken
+
+
 @triton.jit(do_not_specialize=_DECODE_WRITE_RUNTIME, do_not_specialize_on_alignment=_DECODE_WRITE_RUNTIME)
 def _alloc_decode_write_kernel(
     seq_lens_before_ptr,
@@ -361,18 +391,11 @@ def _alloc_decode_write_kernel(
     pages_before = tl.full([], 0, tl.int64)
     for start in range(0, bs, BLOCK):
         i = start + tl.arange(0, BLOCK)
-        mask = i < bs
-        seq = tl.load(seq_lens_before_ptr + i, mask=mask, other=0)
-        row = req_to_token_ptr + tl.load(req_pool_indices_ptr + i, mask=mask, other=0) * row_stride
-        needs_page = seq % PAGE_SIZE == 0
-        # Column seq - 1 is only read when the new token shares its page (so seq >= 1).
-        last_loc = tl.load(row + seq - 1, mask=mask & ~needs_page, other=0).to(tl.int64)
-        slot, taken = _decode_slots(
-            mask, needs_page, last_loc, pages_before, free_pages_ptr, free_start, free_cap, num_free_pages,
-            PAGE_SIZE,
+        mask, seq, slot, taken = _decode_write_block(
+            i, bs, seq_lens_before_ptr, req_pool_indices_ptr, req_to_token_ptr, row_stride, pages_before,
+            free_pages_ptr, free_start, free_cap, num_free_pages, PAGE_SIZE,
         )
         tl.store(out_ptr + i, slot, mask=mask)
-        tl.store(row + seq, slot.to(tl.int32), mask=mask)
         pages_before += taken
 
 
@@ -497,6 +520,161 @@ def alloc_decode_write(
     check_backend(backend)
     fn = alloc_decode_write_triton if backend == "triton" else alloc_decode_write_torch
     return fn(seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size, validate, free_start, num_free)
+
+
+# ----------------------------------------------------------------------------- alloc_decode_step
+
+# The free list's head and length as one int64 on the device: head << 32 | length. One value,
+# so a host that moved the head can set it with a single fill (a launch, no copy, no sync).
+_STATE_SHIFT = 32
+_STATE_MASK = (1 << _STATE_SHIFT) - 1
+
+
+def pack_free_state(head: int, num_free: int) -> int:
+    """The device-side free-list state of :func:`alloc_decode_step`."""
+    if not (0 <= head <= _STATE_MASK and 0 <= num_free <= _STATE_MASK):
+        raise ValueError(f"free-list head {head} / length {num_free} do not fit in 32 bits")
+    return head << _STATE_SHIFT | num_free
+
+
+def unpack_free_state(state: int) -> tuple[int, int]:
+    """(head, length) of a packed state."""
+    return state >> _STATE_SHIFT, state & _STATE_MASK
+
+
+_DECODE_STEP_RUNTIME = ["seq_lens_ptr", "req_pool_indices_ptr", "req_to_token_ptr", "free_pages_ptr", "out_ptr",
+                        "state_ptr", "bs", "free_cap", "row_stride"]
+
+
+@triton.jit(do_not_specialize=_DECODE_STEP_RUNTIME, do_not_specialize_on_alignment=_DECODE_STEP_RUNTIME)
+def _alloc_decode_step_kernel(
+    seq_lens_ptr,
+    req_pool_indices_ptr,
+    req_to_token_ptr,
+    free_pages_ptr,
+    out_ptr,
+    state_ptr,
+    bs: tl.int64,
+    free_cap: tl.int64,
+    row_stride: tl.int64,
+    PAGE_SIZE: tl.constexpr,
+    RING: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    state = tl.load(state_ptr)
+    free_start = state >> 32
+    num_free = state & 0xFFFFFFFF
+    pages_before = tl.full([], 0, tl.int64)
+    for start in range(0, bs, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        mask, seq, slot, taken = _decode_write_block(
+            i, bs, seq_lens_ptr, req_pool_indices_ptr, req_to_token_ptr, row_stride, pages_before,
+            free_pages_ptr, free_start, free_cap, num_free, PAGE_SIZE,
+        )
+        tl.store(out_ptr + i, slot, mask=mask)
+        tl.store(seq_lens_ptr + i, seq + 1, mask=mask)
+        pages_before += taken
+    head = free_start + pages_before
+    if RING:
+        head = _ring(head, free_cap)
+    tl.store(state_ptr, (head << 32) | (num_free - pages_before))
+
+
+_alloc_decode_step_launch = Launcher(_alloc_decode_step_kernel)
+
+
+def _check_alloc_decode_step(seq_lens, req_pool_indices, req_to_token, free_pages, state, page_size, out):
+    check_tensor("state", state, dtype=torch.int64, device=req_to_token.device, length=1)
+    head, num_free = unpack_free_state(int(state.item()))
+    _check_alloc_decode_write(seq_lens, req_pool_indices, req_to_token, free_pages, page_size, head, num_free)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.int64, device=req_to_token.device, length=seq_lens.shape[0],
+                     contiguous=True)
+
+
+def alloc_decode_step_triton(
+    seq_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    free_pages: torch.Tensor,
+    state: torch.Tensor,
+    page_size: int,
+    ring: bool,
+    out: torch.Tensor | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Triton ``alloc_decode_step`` (one launch, no host arithmetic); see :func:`alloc_decode_step`."""
+    if validate:
+        _check_alloc_decode_step(seq_lens, req_pool_indices, req_to_token, free_pages, state, page_size, out)
+        check_triton_device(req_to_token.device, _alloc_decode_step_kernel)
+    bs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty(bs, dtype=torch.int64, device=req_to_token.device)
+    if bs == 0:
+        return out
+    _alloc_decode_step_launch(
+        (1,), seq_lens, req_pool_indices, req_to_token, free_pages, out, state,
+        bs, free_pages.shape[0], req_to_token.stride(0), page_size, bool(ring), _DECODE_BLOCK,
+    )
+    return out
+
+
+def alloc_decode_step_torch(
+    seq_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    free_pages: torch.Tensor,
+    state: torch.Tensor,
+    page_size: int,
+    ring: bool,
+    out: torch.Tensor | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Torch reference of ``alloc_decode_step``; see :func:`alloc_decode_step`."""
+    if validate:
+        _check_alloc_decode_step(seq_lens, req_pool_indices, req_to_token, free_pages, state, page_size, out)
+    head, num_free = unpack_free_state(int(state.item()))
+    taken = int(((seq_lens % page_size) == 0).sum())
+    slots = alloc_decode_write_torch(seq_lens, req_pool_indices, req_to_token, free_pages, page_size, False,
+                                     head, num_free)
+    if out is None:
+        out = slots
+    else:
+        out.copy_(slots)
+    seq_lens.add_(1)
+    head += taken
+    if ring:
+        head %= free_pages.shape[0]
+    state.fill_(pack_free_state(head, num_free - taken))
+    return out
+
+
+def alloc_decode_step(
+    seq_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    free_pages: torch.Tensor,
+    state: torch.Tensor,
+    page_size: int,
+    ring: bool,
+    out: torch.Tensor | None = None,
+    backend: str = "triton",
+    validate: bool = True,
+) -> torch.Tensor:
+    """A whole decode step of the memory path with the free list's state on the device.
+
+    Like :func:`alloc_decode_write` (each request's slot at column ``seq_lens[i]`` of row
+    ``req_pool_indices[i]``), but the free list's head and length are read from ``state``
+    (one int64, :func:`pack_free_state`) and written back advanced by the pages taken, and
+    ``seq_lens`` is incremented in place. With every input on the device and ``out`` given,
+    a call needs no host value at all, so it can be captured once in a CUDA graph and
+    replayed step after step. ``ring``: the free list is a ring (page size 1 allocator: the
+    head wraps), else a stack (the head only grows). The caller guarantees the free list
+    holds the pages the step opens. Returns ``out`` (int64, ``bs``).
+    """
+    check_backend(backend)
+    fn = alloc_decode_step_triton if backend == "triton" else alloc_decode_step_torch
+    return fn(seq_lens, req_pool_indices, req_to_token, free_pages, state, page_size, ring, out, validate)
 
 
 # ----------------------------------------------------------------------------- alloc_extend_write

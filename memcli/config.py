@@ -58,9 +58,23 @@ class MemoryConfig:
 class CacheConfig:
     """Prefix cache in front of the allocator."""
 
-    kind: Literal["radix", "chunk", "none"] = "radix"
+    kind: Literal["radix", "hiradix", "chunk", "none"] = "radix"
     eviction_policy: Literal["lru", "lfu", "fifo"] = "lru"
     kv_events: bool = False
+    # hiradix only (SGLang's --enable-hierarchical-cache): a host-memory tier behind the tree.
+    host_ratio: float = 2.0  # host pool size as a multiple of the device pool (--hicache-ratio)
+    host_size_gib: Optional[float] = None  # host pool in GiB; overrides host_ratio (--hicache-size)
+    write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
+    load_back_threshold: int = 10  # host-only prefixes shorter than this (tokens) are recomputed
+
+    def host_pool_tokens(self, device_tokens: int, bytes_per_token: int, page_size: int) -> int:
+        """Host pool slots: `host_size_gib` of K/V, else `host_ratio` x the device pool,
+        rounded down to a page multiple (SGLang's HostKVCache)."""
+        if self.host_size_gib is not None:
+            tokens = int(self.host_size_gib * GIB // bytes_per_token)
+        else:
+            tokens = int(device_tokens * self.host_ratio)
+        return tokens // page_size * page_size
 
 
 @dataclass(frozen=True)
@@ -90,6 +104,10 @@ class SimConfig:
     decode_req_us: float = 50.0
     kv_read_ns: float = 20.0
     write_kv: bool = False
+    # hiradix transfers between device and host pools (one copy engine each way):
+    # a copy of b bytes takes host_latency_us + b / host_bandwidth_gbps.
+    host_bandwidth_gbps: float = 40.0
+    host_latency_us: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -98,6 +116,9 @@ class RuntimeConfig:
 
     device: Literal["auto", "cuda", "cpu"] = "auto"
     kernel_backend: Literal["auto", "triton", "torch"] = "auto"
+    # The decode memory path as one CUDA-graph replay per step (`mem_cache.decode_graph`):
+    # auto (with CUDA and the triton backend), true (needs both) or false (one launch per step).
+    decode_graph: Union[Literal["auto"], bool] = "auto"
     seed: int = 0
 
 
@@ -149,6 +170,12 @@ class SemanticsConfig:
     # result of batch N is processed: finishes, frees and the tree update come one iteration
     # late) or `event_loop_normal` (each batch's result is processed before the next is built).
     event_loop: Optional[Literal["overlap", "normal"]] = None
+    # hiradix: the host pool must be larger than the device pool (SGLang asserts it; a write-back
+    # then always finds room), or any size (a node that finds no host room is dropped instead).
+    host_pool_floor: Optional[Literal["above_device", "any"]] = None
+    # hiradix: finished host copies are acknowledged (their nodes unlocked) only when a prefill
+    # batch is tried (SGLang's check_hicache_events in get_new_batch_prefill), or every step.
+    hicache_ack: Optional[Literal["prefill_attempt", "every_step"]] = None
 
     def resolved(self) -> "SemanticsConfig":
         """The same section with every behaviour set: the override where one is set, else the
@@ -183,6 +210,8 @@ PROFILE_CHOICES: dict[str, dict[str, str]] = {
     "chunk_cache_protected": {"sglang-0.5.5": "counted", "memcli": "zero"},
     "bench_decode_steps": {"sglang-0.5.5": "output_len_minus_1", "memcli": "output_len"},
     "event_loop": {"sglang-0.5.5": "overlap", "memcli": "normal"},
+    "host_pool_floor": {"sglang-0.5.5": "above_device", "memcli": "any"},
+    "hicache_ack": {"sglang-0.5.5": "prefill_attempt", "memcli": "every_step"},
 }
 
 
@@ -352,6 +381,9 @@ RANGES: dict[str, Range] = {
     "scheduler.new_token_ratio_decay_steps": COUNT, "scheduler.retract_decode_steps": COUNT,
     "scheduler.max_new_tokens_clip": SIZE,
     "sim.step_base_ms": COST, "sim.prefill_token_us": COST, "sim.decode_req_us": COST, "sim.kv_read_ns": COST,
+    "sim.host_bandwidth_gbps": Range(0.0, 1e6, low_open=True), "sim.host_latency_us": COST,
+    "cache.host_ratio": Range(0.0, 1024.0, low_open=True), "cache.host_size_gib": Range(0.0, 2.0**30, low_open=True),
+    "cache.load_back_threshold": COUNT,
     "runtime.seed": Range(0, 2**63 - 1),
 }
 
@@ -396,6 +428,38 @@ def validate(config: Config) -> None:
             f"scheduler.chunked_prefill_size: {sched.chunked_prefill_size} is not a positive multiple of page_size {ps}",
             hint=f"use a multiple of {ps}, for example {max(ps, sched.chunked_prefill_size // ps * ps)}",
         )
+    if config.cache.kind == "hiradix":
+        _validate_host_pool(config)
+
+
+def host_pool_size(config: Config) -> int:
+    """Slots of the hiradix host pool the config asks for (0 when the cache is not hiradix)."""
+    if config.cache.kind != "hiradix":
+        return 0
+    return config.cache.host_pool_tokens(config.pool_size, config.model.bytes_per_token, config.page_size)
+
+
+def _validate_host_pool(config: Config) -> None:
+    cache, size, ps = config.cache, config.pool_size, config.page_size
+    if cache.kv_events:
+        raise ConfigError("cache.kv_events: the hierarchical cache (cache.kind hiradix) records no KV events",
+                          hint="set cache.kv_events=false, or use cache.kind=radix")
+    host = host_pool_size(config)
+    key = "cache.host_size_gib" if cache.host_size_gib is not None else "cache.host_ratio"
+    if host < ps:
+        raise ConfigError(f"{key}: the host pool holds {host} tokens, less than one page of {ps}",
+                          hint=f"raise {key} (the device pool holds {size} tokens)")
+    if config.behaviour.host_pool_floor == "above_device" and host <= size:
+        raise ConfigError(
+            f"{key}: the host pool ({host} tokens) must be larger than the device pool ({size} tokens) under"
+            f" semantics.host_pool_floor=above_device (SGLang 0.5.5 asserts it)",
+            hint=f"raise {key} above {_host_floor(config, key)}, or --set semantics.host_pool_floor=any")
+
+
+def _host_floor(config: Config, key: str) -> str:
+    if key == "cache.host_ratio":
+        return "1.0 (for example 2.0, SGLang's default)"
+    return f"{config.pool_size * config.model.bytes_per_token / GIB:.3g} GiB (the device pool's K/V)"
 
 
 # Keys a command does not read, and why: set away from their default, the command says so

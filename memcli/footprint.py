@@ -48,7 +48,7 @@ def estimate_stack_bytes(config: Config, kv_pool: str | None = None) -> StackByt
     kv = model.bytes_per_token * (size + ps) if materialized else 0
     rows = mem.max_running_requests * config.req_to_token_cols * 4
     free = (size // ps + 1) * FREE_LIST_BYTES_PER_PAGE
-    tree = size * TREE_BYTES_PER_TOKEN if config.cache.kind == "radix" else 0
+    tree = size * TREE_BYTES_PER_TOKEN if config.cache.kind in ("radix", "hiradix") else 0
     return StackBytes(kv, rows, free, tree)
 
 

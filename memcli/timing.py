@@ -43,10 +43,12 @@ def _noop() -> None:
 
 
 def time_call(fn: Callable[[], object], device: torch.device, repeat: int = 20, warmup: int = 3,
-              setup: Callable[[], object] = _noop) -> Timing:
+              setup: Callable[[], object] = _noop, device_time: bool = True) -> Timing:
     """Median time of `fn()` over `repeat` calls, each after an untimed `setup()`.
 
-    On a GPU also the median device time (see the module docstring) over as many calls.
+    On a GPU also the median device time (see the module docstring) over as many calls,
+    unless `device_time` is False (a call that synchronises waits for the spin ahead of it,
+    so its device time cannot be taken: each try would only wait longer).
     """
     for _ in range(warmup):
         setup()
@@ -55,7 +57,7 @@ def time_call(fn: Callable[[], object], device: torch.device, repeat: int = 20, 
     samples = [_sample(fn, setup, device, cuda, spin_us=0.0) for _ in range(repeat)]
     median = statistics.median(samples)
     device_us = None
-    if cuda and _spin_cycles_per_us(device) is not None:
+    if cuda and device_time and _spin_cycles_per_us(device) is not None:
         # The spin outlasts the host's part of the call: twice the latency, plus a margin.
         spin_us = 2 * median + 100.0
         device_us = statistics.median(_queued_sample(fn, setup, device, spin_us) for _ in range(repeat))

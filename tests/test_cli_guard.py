@@ -54,3 +54,27 @@ def test_write_kv_is_reported_as_ignored_by_replay():
     assert result.exit_code == 0, result.output
     assert result.stderr.startswith("note: sim.write_kv is ignored by replay: ")
     assert '"ignored_keys": [\n    "sim.write_kv"\n  ]' in result.stdout
+
+
+def test_an_unexpected_exception_is_one_error_line_and_exit_1(capsys, monkeypatch):
+    """The last resort: a bug inside a command ends in exit 1 with `error:`/`hint:`, no traceback
+    (every `except` clause on the way must itself be valid for the installed typer)."""
+    from memcli.cli.guard import INTERNAL_ERROR, run_guarded
+
+    monkeypatch.delenv("MEMCLI_DEBUG", raising=False)
+
+    def boom():
+        raise RuntimeError("planted")
+
+    assert run_guarded(boom) == 1
+    err = capsys.readouterr().err
+    assert f"error: {INTERNAL_ERROR}: RuntimeError: planted" in err and "Traceback" not in err
+
+
+def test_ctrl_c_is_exit_130(capsys):
+    from memcli.cli.guard import INTERRUPTED, run_guarded
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    assert run_guarded(interrupt) == INTERRUPTED

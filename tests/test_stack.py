@@ -8,11 +8,13 @@ from tests.sched.helpers import small_config
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16, 64])
-@pytest.mark.parametrize("cache", ["radix", "chunk", "none"])
+@pytest.mark.parametrize("cache", ["radix", "hiradix", "chunk", "none"])
 def test_every_component_takes_the_config_page_size(page_size, cache):
     stack = build_stack(small_config(page_size, pool=1024, cache=cache))
     assert set(stack.page_sizes().values()) == {page_size}
-    assert set(stack.page_sizes()) == {"config", *COMPONENTS}
+    # The host pool exists (and holds a page size) only with the hierarchical cache.
+    expected = {"config", *COMPONENTS} - (set() if cache == "hiradix" else {"host_pool"})
+    assert set(stack.page_sizes()) == expected
     assert stack.kv_pool.rows == stack.allocator.size + page_size
 
 
@@ -21,6 +23,13 @@ def test_an_injection_changes_exactly_one_component():
     sizes = stack.page_sizes()
     assert sizes.pop("tree_cache") == 1
     assert set(sizes.values()) == {16}
+
+
+def test_a_host_pool_injection_needs_the_hierarchical_cache():
+    with pytest.raises(ConfigError, match="only cache.kind hiradix has a host pool"):
+        build_stack(small_config(16, pool=1024), page_size_overrides={"host_pool": 1})
+    stack = build_stack(small_config(16, pool=1024, cache="hiradix"), page_size_overrides={"host_pool": 1})
+    assert stack.page_sizes()["host_pool"] == 1 and stack.host_pool.size == 2048
 
 
 def test_null_cache_page_size_is_read_from_a_built_null_cache():

@@ -9,7 +9,7 @@ import typer
 
 from memcli.cli import bench_one_batch, bench_radix, check_page_size, gen_trace, reference, replay, show_config
 from memcli.cli.guard import GuardedGroup, guarded
-from memcli.cli.options import list_flags_command
+from memcli.cli.options import MemcliCommand, list_flags_command
 
 app = typer.Typer(
     name="memcli",
@@ -38,7 +38,7 @@ def _root() -> None:
 
 
 def register(name: str, func: Callable, list_flags: tuple[str, ...] = ()) -> None:
-    cls = list_flags_command(list_flags) if list_flags else None
+    cls = list_flags_command(list_flags) if list_flags else MemcliCommand
     app.command(name, cls=cls)(guarded(func))
 
 

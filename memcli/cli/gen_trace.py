@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
 
+from memcli.cli.options import JsonOpt, ProgressOpt
 from memcli.errors import MemcliError
-from memcli.report.console import print_json, stdout_console
-from memcli.tools.gen_trace.report import gen_trace_document, render, trace_stats
-from memcli.workload.generate import DEFAULT_MAX_TOKENS, check_trace_size, generate_trace, write_trace
+from memcli.workload import DEFAULT_MAX_TOKENS
 
 
 def gen_trace(
-    out: Path = typer.Argument(..., help="JSONL file to write (memcli format)"),
+    out: Path = typer.Argument(..., metavar="PATH", help="JSONL file to write (memcli format)"),
     requests: int = typer.Option(200, "--requests", "-n", help="Requests to write"),
     seed: int = typer.Option(0, "--seed", help="Random seed; the same seed writes the same file"),
     system_prompts: int = typer.Option(4, "--system-prompts", help="Distinct system prompts shared by the chats"),
@@ -22,14 +22,23 @@ def gen_trace(
     input_len: int = typer.Option(256, "--input-len", help="Mean tokens of a new user message"),
     output_len: int = typer.Option(128, "--output-len", help="Mean output tokens of a request"),
     rate: float = typer.Option(4.0, "--rate", help="Poisson arrivals per second; 0 writes no arrival times"),
-    force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists"),
+    force: bool = typer.Option(False, "--force", help="Overwrite PATH if it holds another trace"),
     max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens",
                                    help="Refuse traces expected to hold more tokens than this"),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON document"),
+    json_out: bool = JsonOpt,
+    progress: bool = ProgressOpt,
 ) -> None:
-    """Write a trace with shared system prompts, multi-turn chats and Poisson arrivals."""
-    if out.exists() and not force:
-        raise MemcliError(f"{out} already exists", "pass --force to overwrite it, or choose another path")
+    """Write a synthetic trace with shared system prompts, multi-turn chats and Poisson arrivals.
+
+    The same options write the same file: when PATH already holds exactly this trace it is
+    left as it is (a note says so); when it holds anything else, --force overwrites it."""
+    from memcli.cli.progress import bars, wanted
+    from memcli.report.console import print_json, stdout_console
+    from memcli.tools.gen_trace.report import gen_trace_document, render, trace_stats
+    from memcli.workload.generate import check_trace_size, generate_trace, holds_trace, write_trace
+
+    if out.is_dir():
+        raise MemcliError(f"{out} is a folder", "give the path of the file to write, e.g. chat.jsonl")
     params = {
         "seed": seed,
         "system_prompts": system_prompts,
@@ -41,10 +50,25 @@ def gen_trace(
     }
     check_trace_size(max_tokens, requests, system_prompts=system_prompts, system_prompt_len=system_prompt_len,
                      turns=turns, input_len=input_len, output_len=output_len)
-    records = generate_trace(requests, **params)
-    num_bytes = write_trace(records, out, overwrite=force)
-    stats = trace_stats(records)
+    with bars(wanted(progress)) as task:
+        records = generate_trace(requests, **params, progress=_counting(task("generating"), requests))
+        unchanged = out.exists() and not force and holds_trace(records, out)
+        if out.exists() and not force and not unchanged:
+            raise MemcliError(f"{out} already exists and holds another trace",
+                              "pass --force to overwrite it, or choose another path")
+        if unchanged:
+            num_bytes = out.stat().st_size
+            print(f"note: {out} already holds this trace (same options and seed): left as it is", file=sys.stderr)
+        else:
+            num_bytes = write_trace(records, out, overwrite=force, progress=_counting(task("writing"), requests))
+        stats = trace_stats(records, progress=_counting(task("summarizing"), requests))
     if json_out:
-        print_json(gen_trace_document(out, num_bytes, params, stats))
+        print_json(gen_trace_document(out, num_bytes, params, stats, unchanged))
         return
-    render(out, num_bytes, stats, stdout_console())
+    render(out, num_bytes, stats, stdout_console(), unchanged)
+
+
+def _counting(update, total: int):
+    """A progress callback for `total` requests: the bar, and its end when the work ends."""
+    update(0, total)
+    return lambda done: update(done, total)

@@ -14,8 +14,8 @@ import sys
 from typing import Any, Callable
 
 import typer
-from typer.core import TyperGroup
 
+from memcli.cli.options import MemcliGroup
 from memcli.errors import MemcliError
 
 try:  # typer >= 0.25 vendors click
@@ -24,6 +24,8 @@ except ImportError:  # pragma: no cover - older typer
     from click import exceptions as click_exceptions
 
 INTERRUPTED = 130
+CONFIG_FLAGS = ("--config", "-c", "--set", "-s")
+CONFIG_COMMANDS = "show-config, bench-one-batch, check-page-size, replay and reference diff"
 INTERNAL_ERROR = "internal error"
 
 
@@ -75,7 +77,7 @@ def guarded(func: Callable) -> Callable:
     return wrapper
 
 
-class GuardedGroup(TyperGroup):
+class GuardedGroup(MemcliGroup):
     """The root command: click's own usage errors become `error:` / `hint:` lines (exit 2)
     instead of a framed box, and an unexpected exception one `error: internal error` line
     (exit 1), so no input ends in a traceback. `--help` is untouched."""
@@ -100,12 +102,16 @@ def run_guarded(call: Callable[[], Any]) -> int:
     except click_exceptions.UsageError as exc:
         command = exc.ctx.command_path if exc.ctx is not None else "memcli"
         print(f"error: {exc.format_message()}", file=sys.stderr)
-        print(f"hint: run '{command} --help' for the commands and options", file=sys.stderr)
+        if getattr(exc, "option_name", None) in CONFIG_FLAGS:
+            print(f"hint: {command} reads no config; {CONFIG_COMMANDS} do. Its options are all it uses:"
+                  f" run '{command} --help'", file=sys.stderr)
+        else:
+            print(f"hint: run '{command} --help' for the commands and options", file=sys.stderr)
         return 2
     except click_exceptions.ClickException as exc:
         print(f"error: {exc.format_message()}", file=sys.stderr)
         return 2
-    except (click_exceptions.Abort, KeyboardInterrupt, EOFError):
+    except (typer.Abort, KeyboardInterrupt, EOFError):  # typer.Abort: click's Abort, or typer's own (>= 0.29)
         print("interrupted", file=sys.stderr)
         return INTERRUPTED
     except MemcliError as exc:

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import List, Optional
 
 from memcli.cli.options import ConfigOpt, JsonOpt, SetOpt
-from memcli.config import load_config
-from memcli.report.console import stdout_console
-from memcli.tools.show_config.report import render, show_config_document
 
 
 def show_config(
@@ -18,8 +14,12 @@ def show_config(
     json_out: bool = JsonOpt,
 ) -> None:
     """Print the resolved config and the sizes derived from it."""
+    from memcli.config import load_config
+    from memcli.report.console import print_json, stdout_console
+    from memcli.tools.show_config.report import render, show_config_document
+
     cfg = load_config(config, set_)
     if json_out:
-        print(json.dumps(show_config_document(cfg), indent=2))
+        print_json(show_config_document(cfg))
         return
     render(cfg, stdout_console())

@@ -38,6 +38,14 @@ class AllocatorState(NamedTuple):
     ledger: object = None  # the ownership ledger's state, when one is attached
 
 
+class DecodeWrite(NamedTuple):
+    """A decode step's slots, and the lengths after it when the step computed them (a graph
+    replay increments them on the device; None: the caller adds one)."""
+
+    out: torch.Tensor
+    seq_lens_after: torch.Tensor | None
+
+
 class BaseAllocator:
     """Shared bookkeeping; subclasses define the free-list order."""
 
@@ -45,6 +53,8 @@ class BaseAllocator:
     # The ownership ledger (`integrity.track`), attached only while checking incrementally:
     # the allocator moves pages FREE -> LOOSE when it hands them out, LOOSE -> FREE when freed.
     ledger = None
+    # The decode step as a CUDA-graph replay (`decode_graph.DecodeGraphs`), when enabled.
+    decode_graphs = None
 
     def __init__(self, size: int, page_size: int, device: torch.device, backend: str = "torch",
                  need_sort: bool = False, debug: bool = False):
@@ -102,6 +112,24 @@ class BaseAllocator:
         """`_head_view(n)` for the ownership ledger: a numpy view on the CPU (slicing a tensor
         costs more than the ledger's work on a decode step), else the tensor view."""
         return self._head_view(n)
+
+    def _decode_write(self, seq_lens, req_pool_indices, req_to_token, num_pages: int,
+                      claimed: bool) -> DecodeWrite:
+        """The decode step after the capacity check: one launch, or one graph replay."""
+        graphs = self.decode_graphs
+        if graphs is not None and req_to_token is graphs.req_to_token:
+            out, seq_after = graphs.step(seq_lens, req_pool_indices, self._head, self._num_free)
+        else:
+            # The first `num_pages` free entries are the ones the step may take.
+            out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._buf, self.page_size,
+                                             backend=self.backend, validate=self.debug, free_start=self._head,
+                                             num_free=num_pages)
+            seq_after = None
+        self._advance(num_pages, claimed)
+        if graphs is not None and seq_after is not None:
+            graphs.advanced(self._head, self._num_free)
+        self._commit_alloc(num_pages)
+        return DecodeWrite(out, seq_after)
 
     # -- common API -----------------------------------------------------------------------
     def clear(self) -> None:
@@ -365,17 +393,12 @@ class TokenToKVPoolAllocator(BaseAllocator):
         return self.alloc(seq_lens.numel())
 
     def alloc_decode_write(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token,
-                           num_pages: int | None = None, claimed: bool = False) -> torch.Tensor | None:
+                           num_pages: int | None = None, claimed: bool = False) -> DecodeWrite | None:
         """Allocate one slot per request and write it at column `seq_lens` (one kernel)."""
         bs = seq_lens.numel()
         if not self._ensure(bs):
             return None
-        out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._buf, 1,
-                                         backend=self.backend, validate=self.debug, free_start=self._head,
-                                         num_free=bs)
-        self._advance(bs, claimed)
-        self._commit_alloc(bs)
-        return out
+        return self._decode_write(seq_lens, req_pool_indices, req_to_token, bs, claimed)
 
 
 class PagedTokenToKVPoolAllocator(BaseAllocator):
@@ -470,7 +493,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         return out
 
     def alloc_decode_write(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token,
-                           num_pages: int | None = None, claimed: bool = False) -> torch.Tensor | None:
+                           num_pages: int | None = None, claimed: bool = False) -> DecodeWrite | None:
         """Fused decode step: `seq_lens` are the lengths before the new token, whose slot is
         written at column `seq_lens` of each request row. `num_pages` (the pages this step
         opens) may be passed when the caller already counted them."""
@@ -478,12 +501,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
             num_pages = decode_new_pages(seq_lens_cpu, self.page_size)
         if not self._ensure(num_pages):
             return None
-        out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._buf, self.page_size,
-                                         backend=self.backend, validate=self.debug, free_start=self._head,
-                                         num_free=num_pages)
-        self._advance(num_pages, claimed)
-        self._commit_alloc(num_pages)
-        return out
+        return self._decode_write(seq_lens, req_pool_indices, req_to_token, num_pages, claimed)
 
     def get_num_new_pages(self, prefix_lens_cpu, seq_lens_cpu) -> int:
         return extend_new_pages(prefix_lens_cpu, seq_lens_cpu, self.page_size)

@@ -28,11 +28,15 @@ class MatchResult(NamedTuple):
 
     `device_indices`: int64 1-D tensor of KV slots of the matched prefix (page-aligned
     length). `last_node`: the node to lock for that prefix (the root when nothing matched;
-    None for caches without a tree).
+    None for caches without a tree). A hierarchical cache also reports the match's part
+    that only the host holds: `host_hit_length` tokens after the device prefix, ending at
+    `last_host_node` (the deepest matched node with a host copy); 0 and None elsewhere.
     """
 
     device_indices: torch.Tensor
     last_node: Any
+    last_host_node: Any = None
+    host_hit_length: int = 0
 
 
 def as_token_array(token_ids: Any) -> np.ndarray:
@@ -182,6 +186,43 @@ class BasePrefixCache(abc.ABC):
 
         Raises `IntegrityError` for an unmatched unlock (lock counts never go negative).
         """
+
+    # -- host tier (HiRadixCache); no-ops for caches without one --------------------------
+
+    def init_load_back(self, last_host_node: Any, host_hit_length: int,
+                       mem_quota: Optional[int] = None) -> tuple[torch.Tensor, Any]:
+        """Bring a match's host-only part back to the device; returns (new device slots, the
+        new last device node). Only called when a match reported `host_hit_length > 0`."""
+        raise NotImplementedError(f"{type(self).__name__} has no host tier")
+
+    def check_hicache_events(self) -> None:
+        """Acknowledge host copies that are done (their nodes are unlocked)."""
+
+    def host_tier(self) -> Optional[Any]:
+        """The host tier's counters (`HostTierCounters`), or None for a cache without one."""
+        return None
+
+    def copy_protected_size(self) -> int:
+        """Device tokens locked only because a host copy of theirs is in flight (at idle the
+        only locks left); 0 for caches without a host tier."""
+        return 0
+
+    def next_copy_end(self) -> Optional[float]:
+        """When the oldest host copy in flight ends, on the cache's clock (None: none in flight)."""
+        return None
+
+    def finish_copies(self) -> None:
+        """Wait for every copy in flight and acknowledge it (end of a replay)."""
+
+    def take_transfer_stall_ms(self) -> float:
+        """Time the caller must wait for copies it depends on (write-backs during eviction),
+        accumulated since the last call; 0 for caches without a host tier."""
+        return 0.0
+
+    def ready_to_load_host_cache(self) -> Optional[float]:
+        """Start the load-backs queued for the batch being built; the time (on the cache's
+        clock) they end, or None when none is queued."""
+        return None
 
     @abc.abstractmethod
     def reset(self) -> None:

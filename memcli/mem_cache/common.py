@@ -179,26 +179,37 @@ def _rows_for(pool, req_rows: list) -> tuple[list[int], list[int]]:
     return rows, new_rows
 
 
+class DecodeAllocation(NamedTuple):
+    """What a decode step's memory path hands back to the batch: the new slots, and the
+    device lengths after the step (the old ones plus one)."""
+
+    out_cache_loc: torch.Tensor
+    seq_lens: torch.Tensor
+
+
 def alloc_for_decode(req_to_token_pool, allocator, tree_cache, *, seq_lens: torch.Tensor,
-                     seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor, num_pages: int) -> torch.Tensor:
-    """One slot per request written at column `seq_lens` (the old lengths); returns them.
+                     seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor, num_pages: int) -> DecodeAllocation:
+    """One slot per request written at column `seq_lens` (the old lengths).
 
     `num_pages` are the pages the step opens (`pages.decode_new_pages(seq_lens_cpu)`, which
-    the batch keeps in O(1) per step). Evicts first when short (`evict_if_needed`). The caller
-    increments `seq_lens` afterwards. Raises `OutOfMemoryError` when the pages are not free.
+    the batch keeps in O(1) per step). Evicts first when short (`evict_if_needed`). The
+    lengths after the step come back with the slots: computed on the device by a graph
+    replay (`decode_graph`), else `seq_lens + 1`; the caller keeps its host lengths itself.
+    Raises `OutOfMemoryError` when the pages are not free.
     """
     assert_same_page_size(allocator, tree_cache)
     need = decode_need(tree_cache, seq_lens_cpu.shape[0], num_pages, allocator.page_size)
     evict_if_needed(tree_cache, allocator, need)
     ledger = getattr(allocator, "ledger", None)
     kw = {} if ledger is None else {"claimed": True}  # hand-out and claim in one ledger transition
-    out = allocator.alloc_decode_write(seq_lens, seq_lens_cpu, req_pool_indices, req_to_token_pool.req_to_token,
-                                       num_pages=num_pages, **kw)
-    if out is None:
+    written = allocator.alloc_decode_write(seq_lens, seq_lens_cpu, req_pool_indices,
+                                           req_to_token_pool.req_to_token, num_pages=num_pages, **kw)
+    if written is None:
         raise out_of_memory("decode", tree_cache, allocator, num_pages * allocator.page_size)
     if ledger is not None:
-        ledger.decoded(req_pool_indices, seq_lens_cpu, out)
-    return out
+        ledger.decoded(req_pool_indices, seq_lens_cpu, written.out)
+    after = written.seq_lens_after if written.seq_lens_after is not None else seq_lens + 1
+    return DecodeAllocation(written.out, after)
 
 
 def check_decode_mem(allocator, tree_cache, num_pages: int) -> bool:

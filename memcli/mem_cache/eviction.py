@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 PriorityFn = Callable[[Any], Any]
 
@@ -58,15 +58,18 @@ class EvictionQueue:
     """Min-heap of evictable leaves, kept across `evict` calls and validated lazily.
 
     Every `push(node)` supersedes the node's earlier entries (the node remembers the
-    sequence number of its live entry). `pop` discards entries that are superseded or
+    sequence number of its live entry in `heap_seq`; a node sits in at most one queue's
+    live entry at a time). `pop` discards entries that are superseded or
     whose node is no longer an evictable leaf, and re-queues a live entry whose priority
     changed without a push. Cost: O(log n) per push or pop, no scan of the tree.
     """
 
-    def __init__(self, priority: PriorityFn):
+    def __init__(self, priority: PriorityFn, is_leaf: Callable[[Any], bool] = is_evictable_leaf,
+                 seq: Optional[Iterator[int]] = None):
         self.priority = priority
+        self.is_leaf = is_leaf  # which nodes may be popped (the hierarchical cache has two kinds)
         self._heap: list[tuple[Any, int, Any]] = []
-        self._seq = itertools.count()
+        self._seq = seq if seq is not None else itertools.count()  # queues over the same nodes share one
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -81,7 +84,7 @@ class EvictionQueue:
         heap = self._heap
         while heap:
             priority, seq, node = heapq.heappop(heap)
-            if seq != node.heap_seq or not is_evictable_leaf(node):
+            if seq != node.heap_seq or not self.is_leaf(node):
                 continue
             if self.priority(node) != priority:
                 self.push(node)

@@ -187,8 +187,9 @@ class RadixCache(BasePrefixCache):
         self._touched(node)
         return MatchResult(self._cat(values), node)
 
-    def insert(self, key: RadixKey, value: Optional[torch.Tensor] = None) -> int:
+    def insert(self, key: RadixKey, value: Optional[torch.Tensor] = None, chunked: bool = False) -> int:
         """See `BasePrefixCache.insert`. `value=None` stores the token ids as slots (tests).
+        `chunked` (a non-final prefill chunk) changes nothing here (see `HiRadixCache`).
 
         Refreshes access times along the path (no hit counted). The new leaf views the
         caller's arrays when it covers at least half of them, else stores compact copies,
@@ -463,7 +464,7 @@ class RadixCache(BasePrefixCache):
         aligned = align_down(fill_len, ps)
         start = align_down(len(req.prefix_indices), ps)
         key = RadixKey(req.fill_ids[:aligned], req.extra_key)
-        new_prefix_len = self.insert(key, kv[:aligned])
+        new_prefix_len = self.insert(key, kv[:aligned], chunked=chunked)
         self._check_prefix_kept(req, start, new_prefix_len)
         op = "cache_unfinished_req"
         self._to_tree(kv[new_prefix_len:aligned], req.req_pool_idx, op)

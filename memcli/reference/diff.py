@@ -1,22 +1,24 @@
 """Step-level differential run: memcli's scheduler against SGLang 0.5.5's loop, step by step.
 
     python -m memcli.reference.diff TRACE --limit N [--set section.key=value ...]
-        [--arrivals burst|timestamp] [--config FILE] [--max-steps N]
+        [--arrivals burst|timestamp] [--config FILE] [--max-steps N] [--json]
 
 The loop compared is `semantics.event_loop` (overlap: SGLang's default `event_loop_overlap`;
 `--set semantics.event_loop=normal` for `event_loop_normal`).
 
 Prints the first divergent step with both sides' observations and state, or
-"0 divergent steps in S steps" with the run times of both sides. Exit 0 when equal, 1 when
+"0 divergent steps in S steps" with the run times of both sides (`--json`: one document, in
+the envelope of docs/JSON.md). Exit 0 when equal, 1 when
 divergent, 2 on bad input (`error:` / `hint:` lines).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -29,6 +31,8 @@ from memcli.config import load_config  # noqa: E402
 from memcli.errors import MemcliError  # noqa: E402
 from memcli.reference.loop import ARRIVALS  # noqa: E402
 from memcli.reference.observe import StepDiff, run_side_by_side  # noqa: E402
+from memcli.report.console import print_json  # noqa: E402
+from memcli.report.envelope import envelope  # noqa: E402
 from memcli.tools.replay.runner import check_fits  # noqa: E402
 from memcli.workload.readers import read_trace  # noqa: E402
 from memcli.workload.spec import output_token_base  # noqa: E402
@@ -42,11 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--arrivals", choices=ARRIVALS, default="burst")
     parser.add_argument("--config", default=None, help="YAML config (default: the built-in replay config)")
     parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
     return parser
 
 
 def run(argv: Optional[list[str]] = None) -> tuple[StepDiff, str]:
-    """Parse, load and run; returns the result and the text to print. Raises MemcliError."""
+    """Parse, load and run; returns the result and the text to print (one JSON document with
+    --json). Raises MemcliError."""
     args = _parser().parse_args(argv)
     config = load_config(args.config, args.overrides, builtin="replay")
     trace = read_trace(args.trace, limit=args.limit)
@@ -55,7 +61,22 @@ def run(argv: Optional[list[str]] = None) -> tuple[StepDiff, str]:
                           "use --arrivals burst")
     check_fits(config, trace)
     result = run_side_by_side(config, trace.requests, args.arrivals, output_token_base(trace), args.max_steps)
-    return result, render(result)
+    return result, (diff_document(result, config, args) if args.json else render(result))
+
+
+def diff_document(result: StepDiff, config, args: argparse.Namespace) -> dict[str, Any]:
+    """The --json document: the envelope, then the run and, when they diverged, both sides'
+    observations at the first divergent step."""
+    divergence = None
+    if result.divergence is not None:
+        sglang, memcli = result.divergence
+        divergence = {"step": sglang.step, "fields": sglang.differing(memcli),
+                      "sglang": dataclasses.asdict(sglang), "memcli": dataclasses.asdict(memcli)}
+    return envelope("reference diff", {
+        "trace": args.trace, "limit": args.limit, "arrivals": args.arrivals, "event_loop": result.event_loop,
+        "steps": result.steps, "divergent": result.divergence is not None, "first_divergence": divergence,
+        "reference_s": round(result.reference_s, 3), "memcli_s": round(result.memcli_s, 3),
+    }, config)
 
 
 def render(result: StepDiff) -> str:
@@ -79,7 +100,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if hint:
             print(f"hint: {hint}", file=sys.stderr)
         return 2
-    print(text)
+    if isinstance(text, dict):
+        print_json(text)
+    else:
+        print(text)
     return 0 if result.divergence is None else 1
 
 

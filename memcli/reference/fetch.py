@@ -86,6 +86,11 @@ def _find_wheel(directory: Path) -> Optional[Path]:
     return wheels[0] if wheels else None
 
 
+def cached_wheel(cache_dir: Optional[Path] = None) -> Optional[Path]:
+    """The cached sglang 0.5.5 wheel, or None (nothing is downloaded)."""
+    return _find_wheel(reference_dir(cache_dir))
+
+
 def fetch_wheel(cache_dir: Optional[Path] = None) -> Path:
     """Path of the sglang 0.5.5 wheel, downloading it into the cache when absent.
 

@@ -51,7 +51,10 @@ MODULES = {
     "common": "sglang.srt.mem_cache.common",
     "schedule_batch": "sglang.srt.managers.schedule_batch",
     "schedule_policy": "sglang.srt.managers.schedule_policy",
+    "hiradix_cache": "sglang.srt.mem_cache.hiradix_cache",
 }
+# Modules whose `time.monotonic()` stamps tree nodes (`use_clock` replaces their `time`).
+CLOCKED = ("radix_cache", "hiradix_cache")
 
 
 class ReferenceImportError(MemcliError):
@@ -129,9 +132,10 @@ class Reference:
         Module-wide: every RadixCache of this process sees it. `clock` is a zero-argument
         callable (e.g. `memcli.mem_cache.clock.LogicalClock()`). `restore_clock` undoes it.
         """
-        module = self.modules["radix_cache"]
-        self._clock_saved.append(module.time)
-        module.time = types.SimpleNamespace(monotonic=clock, time=clock, perf_counter=clock)
+        fake = types.SimpleNamespace(monotonic=clock, time=clock, perf_counter=clock)
+        self._clock_saved.append([self.modules[name].time for name in CLOCKED])
+        for name in CLOCKED:
+            self.modules[name].time = fake
 
     @property
     def device(self) -> str:
@@ -141,7 +145,8 @@ class Reference:
 
     def restore_clock(self) -> None:
         if self._clock_saved:
-            self.modules["radix_cache"].time = self._clock_saved.pop()
+            for name, saved in zip(CLOCKED, self._clock_saved.pop()):
+                self.modules[name].time = saved
 
     def tiny_kv_pool(self, size: int, page_size: int, layer_num: int = 1, head_num: int = 1,
                      head_dim: int = 1, dtype: torch.dtype = torch.float32) -> Any:
@@ -152,6 +157,23 @@ class Reference:
 
 
 _loaded: Optional[Reference] = None
+
+
+class _SingleRankTorch(types.ModuleType):
+    """torch, except that `torch.distributed` is one rank with no process group: HiRadixCache
+    asks the world size of its tensor-parallel group (and synchronises only when it is > 1)."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.distributed = types.SimpleNamespace(get_world_size=lambda group=None: 1,
+                                                 ProcessGroup=torch.distributed.ProcessGroup)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _single_rank(module: types.ModuleType) -> None:
+    module.torch = _SingleRankTorch()
 
 
 def _set_triton_mode(interpret: bool) -> bool:
@@ -196,6 +218,7 @@ def load_reference(cache_dir: Optional[Path] = None, interpret: Optional[bool] =
     except ImportError as exc:
         raise ReferenceImportError(f"cannot import SGLang {SGLANG_VERSION} from {root}: {exc}",
                                    hint="delete the extracted directory to unpack it again") from exc
+    _single_rank(modules["hiradix_cache"])
     standins = {name: STANDINS[name].reason for name in finder.standins_built}
     _loaded = Reference(root, modules, standins, interpreted)
     return _loaded

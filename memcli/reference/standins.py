@@ -205,6 +205,106 @@ def _mixin(root: Path) -> dict:
     return {"ScheduleBatchDisaggregationDecodeMixin": type("ScheduleBatchDisaggregationDecodeMixin", (), {})}
 
 
+class _VirtualMemory(NamedTuple):
+    available: int
+
+
+def _memory_pool_host(root: Path) -> dict:
+    """SGLang's `HostKVCache` and `MHATokenToKVPoolHost`, borrowed from the real file: the real
+    free list (`alloc` takes the head, `free` appends). Host memory is never pinned here, and
+    `psutil` (the free-memory check) answers that there is room."""
+    import importlib
+    import threading
+    from functools import wraps
+
+    memory_pool = importlib.import_module("sglang.srt.mem_cache.memory_pool")
+    psutil = types.SimpleNamespace(virtual_memory=lambda: _VirtualMemory(1 << 60))
+    ns = borrow(root / "sglang/srt/mem_cache/memory_pool_host.py", ("synchronized", "HostKVCache", "MHATokenToKVPoolHost"),
+                {"abc": __import__("abc"), "threading": threading, "wraps": wraps, "psutil": psutil,
+                 "KVCache": memory_pool.KVCache, "MHATokenToKVPool": memory_pool.MHATokenToKVPool,
+                 "MLATokenToKVPool": memory_pool.MLATokenToKVPool})
+    real = ns["MHATokenToKVPoolHost"]
+
+    class MHATokenToKVPoolHost(real):
+        def __init__(self, device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory=False,
+                     device="cpu"):
+            super().__init__(device_pool, host_to_device_ratio, host_size, page_size, layout, False, device)
+
+    return {"HostKVCache": ns["HostKVCache"], "MHATokenToKVPoolHost": MHATokenToKVPoolHost,
+            "MLATokenToKVPoolHost": _placeholder("sglang.srt.mem_cache.memory_pool_host.MLATokenToKVPoolHost")}
+
+
+class _DoneEvent:
+    """A copy that finished the moment it was issued."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+class HiCacheAck(NamedTuple):
+    start_event: Any
+    finish_event: Any
+    node_ids: list
+
+
+class SyncHiCacheController:
+    """A synchronous `HiCacheController`: the allocation and queueing of SGLang's controller
+    (write: host slots from the host pool, one acknowledgement per write; load: device slots from
+    the allocator, queued until `start_loading` merges them into one acknowledgement), with no
+    data copied and every copy already finished. No storage backend."""
+
+    def __init__(self, token_to_kv_pool_allocator, mem_pool_host, page_size, tp_group, load_cache_event=None,
+                 write_policy="write_through_selective", io_backend="", storage_backend=None, prefetch_threshold=256,
+                 model_name=None, storage_backend_extra_config=None):
+        if storage_backend is not None:
+            raise StandInUsed("the synchronous HiCacheController stand-in has no storage backend")
+        if write_policy not in ("write_through", "write_through_selective", "write_back"):
+            raise ValueError(f"Invalid write policy: {write_policy}")
+        self.mem_pool_device_allocator = token_to_kv_pool_allocator
+        self.mem_pool_host = mem_pool_host
+        self.write_policy = write_policy
+        self.page_size = page_size
+        self.enable_storage = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.load_queue: list = []
+        self.ack_write_queue: list = []
+        self.ack_load_queue: list = []
+
+    def write(self, device_indices, priority=None, node_id=-1):
+        host_indices = self.mem_pool_host.alloc(len(device_indices))
+        if host_indices is None:
+            return None
+        self.ack_write_queue.append(HiCacheAck(_DoneEvent(), _DoneEvent(), [node_id]))
+        return host_indices
+
+    def load(self, host_indices, priority=None, node_id=-1):
+        device_indices = self.mem_pool_device_allocator.alloc(len(host_indices))
+        if device_indices is None:
+            return None
+        self.load_queue.append(node_id)
+        return device_indices
+
+    def start_loading(self) -> int:
+        if not self.load_queue:
+            return -1
+        node_ids, self.load_queue = self.load_queue, []
+        self.ack_load_queue.append(HiCacheAck(_DoneEvent(), _DoneEvent(), node_ids))
+        return 0
+
+    def evict_device(self, device_indices) -> int:
+        self.mem_pool_device_allocator.free(device_indices)
+        return len(device_indices)
+
+    def evict_host(self, host_indices, backup_only: bool = True) -> int:
+        self.mem_pool_host.free(host_indices)
+        return len(host_indices)
+
+
 STANDINS: dict[str, StandIn] = {
     "sglang": StandIn("the real package __init__ imports the whole frontend language API", _simple()),
     "sglang.srt.utils": StandIn("utils/common.py imports psutil, zmq, requests, ...; its pure helpers are "
@@ -242,7 +342,16 @@ STANDINS: dict[str, StandIn] = {
     "sglang.srt.metrics.collector": StandIn(
         "Prometheus metrics; requests keep their TimeStats fields",
         lambda root: {"TimeStats": TimeStats,
-                      "SchedulerMetricsCollector": _placeholder("sglang.srt.metrics.collector.SchedulerMetricsCollector")}),
+                      "SchedulerMetricsCollector": _placeholder("sglang.srt.metrics.collector.SchedulerMetricsCollector"),
+                      "StorageMetricsCollector": _placeholder("sglang.srt.metrics.collector.StorageMetricsCollector")}),
+    "sglang.srt.mem_cache.memory_pool_host": StandIn(
+        "imports psutil and sgl_kernel's copy kernels; HostKVCache and MHATokenToKVPoolHost are borrowed from the"
+        " real file (its free list), unpinned, with no data copied", _memory_pool_host),
+    "sglang.srt.managers.cache_controller": StandIn(
+        "HiCacheController runs CUDA streams, events and storage threads; a synchronous controller with the same"
+        " allocation and acknowledgement queues, whose copies are done at once",
+        _simple(HiCacheController=SyncHiCacheController, HiCacheAck=HiCacheAck,
+                PrefetchOperation=_placeholder("sglang.srt.managers.cache_controller.PrefetchOperation"))),
     "sglang.srt.sampling.sampling_batch_info": StandIn("sampling tensors and penalizers; nothing is sampled here",
                                                        _simple(SamplingBatchInfo=SamplingBatchInfo)),
 }

@@ -84,11 +84,10 @@ class ScheduleBatch:
     def prepare_for_decode(self) -> None:
         """Allocate one slot per request at column `seq_lens`, then increment `seq_lens`."""
         self.forward_mode = "decode"
-        self.out_cache_loc = common.alloc_for_decode(
+        self.out_cache_loc, self.seq_lens = common.alloc_for_decode(
             self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
             seq_lens=self.seq_lens, seq_lens_cpu=self.seq_lens_cpu, req_pool_indices=self.req_pool_indices,
             num_pages=self.decode_pages_needed(self.page_size))
-        self.seq_lens = self.seq_lens + 1
         before, self.seq_lens_cpu = self.seq_lens_cpu, self.seq_lens_cpu + 1
         hist = self._page_hist
         if hist is not None and hist.lengths is before:

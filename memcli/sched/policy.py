@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import enum
 
+import torch
+
 from memcli.mem_cache import common
 from memcli.mem_cache.pages import align_down, align_up
 
@@ -93,24 +95,35 @@ class PrefillAdder:
         return (req if truncated else None), True
 
     def add_one_req(self, req, has_chunked_req: bool) -> AddResult:
+        """Admit `req` if the budgets allow, locking its prefix. A match with a host-only part
+        (hiradix) is loaded back first (`init_load_back`): its prefix grows by what was loaded,
+        and the lock moves to the new last node. Before the lock, the input budget counts the
+        host hit as cached (SGLang's `real_input_tokens`)."""
         max_new = min(max(req.max_new_tokens - len(req.output_ids), 0), self.clip)
         total = req.extend_input_len + max_new
         if total >= self.rem_total_tokens:
             return AddResult.NO_TOKEN
+        real_input = align_up(req.extend_input_len - req.host_hit_length, self.page_size)
+        if real_input >= self.rem_input_tokens and self.can_run_list:
+            return AddResult.OTHER
+        locked = req.last_node
+        self.tree_cache.inc_lock_ref(locked)
+        if total >= self.rem_total_tokens:  # locking moved the prefix out of evictable
+            self.tree_cache.dec_lock_ref(locked)
+            return AddResult.NO_TOKEN
+        if req.host_hit_length > 0:
+            locked = self._load_back(req, locked)
         extend = align_up(req.extend_input_len, self.page_size)
         if extend >= self.rem_input_tokens and self.can_run_list:
+            self.tree_cache.dec_lock_ref(locked)
             return AddResult.OTHER
-        self.tree_cache.inc_lock_ref(req.last_node)
-        if total >= self.rem_total_tokens:  # locking moved the prefix out of evictable
-            self.tree_cache.dec_lock_ref(req.last_node)
-            return AddResult.NO_TOKEN
         if self.rem_chunk_tokens is None or extend <= self.rem_chunk_tokens:
             self.can_run_list.append(req)
             self._update_budget(req.extend_input_len, max_new)
             return self.budget_state()
         trunc = align_down(self.rem_chunk_tokens, self.page_size)
         if trunc <= 0 or has_chunked_req:
-            self.tree_cache.dec_lock_ref(req.last_node)
+            self.tree_cache.dec_lock_ref(locked)
             return AddResult.OTHER
         req.extend_input_len = trunc
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + trunc]
@@ -118,6 +131,20 @@ class PrefillAdder:
         self.new_chunked_req = req
         self._update_budget(trunc, 0)
         return self.budget_state()
+
+    def _load_back(self, req, locked):
+        """Load the match's host-only part back; the request's prefix and lock follow."""
+        new_indices, req.last_node = self.tree_cache.init_load_back(req.last_host_node, req.host_hit_length)
+        req.host_skipped_len = req.host_hit_length - len(new_indices)
+        if len(new_indices):
+            req.prefix_indices = torch.cat([req.prefix_indices, new_indices])
+            req.extend_input_len = len(req.fill_ids) - len(req.prefix_indices)
+            req.last_matched_prefix_len = len(req.prefix_indices)
+            req.host_loaded_len += len(new_indices)
+        if req.last_node is not locked:
+            self.tree_cache.inc_lock_ref(req.last_node)
+            self.tree_cache.dec_lock_ref(locked)
+        return req.last_node
 
 
 class AdmissionGate:
@@ -161,10 +188,12 @@ class AdmissionGate:
             return not self.full
         return num_running + num_admitted + has_chunked < self.max_running
 
-    def stopped(self, result: AddResult) -> None:
-        """The budget refused a request."""
+    def stopped(self, result: AddResult, hierarchical: bool = False, num_admitted: int = 0,
+                num_running: int = 0) -> None:
+        """The budget refused a request. With a host tier (SGLang's hierarchical cache) the
+        pool budget closes the gate only when something was admitted or is running."""
         if self.sglang and result == AddResult.NO_TOKEN:
-            self.full = True
+            self.full = (num_admitted > 0 or num_running > 0) if hierarchical else True
 
     def shrank(self) -> None:
         """A prefill or decode batch lost requests."""

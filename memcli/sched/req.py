@@ -40,6 +40,12 @@ class Req:
         self.prefix_indices = torch.empty(0, dtype=torch.int64, device=device)
         self.last_node = None
         self.last_matched_prefix_len = 0
+        # Host tier (hiradix): the match's host-only part, and what was loaded back so far.
+        self.last_host_node = None
+        self.host_hit_length = 0
+        self.host_loaded_len = 0  # tokens loaded back for this request before its first admission
+        self.host_skipped_len = 0  # this round's host hit that was not loaded (threshold, quota, room)
+        self.first_host_skipped: int | None = None  # host_skipped_len of the round that first admitted it
         self.extend_input_len = 0
         self.req_pool_idx: int | None = None
         self.kv_allocated_len = 0
@@ -79,6 +85,8 @@ class Req:
             max_prefix_len = max(len(self.fill_ids) - 1, 0)
             match = tree_cache.match_prefix(RadixKey(self.fill_ids[:max_prefix_len], self.extra_key))
             self.prefix_indices, self.last_node = match.device_indices, match.last_node
+            self.last_host_node, self.host_hit_length = match.last_host_node, match.host_hit_length
+            self.host_skipped_len = 0
             self.last_matched_prefix_len = len(self.prefix_indices)
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
@@ -88,6 +96,8 @@ class Req:
         self.is_retracted = True
         self.prefix_indices = torch.empty(0, dtype=torch.int64, device=self.device)
         self.last_node = None
+        self.last_host_node = None
+        self.host_hit_length = 0
         self.last_matched_prefix_len = 0
         self.extend_input_len = 0
         self.req_pool_idx = None

@@ -48,6 +48,9 @@ class StepRecord(NamedTuple):
     protected: int
     held_tokens: int
     held_pages: int
+    host_used: int = 0  # hiradix: host pool slots held by the tree
+    d2h_bytes: int = 0  # hiradix: bytes copied device -> host issued during the step
+    h2d_bytes: int = 0  # hiradix: bytes copied host -> device issued during the step
 
 
 @dataclass
@@ -115,6 +118,10 @@ class Scheduler:
         self.overlap = OverlapLoop(self) if behaviour.event_loop == "overlap" else None
         if hasattr(self.tree_cache, "clock"):
             self.tree_cache.clock = lambda: self.clock_ms
+        # Host tier: when finished copies are acknowledged (SGLang: when a prefill is tried).
+        self.hierarchical = self.tree_cache.host_tier() is not None
+        self.ack_every_step = self.hierarchical and behaviour.hicache_ack == "every_step"
+        self._host_seen = (0, 0)  # (d2h, h2d) bytes at the last step record
 
     # -- requests -----------------------------------------------------------------------
     def new_req(self, rid: str, input_ids, max_new_tokens: int, extra_key: str | None = None,
@@ -164,6 +171,8 @@ class Scheduler:
     def step(self) -> StepRecord:
         """One step. Raises `StalledError` (memcli.sched.progress) when the loop stops advancing."""
         before = self.progress_guard.marks(self)
+        if self.ack_every_step:
+            self.tree_cache.check_hicache_events()
         if self.overlap is not None:
             kind, bs, new_tokens = self.overlap.iterate()
         else:
@@ -220,6 +229,11 @@ class Scheduler:
         self.new_token_ratio = self.init_new_token_ratio
         if self.pending and not self.waiting:
             self.clock_ms = max(self.clock_ms, self.pending[0].arrival_ms)
+        elif self.waiting and self.hierarchical:
+            # Waiting on memory that host copies in flight still lock: time passes until one ends.
+            end = self.tree_cache.next_copy_end()
+            if end is not None:
+                self.clock_ms = max(self.clock_ms, end)
 
     def _record(self, kind: str, bs: int, new_tokens: int) -> StepRecord:
         evicted = getattr(self.tree_cache, "evicted_tokens_total", 0)
@@ -237,9 +251,15 @@ class Scheduler:
             held_tokens += len(self.overlap.in_flight_slots())
         rows = self.stack.req_to_token_pool.size - self.stack.req_to_token_pool.available_size()
         self.stats.peak_request_rows = max(self.stats.peak_request_rows, rows)
+        host = self.tree_cache.host_tier()
+        host_used = d2h = h2d = 0
+        if host is not None:
+            host_used = host.used
+            d2h, h2d = host.d2h_bytes - self._host_seen[0], host.h2d_bytes - self._host_seen[1]
+            self._host_seen = (host.d2h_bytes, host.h2d_bytes)
         record = StepRecord(self.step_count, self.clock_ms, kind, bs, new_tokens, len(self.running.reqs),
                             len(self.waiting), u.available, u.evictable, u.protected, held_tokens,
-                            held_pages)
+                            held_pages, host_used, d2h, h2d)
         self.records.append(record)
         return record
 
@@ -248,6 +268,8 @@ class Scheduler:
         gate = self.gate
         if not gate.may_try(bool(self.waiting), self.chunked_req is not None, len(self.running.reqs)):
             return None
+        if self.hierarchical and not self.ack_every_step:
+            self.tree_cache.check_hicache_events()
         matched = uses_lpm(self.waiting, self.cfg.policy, self.tree_cache)
         self.waiting = order_waiting(self.waiting, self.cfg.policy, self.tree_cache)
         adder = PrefillAdder(self.tree_cache, self.stack.allocator, self.running.reqs, self.new_token_ratio,
@@ -269,7 +291,7 @@ class Scheduler:
             if req in adder.can_run_list:
                 self.waiting.remove(req)
             if result != AddResult.CONTINUE:
-                gate.stopped(result)
+                gate.stopped(result, self.hierarchical, len(adder.can_run_list), len(self.running.reqs))
                 break
         if adder.new_chunked_req is not None:
             self.chunked_req = adder.new_chunked_req
@@ -283,17 +305,21 @@ class Scheduler:
         never hold it, so abort it instead of waiting forever."""
         if self.running.reqs or self.chunked_req is not None or not self.waiting:
             return
+        if self.tree_cache.next_copy_end() is not None:
+            return  # a copy in flight still locks memory: wait for it (see `_idle`)
         self._abort_waiting(self.waiting.pop(0))
         self.gate.shrank()  # nothing runs that could clear SGLang's batch_is_full flag
 
     def _abort_waiting(self, req: Req) -> None:
         req.aborted = req.finished = True
+        req.finish_ms = self.clock_ms
         self.stats.aborted += 1
         self._event("abort", req.rid, req.input_len)
         self.finished.append(req)
 
     def _prepare_prefill(self, reqs: list[Req]) -> ScheduleBatch | None:
         batch = ScheduleBatch(reqs, self.stack)
+        batch.load_end_ms = self.tree_cache.ready_to_load_host_cache()
         try:
             batch.prepare_for_extend()
         except (OutOfMemoryError, RequestSlotsExhausted) as exc:
@@ -305,6 +331,7 @@ class Scheduler:
         for req in reqs:
             if req.first_cached_tokens is None:
                 req.first_cached_tokens = len(req.prefix_indices)
+                req.first_host_skipped = req.host_skipped_len
                 req.admit_ms = self.clock_ms
                 self._event("admit", req.rid, len(req.prefix_indices))
             elif req.retraction_count and req.kv_committed_len == 0:
@@ -449,11 +476,18 @@ class Scheduler:
 
     # -- cost model -----------------------------------------------------------------------
     def _prefill_cost_ms(self, batch: ScheduleBatch) -> float:
+        """Compute, or the load-backs it waits for when they end later (layer by layer, the
+        forward overlaps them), plus any wait for write-backs its evictions started."""
         kv_read = int(batch.prefix_lens_cpu.sum())
-        return (self.sim.step_base_ms + self.sim.prefill_token_us * batch.extend_num_tokens / 1e3
-                + self.sim.kv_read_ns * kv_read / 1e6)
+        compute = (self.sim.step_base_ms + self.sim.prefill_token_us * batch.extend_num_tokens / 1e3
+                   + self.sim.kv_read_ns * kv_read / 1e6)
+        load_end = getattr(batch, "load_end_ms", None)
+        if load_end is not None and load_end - self.clock_ms > compute:
+            self.tree_cache.host_tier().record_load_wait(load_end - self.clock_ms - compute)
+            compute = load_end - self.clock_ms
+        return compute + self.tree_cache.take_transfer_stall_ms()
 
     def _decode_cost_ms(self, batch: ScheduleBatch) -> float:
         kv_read = int(batch.seq_lens_cpu.sum())
         return (self.sim.step_base_ms + self.sim.decode_req_us * batch.batch_size / 1e3
-                + self.sim.kv_read_ns * kv_read / 1e6)
+                + self.sim.kv_read_ns * kv_read / 1e6 + self.tree_cache.take_transfer_stall_ms())

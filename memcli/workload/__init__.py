@@ -1,17 +1,28 @@
-"""Workloads: trace readers and generators. Pure data in, request specs out."""
+"""Workloads: trace readers (`readers`) and the generator (`generate`). Pure data in, request
+specs out.
 
-from memcli.workload.generate import TraceSummary, generate_trace, prefix_reuse_tokens, summarize_records, write_trace
-from memcli.workload.readers import read_trace
-from memcli.workload.spec import RequestSpec, Trace, output_token_base
+The names below are imported on first use (PEP 562), so that the CLI can read the defaults
+for its --help without importing numpy.
+"""
 
-__all__ = [
-    "RequestSpec",
-    "Trace",
-    "TraceSummary",
-    "generate_trace",
-    "output_token_base",
-    "prefix_reuse_tokens",
-    "read_trace",
-    "summarize_records",
-    "write_trace",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+FORMATS = ("auto", "memcli", "mooncake")
+DEFAULT_MAX_TOKENS = 50_000_000  # gen-trace --max-tokens: about 300 MB of JSON and a few GB while generating
+
+_LAZY = {
+    "RequestSpec": "spec", "Trace": "spec", "output_token_base": "spec",
+    "TraceSummary": "generate", "generate_trace": "generate", "prefix_reuse_tokens": "generate",
+    "summarize_records": "generate", "write_trace": "generate",
+    "read_trace": "readers",
+}
+__all__ = ["FORMATS", "DEFAULT_MAX_TOKENS", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"memcli.workload.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'memcli.workload' has no attribute {name!r}")

@@ -21,11 +21,14 @@ import bisect
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
 from memcli.errors import MemcliError
+
+Progress = Callable[[int], None]  # called with the number of requests done so far
+PROGRESS_EVERY = 256
 
 
 def generate_trace(
@@ -40,11 +43,13 @@ def generate_trace(
     rate: float = 4.0,
     active_chats: int = 8,
     vocab_size: int = 32000,
+    progress: Optional[Progress] = None,
 ) -> list[dict[str, Any]]:
     """Memcli-format request records in arrival order. Raises `MemcliError` on bad parameters.
 
     Each record is `{"rid", "input_ids", "output_len"[, "arrival_ms"]}`; rids read
-    `chat<C>-turn<T>`. Same arguments, same records.
+    `chat<C>-turn<T>`. Same arguments, same records. `progress(done)` is called every few
+    hundred requests.
     """
     _check_params(
         rate,
@@ -84,7 +89,14 @@ def generate_trace(
         chat.turn += 1
         if chat.turn > turns:
             open_chats.remove(chat)
+        _tick(progress, i + 1)
+    _tick(progress, num_requests, last=True)
     return records
+
+
+def _tick(progress: Optional[Progress], done: int, last: bool = False) -> None:
+    if progress is not None and (last or done % PROGRESS_EVERY == 0):
+        progress(done)
 
 
 class _Chat:
@@ -121,7 +133,6 @@ def _check_params(rate: float, **counts: int) -> None:
 
 
 _LIBRARY_ONLY = ("active_chats", "vocab_size")
-DEFAULT_MAX_TOKENS = 50_000_000  # about 300 MB of JSON and a few GB while generating
 
 
 def expected_tokens(num_requests: int, system_prompts: int, system_prompt_len: int, turns: int,
@@ -144,7 +155,12 @@ def check_trace_size(max_tokens: int, num_requests: int, **params: int) -> None:
         )
 
 
-def write_trace(records: Iterable[dict[str, Any]], path: str | Path, overwrite: bool = False) -> int:
+def _encode(record: dict[str, Any]) -> bytes:
+    return json.dumps(record, separators=(",", ":")).encode() + b"\n"
+
+
+def write_trace(records: Iterable[dict[str, Any]], path: str | Path, overwrite: bool = False,
+                progress: Optional[Progress] = None) -> int:
     """Write records as JSONL (one compact object per line); returns the bytes written.
 
     Raises `MemcliError` if `path` exists and `overwrite` is false, or cannot be written.
@@ -152,9 +168,11 @@ def write_trace(records: Iterable[dict[str, Any]], path: str | Path, overwrite: 
     path = Path(path)
     try:
         with path.open("wb" if overwrite else "xb") as fh:
-            num_bytes = 0
-            for record in records:
-                num_bytes += fh.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
+            num_bytes = done = 0
+            for done, record in enumerate(records, start=1):
+                num_bytes += fh.write(_encode(record))
+                _tick(progress, done)
+            _tick(progress, done, last=True)
             return num_bytes
     except FileExistsError:
         raise MemcliError(f"{path} already exists", "pass --force to overwrite it, or choose another path") from None
@@ -163,6 +181,19 @@ def write_trace(records: Iterable[dict[str, Any]], path: str | Path, overwrite: 
             f"cannot write {path}: {exc.strerror}",
             "check that the folder exists and is writable",
         ) from None
+
+
+def holds_trace(records: Iterable[dict[str, Any]], path: str | Path) -> bool:
+    """Whether `path` is a file holding exactly the bytes `write_trace(records, path)` writes."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open("rb") as fh:
+        for record in records:
+            line = _encode(record)
+            if fh.read(len(line)) != line:
+                return False
+        return fh.read(1) == b""
 
 
 @dataclass(frozen=True)
@@ -189,7 +220,7 @@ class TraceSummary:
         return self.reusable_input_tokens / self.input_tokens
 
 
-def summarize_records(records: list[dict[str, Any]]) -> TraceSummary:
+def summarize_records(records: list[dict[str, Any]], progress: Optional[Progress] = None) -> TraceSummary:
     """Totals of records with explicit `input_ids` (as `generate_trace` writes them)."""
     inputs = [np.asarray(r["input_ids"], dtype=np.int64) for r in records]
     arrivals = [r["arrival_ms"] for r in records if "arrival_ms" in r]
@@ -199,11 +230,11 @@ def summarize_records(records: list[dict[str, Any]]) -> TraceSummary:
         output_tokens=sum(r["output_len"] for r in records),
         max_input_len=max(len(ids) for ids in inputs),
         duration_ms=arrivals[-1] if arrivals else None,
-        reusable_input_tokens=prefix_reuse_tokens(inputs),
+        reusable_input_tokens=prefix_reuse_tokens(inputs, progress),
     )
 
 
-def prefix_reuse_tokens(inputs: Iterable[np.ndarray]) -> int:
+def prefix_reuse_tokens(inputs: Iterable[np.ndarray], progress: Optional[Progress] = None) -> int:
     """Sum over requests of the longest prefix shared with any earlier request's input.
 
     The ceiling of an unlimited, token-granular prefix cache over inputs alone (no outputs
@@ -211,8 +242,8 @@ def prefix_reuse_tokens(inputs: Iterable[np.ndarray]) -> int:
     sorted as big-endian bytes, so the closest earlier input is a sorted neighbour.
     """
     keys: list[bytes] = []
-    total = 0
-    for ids in inputs:
+    total = done = 0
+    for done, ids in enumerate(inputs, start=1):
         key = np.asarray(ids, dtype=">i8").tobytes()
         pos = bisect.bisect_left(keys, key)
         best = 0
@@ -220,6 +251,8 @@ def prefix_reuse_tokens(inputs: Iterable[np.ndarray]) -> int:
             best = max(best, _common_prefix_len(key, neighbour))
         total += best
         keys.insert(pos, key)
+        _tick(progress, done)
+    _tick(progress, done, last=True)
     return total
 
 

@@ -4,23 +4,32 @@ Everything is checked while reading, before anything runs: the first bad line ra
 `TraceError` whose message starts with `FILE:LINE:` and whose hint says how to fix it.
 Nothing is reordered or repaired: requests keep file order, and arrival times that go
 backwards are an error. The formats are described in docs/TRACES.md.
+
+A trace may be gzip- or zstd-compressed (told by its first bytes, whatever its name; zstd
+needs the `zstandard` package), and `-` reads standard input. Line numbers count the
+decompressed lines.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import gzip
+import io
 import json
 import math
+import sys
+import zlib
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import IO, Any, Callable, Iterator, NoReturn, Optional
 
 import numpy as np
 
 from memcli.errors import MemcliError, TraceError
+from memcli.workload import FORMATS
 from memcli.mem_cache.pages import cdiv
 from memcli.workload.spec import SYNTHETIC_TOKEN_BASE, RequestSpec, Trace, TokenRun
 
-FORMATS = ("auto", "memcli", "mooncake")
 MEMCLI_KEYS = ("rid", "input_ids", "input_len", "prefix", "output_len", "arrival_ms", "extra_key")
 PREFIX_KEYS = ("rid", "len")
 MOONCAKE_REQUIRED = ("input_length", "output_length", "hash_ids")
@@ -34,26 +43,32 @@ _MOONCAKE_KEY_SET = frozenset(MOONCAKE_KEYS)
 _MEMCLI_KEY_SET = frozenset(MEMCLI_KEYS)
 _decode_json = json.JSONDecoder().decode
 MAX_TOKEN_COUNT = 2**31 - 1  # no request is longer (ranges and arrays of more cannot be built)
+STDIN = "-"
+STDIN_NAME = "<stdin>"
+GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+READABLE = "memcli reads JSONL traces, plain, gzip (.gz) or zstd (.zst)"
+PROGRESS_EVERY = 2048  # requests between two progress reports
+# progress(bytes read, file size or None, requests read); bytes of the file as stored (compressed)
+ReadProgress = Callable[[int, Optional[int], int], None]
 
 
-def read_trace(path: str | Path, format: str = "auto", block_size: int = 512, limit: int | None = None) -> Trace:
+def read_trace(path: str | Path, format: str = "auto", block_size: int = 512, limit: int | None = None,
+               progress: Optional[ReadProgress] = None) -> Trace:
     """Read and validate a whole trace (or its first `limit` requests, stopping early).
 
     `format` is "auto" (detected from the first non-empty line), "memcli" or "mooncake".
     `block_size` is the Mooncake hash-block size (512 for Mooncake, 16 for Qwen-Bailian) and
-    the chunk size of memcli block hashes. Raises `TraceError` on the first bad line and
-    `MemcliError` on bad arguments; returns only when every request read is valid.
+    the chunk size of memcli block hashes. `path` "-" reads standard input. Raises `TraceError`
+    on the first bad line and `MemcliError` on bad arguments; returns only when every request
+    read is valid. `progress` is called every few thousand requests and at the end.
     """
-    path = Path(path)
+    path = Path(STDIN_NAME) if str(path) == STDIN else Path(path)
     _check_args(format, block_size, limit)
     requests: list[RequestSpec] = []
     parser = None
     arrivals = _ArrivalCheck()
-    try:
-        fh = path.open("rb")
-    except OSError as exc:
-        raise TraceError(f"cannot read {path}: {exc.strerror}", "check the path") from None
-    with fh:
+    with _open(path) as (fh, where):
         for line in _lines(path, fh):
             if parser is None:
                 parser = _make_parser(line, format, block_size)
@@ -62,9 +77,61 @@ def read_trace(path: str | Path, format: str = "auto", block_size: int = 512, li
             requests.append(spec)
             if limit is not None and len(requests) == limit:
                 break
+            if progress is not None and len(requests) % PROGRESS_EVERY == 0:
+                progress(*where(), len(requests))
+        if progress is not None:
+            progress(*where(), len(requests))
     if not requests:
         raise TraceError(f"{path}:1: the file holds no requests", f"a trace has one JSON object per line; {DOCS}")
     return Trace(path, parser.format, block_size, requests, tuple(sorted(parser.ignored)))
+
+
+@contextlib.contextmanager
+def _open(path: Path) -> Iterator[tuple[IO[bytes], Callable[[], tuple[int, Optional[int]]]]]:
+    """The trace's bytes, decompressed when its first bytes say gzip or zstd, and `where()`:
+    (bytes of the stored file read so far, its size or None). Standard input for `<stdin>`
+    (left open). Raises `TraceError` when it cannot be opened."""
+    if path == Path(STDIN_NAME):
+        raw, close = sys.stdin.buffer, False
+    else:
+        try:
+            raw, close = path.open("rb"), True
+        except OSError as exc:
+            raise TraceError(f"cannot read {path}: {exc.strerror}", "check the path") from None
+    buffered = raw if hasattr(raw, "peek") else io.BufferedReader(raw)  # a test's stdin may not peek
+    size = path.stat().st_size if close and path.is_file() else None
+
+    def where() -> tuple[int, Optional[int]]:
+        return (buffered.tell() if size is not None else 0), size
+
+    try:
+        head = buffered.peek(4)[:4]
+        if head.startswith(GZIP_MAGIC):
+            yield gzip.GzipFile(fileobj=buffered, mode="rb"), where
+        elif head.startswith(ZSTD_MAGIC):
+            yield _zstd_reader(path, buffered), where
+        else:
+            yield buffered, where
+    finally:
+        if buffered is not raw:
+            buffered.detach()  # leaves `raw` open
+        if close:
+            raw.close()
+
+
+def _zstd_reader(path: Path, raw: IO[bytes]) -> IO[bytes]:
+    try:
+        import zstandard
+    except ImportError:
+        raise TraceError(f"{path}: the trace is zstd-compressed, and the zstandard package is not installed",
+                         f"pip install zstandard (or memcli[zst]); or decompress it first: zstd -d {path}") from None
+    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=False))
+
+
+def _decompression_errors() -> tuple[type[BaseException], ...]:
+    errors: tuple[type[BaseException], ...] = (gzip.BadGzipFile, EOFError, zlib.error)
+    zstandard = sys.modules.get("zstandard")
+    return errors + ((zstandard.ZstdError,) if zstandard is not None else ())
 
 
 def _check_args(format: str, block_size: int, limit: int | None) -> None:
@@ -153,24 +220,33 @@ class _Line:
 
 
 def _lines(path: Path, fh) -> Iterator[_Line]:
-    """Yield every non-empty line as a `_Line`; raises at the first one that is not a JSON object."""
-    for no, raw in enumerate(fh, start=1):
-        if not raw.strip():
-            continue
-        try:
-            obj = _decode_json(raw.decode("utf-8-sig"))
-        except ValueError as exc:
-            detail = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text"
-            raise TraceError(
-                f"{path}:{no}: not valid JSON ({detail})",
-                f"each line must be one JSON object; {DOCS}",
-            ) from None
-        if type(obj) is not dict:
-            raise TraceError(
-                f"{path}:{no}: expected a JSON object, got {_describe(obj)}",
-                f"each line must be one JSON object; {DOCS}",
-            )
-        yield _Line(path, no, obj)
+    """Yield every non-empty line as a `_Line`; raises at the first one that is not a JSON object,
+    or where the compressed stream breaks."""
+    no = 0
+    try:
+        for no, raw in enumerate(fh, start=1):
+            if raw.strip():
+                yield _line(path, no, raw)
+    except _decompression_errors() as exc:
+        raise TraceError(f"{path}:{no + 1}: cannot decompress the trace ({exc or type(exc).__name__})",
+                         "the compressed file is damaged or cut short: fetch or compress it again") from None
+
+
+def _line(path: Path, no: int, raw: bytes) -> _Line:
+    try:
+        obj = _decode_json(raw.decode("utf-8-sig"))
+    except ValueError as exc:
+        if isinstance(exc, json.JSONDecodeError):
+            raise TraceError(f"{path}:{no}: not valid JSON ({exc.msg})",
+                             f"each line must be one JSON object; {DOCS}") from None
+        raise TraceError(f"{path}:{no}: not valid JSON (not UTF-8 text)",
+                         f"{READABLE}: is it compressed another way, or not a trace?") from None
+    if type(obj) is not dict:
+        raise TraceError(
+            f"{path}:{no}: expected a JSON object, got {_describe(obj)}",
+            f"each line must be one JSON object; {DOCS}",
+        )
+    return _Line(path, no, obj)
 
 
 def _make_parser(line: _Line, format: str, block_size: int):

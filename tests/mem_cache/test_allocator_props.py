@@ -189,8 +189,9 @@ class Harness:
             return
         seq = i64([len(r.slots) for r in batch])
         before = self.req_to_token.clone()
-        out = self.allocator.alloc_decode_write(seq, seq.clone(), i64([r.row for r in batch]),
-                                                self.req_to_token)
+        written = self.allocator.alloc_decode_write(seq, seq.clone(), i64([r.row for r in batch]),
+                                                    self.req_to_token)
+        out = None if written is None else written.out
         expected = self.decode_expected(batch)
         if expected is None:
             assert torch.equal(self.req_to_token, before)

@@ -227,9 +227,10 @@ def test_alloc_for_decode_and_check_take_the_page_count_from_the_caller():
     mem = (stack.req_to_token_pool, stack.allocator, stack.tree_cache)
     assert common.check_decode_mem(stack.allocator, stack.tree_cache, num_pages=1)
     assert not common.check_decode_mem(stack.allocator, stack.tree_cache, num_pages=2)
-    out = common.alloc_for_decode(*mem, seq_lens=batch.seq_lens, seq_lens_cpu=batch.seq_lens_cpu,
-                                  req_pool_indices=batch.req_pool_indices, num_pages=1)
+    out, after = common.alloc_for_decode(*mem, seq_lens=batch.seq_lens, seq_lens_cpu=batch.seq_lens_cpu,
+                                         req_pool_indices=batch.req_pool_indices, num_pages=1)
     assert out.tolist() == [12] and stack.allocator.available_size() == 0
+    assert after.tolist() == [9] and batch.seq_lens.tolist() == [8]  # the lengths after the step, a new tensor
     with pytest.raises(OutOfMemoryError):
         common.alloc_for_decode(*mem, seq_lens=batch.seq_lens, seq_lens_cpu=batch.seq_lens_cpu,
                                 req_pool_indices=batch.req_pool_indices, num_pages=1)

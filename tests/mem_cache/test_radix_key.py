@@ -55,6 +55,8 @@ def test_rejects_2d_ids():
 
 def test_match_result_fields():
     result = MatchResult(torch.tensor([7, 8]), "node")
-    indices, node = result
+    indices, node, host_node, host_hit = result
     assert indices.tolist() == [7, 8] and node == "node"
     assert result.last_node == "node"
+    # Caches without a host tier report no host hit.
+    assert host_node is None and host_hit == 0

@@ -5,6 +5,7 @@ import json
 from typer.testing import CliRunner
 
 from memcli.cli.app import app
+from tests.test_json_envelope import assert_envelope
 
 TRACE = "tests/data/conversation_head300.jsonl"
 
@@ -13,7 +14,8 @@ def test_fetch_reports_the_cached_wheel(ref):
     result = CliRunner().invoke(app, ["reference", "fetch", "--json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
-    assert doc["command"] == "reference fetch" and doc["version"] == "0.5.5"
+    assert_envelope(doc, "reference fetch", reads_config=False)
+    assert doc["version"] == "0.5.5"
     assert doc["wheel"].endswith(".whl")
 
 
@@ -47,3 +49,15 @@ def test_diff_bad_input_is_exit_2(ref, capfd):
     result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--set", "memory.page_size=3"])
     err = capfd.readouterr().err
     assert result.exit_code == 2 and "error:" in err and "Traceback" not in err
+
+
+def test_diff_prints_one_json_document(ref, capfd):
+    result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "4", "--set", "memory.max_total_tokens=90000",
+                                      "--set", "memory.max_context_len=88000", "--set", "scheduler.chunked_prefill_size=1024",
+                                      "--set", "semantics.profile=memcli", "--json"])
+    doc = json.loads(capfd.readouterr().out)
+    assert result.exit_code == 1
+    assert list(doc)[:4] == ["command", "memcli_version", "profile", "config"]
+    assert doc["command"] == "reference diff" and doc["profile"] == "memcli"
+    assert doc["divergent"] is True and doc["first_divergence"]["fields"]
+    assert doc["first_divergence"]["sglang"]["step"] == doc["first_divergence"]["step"]

@@ -82,9 +82,10 @@ def check_idle(stack: Any, reqs: Iterable[Any]) -> CheckResult:
     allocator, tree = stack.allocator, stack.tree_cache
     used = rows_in_use(stack)
     avail, evictable, protected = allocator.available_size(), tree.evictable_size(), tree.tree_protected_size()
-    detail = (f"{used} request rows in use; available {avail} + evictable {evictable} vs size"
-              f" {allocator.size}; protected {protected}")
-    ok = not used and not protected and avail + evictable == allocator.size
+    copying = tree.copy_protected_size()  # host tier: nodes locked by their copies in flight
+    detail = (f"{used} request rows in use; available {avail} + evictable {evictable} (+ {copying} locked by copies"
+              f" in flight) vs size {allocator.size}; protected {protected}")
+    ok = not used and protected == copying and avail + evictable + copying == allocator.size
     numbers = {"holding": 0, "rows_in_use": used, "available": avail, "evictable": evictable,
                "protected": protected, "size": allocator.size}
     return CheckResult("idle", ok, detail if ok else "idle but not everything is free: " + detail, numbers)

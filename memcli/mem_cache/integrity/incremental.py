@@ -13,6 +13,8 @@ during the step (`ledger.dirty`), never the whole pool:
     slot_range    slots written this step are pool pages (not page 0)          (2.1)
     page_sharing  a written position below the request's tree part is a tree page, above it the
                   request's own page                                            (2.2)
+    host_tier     (hiradix only) host pool conservation by counters, copies in flight locked
+                  (`integrity.hicache`)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Iterable, NamedTuple, Optional
 import numpy as np
 import torch
 
+from memcli.mem_cache.integrity.hicache import host_tier_step_check
 from memcli.mem_cache.integrity.ownership import CARRIED, FREE, IN_FLIGHT, LOOSE, TREE, OwnershipLedger, owner_name
 from memcli.mem_cache.integrity.requests import InFlightSlot
 from memcli.mem_cache.integrity.result import CheckResult, failed, passed
@@ -50,6 +53,8 @@ def _run(ledger: OwnershipLedger, stack: Any, running: Iterable[Any], quiet: boo
     held = _Held.of(running, ledger.page_size)
     results = [_lost_pages(ledger, quiet), _free_count(ledger, stack, quiet), _tree_count(ledger, stack, quiet),
                _held(ledger, held, quiet), *_written_rows(ledger, stack, held, quiet)]
+    if stack.tree_cache.host_tier() is not None:
+        results.append(host_tier_step_check(stack.tree_cache))
     ledger.dirty = []
     if quiet:
         return [result for result in results if result is not None and not result.ok]

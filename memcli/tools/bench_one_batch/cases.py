@@ -79,6 +79,45 @@ def _unique(values: Sequence[int]) -> list[int]:
     return list(dict.fromkeys(values))
 
 
+def check_cases_fit(cases: Sequence[Case], configs: dict[int, Config]) -> None:
+    """Raise `CapacityError` for the first case that `configs[case.page_size]` cannot hold; the
+    hint's values are computed over every case, so that following it makes them all fit."""
+    for case in cases:
+        try:
+            check_capacity(case, configs[case.page_size])
+        except CapacityError as exc:
+            raise CapacityError(exc.message, hint=fit_all_hint(cases, configs)) from None
+
+
+def fit_all_hint(cases: Sequence[Case], configs: dict[int, Config]) -> str:
+    """What makes every case fit: the largest batch size that fits every case's shape, and
+    the settings (context, pool, request rows) that hold the largest need among the cases."""
+    parts = []
+    context = max(c.seq_len for c in cases)
+    pool = max(max(c.kv_tokens_needed for c in cases), context)
+    pool = align_up(pool, max(c.page_size for c in cases))
+    rows = max(c.batch_size for c in cases)
+    short_context = any(c.seq_len > configs[c.page_size].memory.max_context_len for c in cases)
+    if short_context:
+        shortest = min(configs[c.page_size].memory.max_context_len for c in cases)
+        parts.append(f"keep --input-len + --output-len <= {shortest}")
+    else:
+        fits = min(min(configs[c.page_size].memory.max_running_requests,
+                       configs[c.page_size].pool_size // c.tokens_per_req) for c in cases)
+        parts.append(f"largest batch size that fits: {fits}" if fits else
+                     f"one request alone needs {max(c.tokens_per_req for c in cases):,} tokens")
+    settings = []
+    if short_context:
+        settings.append(f"--set memory.max_context_len={context}")
+    if any(pool > configs[c.page_size].pool_size for c in cases):
+        settings.append(_pool_setting(pool, next(iter(configs.values()))))
+    if any(rows > configs[c.page_size].memory.max_running_requests for c in cases):
+        settings.append(f"--set memory.max_running_requests={rows}")
+    if settings:
+        parts.append(f"every case fits with {' '.join(settings)}")
+    return "; ".join(parts)
+
+
 def check_capacity(case: Case, config: Config) -> None:
     """Raise `CapacityError` (with what would fit) unless `config`'s pools can hold `case`.
 
@@ -109,14 +148,15 @@ def _capacity_hint(case: Case, config: Config, fits: int) -> str:
     parts = [f"largest batch size that fits: {fits}"] if fits else [
         f"one request alone needs {case.tokens_per_req:,} tokens"]
     if case.kv_tokens_needed > config.pool_size:
-        parts.append(f"a pool of {case.kv_tokens_needed:,} tokens fits this case ({_pool_setting(case, config)})")
+        parts.append(f"a pool of {case.kv_tokens_needed:,} tokens fits this case"
+                     f" ({_pool_setting(case.kv_tokens_needed, config)})")
     if case.batch_size > config.memory.max_running_requests:
         parts.append(f"--set memory.max_running_requests={case.batch_size}")
     return "; ".join(parts)
 
 
-def _pool_setting(case: Case, config: Config) -> str:
+def _pool_setting(tokens: int, config: Config) -> str:
     if config.memory.max_total_tokens is not None:
-        return f"--set memory.max_total_tokens={case.kv_tokens_needed}"
-    gib = math.ceil(case.kv_tokens_needed * config.model.bytes_per_token / GIB * 10) / 10
+        return f"--set memory.max_total_tokens={tokens}"
+    gib = math.ceil(tokens * config.model.bytes_per_token / GIB * 10) / 10
     return f"--set memory.kv_budget_gib={gib}"

@@ -1,5 +1,11 @@
 """Measuring one phase: first call (compile), host-device syncs, then the timed repeats.
 
+A bench runs in rounds: every case is run once per round (cases interleaved, so host noise
+falls on every case alike), each phase timed as `repeat` calls per round. `combine_rounds`
+turns the rounds into one figure: the median of the round medians, the minimum over every
+call, and the spread (largest round median / smallest). A spread over `UNSTABLE_SPREAD`
+flags the figure as unstable.
+
 Every phase is a zero-argument function that mutates the stack, paired with a `setup` that
 puts the stack back into the state the phase starts from. `measure` runs `setup` before every
 call (untimed), so the first call, the sync count and each timed repeat all see the same
@@ -18,6 +24,9 @@ from memcli.timing import count_syncs, time_call, wall_time
 
 Fn = Callable[[], object]
 
+# A phase whose round medians differ by more than this factor is flagged as unstable.
+UNSTABLE_SPREAD = 1.20
+
 
 def _noop() -> None:
     return None
@@ -27,7 +36,8 @@ def _noop() -> None:
 class PhaseTiming:
     """One phase: median and min of the timed calls (µs), the first call (ms), syncs per call.
 
-    `syncs` is None on a CPU (no device to synchronise with).
+    `syncs` is None on a CPU (no device to synchronise with). After `combine_rounds`,
+    `median_us` is the median of `round_medians` (one per round).
     """
 
     median_us: float
@@ -37,11 +47,28 @@ class PhaseTiming:
     first_call_ms: float
     syncs: Optional[int]
     device_us: Optional[float] = None  # median device time (the call queued behind a busy stream)
+    round_medians: tuple[float, ...] = ()
+
+    @property
+    def rounds(self) -> int:
+        return max(len(self.round_medians), 1)
+
+    @property
+    def spread(self) -> float:
+        """Largest round median / smallest (1.0 with a single round)."""
+        if len(self.round_medians) < 2 or min(self.round_medians) <= 0:
+            return 1.0
+        return max(self.round_medians) / min(self.round_medians)
+
+    @property
+    def unstable(self) -> bool:
+        return self.spread > UNSTABLE_SPREAD
 
     def to_dict(self) -> dict:
         return {"median_us": self.median_us, "min_us": self.min_us, "device_us": self.device_us,
                 "samples": self.samples, "method": self.method, "first_call_ms": self.first_call_ms,
-                "syncs": self.syncs}
+                "syncs": self.syncs, "rounds": self.rounds, "round_medians_us": list(self.round_medians),
+                "spread": self.spread, "unstable": self.unstable}
 
 
 def measure(fn: Fn, device: torch.device, repeat: int, warmup: int, setup: Fn = _noop,
@@ -55,9 +82,9 @@ def measure(fn: Fn, device: torch.device, repeat: int, warmup: int, setup: Fn = 
         first_call_s = wall_time(fn, device)
     setup()
     syncs = count_syncs(fn, device)
-    timing = time_call(fn, device, repeat=repeat, warmup=warmup, setup=setup)
-    # A call that syncs waits for the spin ahead of it: its device time would count host time.
-    device_us = timing.device_us if not syncs else None
+    # A call that syncs waits for the spin ahead of it: its device time cannot be taken.
+    timing = time_call(fn, device, repeat=repeat, warmup=warmup, setup=setup, device_time=not syncs)
+    device_us = timing.device_us
     return PhaseTiming(timing.median_us, timing.min_us, timing.samples, timing.method, first_call_s * 1e3, syncs,
                        device_us)
 
@@ -75,4 +102,23 @@ def combine_steps(steps: Sequence[PhaseTiming]) -> PhaseTiming:
         first_call_ms=max(s.first_call_ms for s in steps),
         syncs=max(syncs) if syncs else None,
         device_us=statistics.median(device) if device else None,
+    )
+
+
+def combine_rounds(rounds: Sequence[PhaseTiming]) -> PhaseTiming:
+    """One figure for a phase timed in several rounds: the median of the round medians, the
+    minimum over every call, the first round's first call (the one that compiled), the
+    largest sync count, and the median device time."""
+    syncs = [r.syncs for r in rounds if r.syncs is not None]
+    device = [r.device_us for r in rounds if r.device_us is not None]
+    medians = tuple(r.median_us for r in rounds)
+    return PhaseTiming(
+        median_us=statistics.median(medians),
+        min_us=min(r.min_us for r in rounds),
+        samples=sum(r.samples for r in rounds),
+        method=rounds[0].method,
+        first_call_ms=rounds[0].first_call_ms,
+        syncs=max(syncs) if syncs else None,
+        device_us=statistics.median(device) if device else None,
+        round_medians=medians,
     )

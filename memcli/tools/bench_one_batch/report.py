@@ -10,8 +10,9 @@ from typing import Optional
 
 from rich.table import Table
 
-from memcli.tools.bench_one_batch.phases import PhaseTiming
-from memcli.tools.bench_one_batch.results import BenchResult, CaseResult, KVStoreFigures
+from memcli.report.envelope import envelope
+from memcli.tools.bench_one_batch.phases import UNSTABLE_SPREAD, PhaseTiming
+from memcli.tools.bench_one_batch.results import BenchResult, CaseResult, KVStoreFigures, speedup
 
 
 def fmt_us(us: Optional[float]) -> str:
@@ -37,13 +38,25 @@ def fmt_syncs(syncs: Optional[int]) -> str:
     return "n/a (no device)" if syncs is None else str(syncs)
 
 
+def fmt_spread(t: PhaseTiming) -> str:
+    """Largest round median / smallest; `!` marks a figure that moved by more than the limit."""
+    return f"{t.spread:.2f}x" + (" !" if t.unstable else "")
+
+
+def bench_document(result: BenchResult, ignored_keys: list[str]) -> dict:
+    """The --json document: the envelope (with the config the cases ran with), then the cases."""
+    return envelope("bench-one-batch", {**result.to_dict(), "ignored_keys": ignored_keys}, result.config)
+
+
 def header_line(result: BenchResult) -> str:
     opts = result.options
     how = ("CUDA events" if result.timing_method == "cuda-events"
            else "synchronized wall clock (no device events on a CPU)")
-    return (f"bench-one-batch on {result.device}: timing by {how}; median of {opts['repeat']} timed calls"
-            f" after {opts['warmup']} warm-up calls per phase; tree cache {opts['tree_cache']};"
-            f" semantics {result.semantics}.\n"
+    rounds = opts.get("rounds", 1)
+    return (f"bench-one-batch on {result.device}: timing by {how}; {rounds} rounds over every case (interleaved),"
+            f" each phase {opts['repeat']} timed calls per round after {opts['warmup']} warm-up calls; median = median"
+            f" of the round medians, min = fastest call, spread = largest round median / smallest"
+            f" (! above {UNSTABLE_SPREAD:.2f}x); tree cache {opts['tree_cache']}; semantics {result.semantics}.\n"
             "prefill = prepare_for_extend + KV store of the new tokens; decode step = prepare_for_decode +"
             " KV store of one token per request; memory path = alloc_for_extend / alloc_for_decode alone;"
             " free = release of every request; first call includes compilation."
@@ -56,8 +69,8 @@ def case_table(r: CaseResult) -> Table:
     c = r.case
     table = Table(title=f"{c.label} tree_cache={r.tree_cache}", title_justify="left",
                   caption=_caption(r), caption_justify="left")
-    for name, justify in (("phase", "left"), ("median", "right"), ("min", "right"), ("device", "right"),
-                          ("first call", "right"), ("host syncs", "right"), ("rate", "right")):
+    for name, justify in (("phase", "left"), ("median", "right"), ("min", "right"), ("spread", "right"),
+                          ("device", "right"), ("first call", "right"), ("host syncs", "right"), ("rate", "right")):
         table.add_column(name, justify=justify)
     _row(table, "prefill", r.phases["prefill"], fmt_rate(r.prefill_throughput, "tok/s"))
     step = r.phases.get("decode_step")
@@ -65,7 +78,7 @@ def case_table(r: CaseResult) -> Table:
         _row(table, f"decode step (median of {len(r.decode_step_us)})", step,
              fmt_rate(r.median_decode_throughput, "tok/s"))
     table.add_row(f"total (prefill + {len(r.decode_step_us)} steps)", fmt_us(r.total_latency * 1e6), "", "", "", "",
-                  fmt_rate(r.overall_throughput, "tok/s"))
+                  "", fmt_rate(r.overall_throughput, "tok/s"))
     table.add_section()
     kind = f"cached prefix {r.cached_prefix_len:,}" if r.cached_prefix_len else "new"
     _row(table, f"prefill memory path ({kind})", r.phases["prefill_memory"],
@@ -83,8 +96,8 @@ def _plural(n: int, word: str) -> str:
 
 
 def _row(table: Table, label: str, t: PhaseTiming, rate: str) -> None:
-    table.add_row(label, fmt_us(t.median_us), fmt_us(t.min_us), fmt_us(t.device_us), fmt_us(t.first_call_ms * 1e3),
-                  fmt_syncs(t.syncs), rate)
+    table.add_row(label, fmt_us(t.median_us), fmt_us(t.min_us), fmt_spread(t), fmt_us(t.device_us),
+                  fmt_us(t.first_call_ms * 1e3), fmt_syncs(t.syncs), rate)
 
 
 def _kv_rows(table: Table, r: CaseResult) -> None:
@@ -165,9 +178,58 @@ def comparison_table(result: BenchResult) -> Table:
     return table
 
 
+PHASE_LABELS = {"prefill_memory": "prefill memory path", "decode_memory": "decode memory path",
+                "free": "free on finish"}
+
+
+def reference_table(result: BenchResult) -> Table:
+    """memcli's memory path beside the compared implementation's, timed in the same rounds."""
+    ref = result.reference
+    table = Table(title=f"memcli vs {ref.name}: the memory path, same cases, same rounds (medians of round medians)",
+                  title_justify="left", caption=f"speedup = {ref.name} median / memcli median (above 1: memcli is"
+                  " faster); spread as in the case tables", caption_justify="left")
+    for name, justify in (("case", "left"), ("phase", "left"), ("memcli", "right"), ("spread", "right"),
+                          (ref.name, "right"), ("spread ", "right"), ("speedup", "right")):
+        table.add_column(name, justify=justify)
+    last = None
+    for case, name, mine, theirs in ref.rows(result.cases):
+        label = case.case.label if case is not last else ""
+        if case is not last and last is not None:
+            table.add_section()
+        last = case
+        ratio = speedup(mine, theirs)
+        table.add_row(label, PHASE_LABELS[name], fmt_us(mine.median_us), fmt_spread(mine), fmt_us(theirs.median_us),
+                      fmt_spread(theirs), "-" if ratio is None else f"{ratio:,.2f}x")
+    return table
+
+
+def floor_line(result: BenchResult) -> Optional[str]:
+    """The launch floor, and the decode memory path of every case against it."""
+    floor = result.floor
+    if floor is None:
+        return None
+    ratios = [f"{r.case.batch_size}/{r.case.page_size}: {r.phases['decode_memory'].median_us / floor.median_us:.2f}x"
+              for r in result.cases if "decode_memory" in r.phases and floor.median_us > 0]
+    return (f"launch floor (replay of a one-kernel CUDA graph): {fmt_us(floor.median_us)} (spread {fmt_spread(floor)});"
+            f" decode memory path / floor by batch size/page size: {', '.join(ratios) or '-'}")
+
+
 def render(result: BenchResult, console) -> None:
     console.print(header_line(result))
+    line = floor_line(result)
+    if line:
+        console.print(line)
+    graphs = result.config.runtime.decode_graph is not False
+    if result.cases and result.cases[0].backend == "triton" and result.timing_method == "cuda-events":
+        console.print("decode memory path: " + ("one CUDA-graph replay per step (runtime.decode_graph)" if graphs
+                                                else "one kernel launch per step (runtime.decode_graph false)"))
     for case in result.cases:
         console.print(case_table(case))
     if len(result.page_sizes) > 1:
         console.print(comparison_table(result))
+    if result.reference is not None:
+        console.print(reference_table(result))
+    unstable = [f"{r.case.label}: {name}" for r in result.cases for name, t in r.phases.items() if t.unstable]
+    if unstable:
+        console.print(f"unstable (spread above {UNSTABLE_SPREAD:.2f}x, marked !): {len(unstable)} figure(s);"
+                      " raise --repeat or --rounds, or quiet the machine")

@@ -16,11 +16,15 @@ ends with input_len + output_len KV slots (`semantics.bench_decode_steps`).
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
+from memcli.config import Config
 from memcli.tools.bench_one_batch.cases import Case
-from memcli.tools.bench_one_batch.phases import PhaseTiming
+from memcli.errors import IntegrityError
+from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_rounds
 
 # Every timed phase, in report order, with what one call of it does.
 PHASES = {
@@ -59,6 +63,14 @@ class KVStoreFigures:
         """Store bandwidth / copy bandwidth (1.0 = as fast as a plain copy)."""
         copy = self.copy_gbps
         return self.gbps / copy if copy else None
+
+    @staticmethod
+    def combine(rounds: Sequence[Optional["KVStoreFigures"]]) -> Optional["KVStoreFigures"]:
+        if rounds[0] is None:
+            return None
+        copies = [r.copy for r in rounds if r.copy is not None]
+        return KVStoreFigures(rounds[0].tokens, rounds[0].bytes, combine_rounds([r.store for r in rounds]),
+                              combine_rounds(copies) if copies else None)
 
     def to_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "bytes": self.bytes, "store_us": self.store.median_us, "gbps": self.gbps,
@@ -148,26 +160,86 @@ class CaseResult:
         }
 
 
+# What every round of a case must reproduce exactly: the bench is deterministic.
+_SAME_EVERY_ROUND = ("cached_prefix_len", "prefill_new_tokens", "prefill_allocated_tokens",
+                     "decode_allocated_tokens", "freed_tokens")
+
+
+def combine_case_rounds(rounds: Sequence[CaseResult]) -> CaseResult:
+    """One result from the rounds of one case: every phase by `combine_rounds`, each decode
+    step's time as the median over rounds, and the idle check ok only if every round's was.
+    Raises IntegrityError when two rounds allocated or freed different token counts."""
+    first = rounds[0]
+    for r in rounds[1:]:
+        for name in _SAME_EVERY_ROUND:
+            if getattr(r, name) != getattr(first, name):
+                raise IntegrityError(f"{first.case.label}: {name} differs between rounds"
+                                     f" ({getattr(first, name)} then {getattr(r, name)})")
+    phases = {name: combine_rounds([r.phases[name] for r in rounds]) for name in first.phases}
+    steps = [statistics.median(step) for step in zip(*(r.decode_step_us for r in rounds))]
+    bad_idle = next((r.idle for r in rounds if not r.idle.get("ok")), None)
+    return dataclasses.replace(
+        first, phases=phases, decode_step_us=steps,
+        kv_store_prefill=KVStoreFigures.combine([r.kv_store_prefill for r in rounds]),
+        kv_store_decode=KVStoreFigures.combine([r.kv_store_decode for r in rounds]),
+        idle=bad_idle if bad_idle is not None else first.idle)
+
+
+# The phases timed on both sides by `--compare`: the memory path alone.
+COMPARED_PHASES = ("prefill_memory", "decode_memory", "free")
+
+
+@dataclass(frozen=True)
+class ReferenceResult:
+    """The compared implementation's timings: one dict of phases per case, in case order."""
+
+    name: str
+    phases: list[dict[str, PhaseTiming]]
+
+    def rows(self, cases: Sequence[CaseResult]) -> list[tuple[CaseResult, str, PhaseTiming, PhaseTiming]]:
+        """(case, phase, memcli's timing, the reference's) for every phase timed on both sides."""
+        return [(case, name, case.phases[name], ref[name])
+                for case, ref in zip(cases, self.phases) for name in COMPARED_PHASES
+                if name in ref and name in case.phases]
+
+    def to_dict(self, cases: Sequence[CaseResult]) -> dict[str, Any]:
+        return {"name": self.name, "rows": [
+            {"case": case.case.label, "phase": name, "memcli": mine.to_dict(), "reference": ref.to_dict(),
+             "speedup": speedup(mine, ref)} for case, name, mine, ref in self.rows(cases)]}
+
+
+def speedup(mine: PhaseTiming, reference: PhaseTiming) -> Optional[float]:
+    """The reference's median over memcli's (above 1: memcli is faster)."""
+    return reference.median_us / mine.median_us if mine.median_us > 0 else None
+
+
 @dataclass(frozen=True)
 class BenchResult:
     """Every case of one invocation, with the config and options used."""
 
-    config: dict[str, Any]
+    config: Config  # the config the cases ran with (`--tree-cache` as cache.kind)
     options: dict[str, Any]
     device: str
     timing_method: str
     cases: list[CaseResult]
-    semantics: str  # the profile and its overrides (`SemanticsConfig.label`)
+    reference: Optional[ReferenceResult] = None  # `--compare`: the other implementation's timings
+    floor: Optional[PhaseTiming] = None  # on a GPU: replay of a one-kernel CUDA graph, the launch floor
+
+    @property
+    def semantics(self) -> str:
+        """The profile and its overrides (`SemanticsConfig.label`)."""
+        return self.config.semantics.label
 
     @property
     def page_sizes(self) -> list[int]:
         return list(dict.fromkeys(r.case.page_size for r in self.cases))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"command": "bench-one-batch", "semantics": self.semantics, "device": self.device,
-                "timing_method": self.timing_method,
-                "options": self.options, "config": self.config, "phase_descriptions": PHASES,
-                "cases": [r.to_dict() for r in self.cases]}
+        """The fields of the --json document (its envelope carries the config)."""
+        return {"device": self.device, "timing_method": self.timing_method, "options": self.options,
+                "phase_descriptions": PHASES, "cases": [r.to_dict() for r in self.cases],
+                "compare": self.reference.to_dict(self.cases) if self.reference else None,
+                "graph_floor": self.floor.to_dict() if self.floor else None}
 
 
 def _per_second(amount: float, seconds: Optional[float]) -> float:

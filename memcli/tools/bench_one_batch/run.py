@@ -8,25 +8,43 @@ page size (the config's, with the chosen tree cache), and runs each case with `r
 2. `output_len` decode steps, each timed as `prepare_for_decode` + KV store and as the memory
    path alone (`alloc_for_decode`), from the same state;
 3. finish: every request released (one free), then the idle stack is checked.
+
+Statistics: the whole set of cases runs `rounds` times, cases interleaved within each round
+(one stack per page size, built afresh each round), so host noise falls on every case
+alike; each phase is timed as `repeat` calls per round and reported as the median of the
+round medians with its spread (`phases.combine_rounds`). With a `Comparison` (SGLang's own
+memory path), its run of each case follows memcli's in the same round.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
-from memcli.tools.bench_one_batch.cases import Case, check_capacity
-from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_steps, measure
-from memcli.tools.bench_one_batch.results import BenchResult, CaseResult, KVStoreFigures
+from memcli.tools.bench_one_batch.cases import Case, check_cases_fit
+from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_rounds, combine_steps, measure
+from memcli.tools.bench_one_batch.results import (BenchResult, CaseResult, KVStoreFigures, ReferenceResult,
+                                                  combine_case_rounds)
 from memcli.tools.bench_one_batch.runner import CaseRunner
 from memcli.config import GIB, Config, replace
 from memcli.stack import MemoryStack, build_stack, resolve_device
 from memcli.timing import torch_threads, wall_time
 
-Progress = Callable[[int, int, Case], None]
+# (round, rounds, case number, cases, case), before each case of each round (numbers from 1).
+Progress = Callable[[int, int, int, int, Case], None]
+
+
+class Comparison(Protocol):
+    """Another implementation of the memory path, timed beside memcli's in the same rounds."""
+
+    name: str
+
+    def run_case(self, case: Case, config: Config, options: "BenchOptions") -> dict[str, PhaseTiming]:
+        """The phases `prefill_memory`, `decode_memory` (when the case decodes) and `free`."""
+        ...
 
 # Share of the free device memory the K/V sources of the store may take.
 SOURCE_MEMORY_SHARE = 0.9
@@ -34,11 +52,13 @@ SOURCE_MEMORY_SHARE = 0.9
 
 @dataclass(frozen=True)
 class BenchOptions:
-    """How to run the cases. `repeat` timed calls per phase after `warmup` untimed ones."""
+    """How to run the cases: `rounds` rounds over every case, each phase timed as `repeat`
+    calls per round after `warmup` untimed ones."""
 
     tree_cache: str = "none"
     repeat: int = 5
     warmup: int = 2
+    rounds: int = 7
     run_name: str = "default"
     seed: int = 0
 
@@ -53,27 +73,61 @@ def case_configs(config: Config, cases: Sequence[Case], tree_cache: str) -> dict
 
 
 def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOptions,
-                        progress: Optional[Progress] = None) -> BenchResult:
-    """Run every case; raises `CapacityError` before running anything if one cannot fit."""
+                        progress: Optional[Progress] = None,
+                        comparison: Optional[Comparison] = None) -> BenchResult:
+    """Run every case `options.rounds` times; raises `CapacityError` before running anything
+    if one cannot fit."""
     configs = case_configs(config, cases, options.tree_cache)
-    for case in cases:
-        check_capacity(case, configs[case.page_size])
+    check_cases_fit(cases, configs)
     device = resolve_device(config)
-    results = []
+    rounds: dict[Case, list[CaseResult]] = {case: [] for case in cases}
+    floor = GraphFloor(device) if device.type == "cuda" else None
+    floor_rounds: list[PhaseTiming] = []
+    compared: dict[Case, list[dict[str, PhaseTiming]]] = {case: [] for case in cases}
     with torch_threads(device):
-        for ps, cfg in configs.items():
-            stack = build_stack(cfg)
-            for case in (c for c in cases if c.page_size == ps):
-                if progress is not None:
-                    progress(len(results) + 1, len(cases), case)
-                results.append(run_case(stack, case, options))
-            del stack
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        for round_number in range(1, options.rounds + 1):
+            done = 0
+            for ps, cfg in configs.items():
+                stack = build_stack(cfg)
+                for case in (c for c in cases if c.page_size == ps):
+                    done += 1
+                    if progress is not None:
+                        progress(round_number, options.rounds, done, len(cases), case)
+                    rounds[case].append(run_case(stack, case, options))
+                    if comparison is not None:
+                        compared[case].append(comparison.run_case(case, cfg, options))
+                del stack
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            if floor is not None:
+                floor_rounds.append(floor.measure(options))
+    results = [combine_case_rounds(rounds[case]) for case in cases]
+    reference = None
+    if comparison is not None:
+        reference = ReferenceResult(comparison.name, [
+            {name: combine_rounds([r[name] for r in compared[case]]) for name in compared[case][0]}
+            for case in cases])
     method = results[0].timing_method if results else ""
     shown = replace(config, cache={"kind": options.tree_cache})
-    return BenchResult(shown.to_dict(), options.to_dict(), describe_device(device), method, results,
-                       shown.semantics.label)
+    return BenchResult(shown, options.to_dict(), describe_device(device), method, results, reference,
+                       combine_rounds(floor_rounds) if floor_rounds else None)
+
+
+class GraphFloor:
+    """The floor of any path that launches work: replaying a CUDA graph of one tiny kernel
+    (one add on one element), timed like every phase."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.x = torch.zeros(1, dtype=torch.int64, device=device)
+        self.x.add_(1)  # load the kernel before the capture
+        torch.cuda.synchronize(device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.x.add_(1)
+
+    def measure(self, options: BenchOptions) -> PhaseTiming:
+        return measure(self.graph.replay, self.device, repeat=options.repeat, warmup=options.warmup)
 
 
 def describe_device(device: torch.device) -> str:

@@ -199,12 +199,17 @@ class CaseRunner:
 
     def snapshot_decode(self) -> DecodeSnapshot:
         b = self.batch
-        return DecodeSnapshot(self.allocator.backup_state(), b.seq_lens, b.seq_lens_cpu,
+        # A copy of the device lengths: a decode step's graph replay increments them in place.
+        return DecodeSnapshot(self.allocator.backup_state(), b.seq_lens.clone(), b.seq_lens_cpu,
                               [r.kv_allocated_len for r in self.reqs])
 
     def restore_decode(self, snap: DecodeSnapshot) -> None:
+        """Back to the snapshot. The lengths are written into the batch's own tensor, as a
+        running batch keeps them from one step to the next (a graph replay finds them in its
+        buffer, as in a steady decode loop)."""
         self.allocator.restore_state(snap.allocator)
-        self.batch.seq_lens, self.batch.seq_lens_cpu = snap.seq_lens, snap.seq_lens_cpu
+        self.batch.seq_lens.copy_(snap.seq_lens)
+        self.batch.seq_lens_cpu = snap.seq_lens_cpu
         for req, n in zip(self.reqs, snap.kv_allocated_lens):
             req.kv_allocated_len = n
 

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from rich.console import Console
 
+from memcli.report.envelope import envelope
 from memcli.report.tables import kv_table
 from memcli.tools.bench_radix.run import BenchRadixResult
+
+
+def bench_radix_document(result: BenchRadixResult) -> dict:
+    """The --json document: the envelope (bench-radix reads no config), then the result."""
+    return envelope("bench-radix", result.to_dict())
 
 
 def render(result: BenchRadixResult, console: Console) -> None:

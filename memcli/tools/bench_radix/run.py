@@ -26,12 +26,12 @@ import torch
 
 from memcli import timing
 from memcli.errors import MemcliError
+from memcli.tools.bench_radix import DEFAULT_CAPACITY_TOKENS
 from memcli.mem_cache.base_prefix_cache import RadixKey
 from memcli.tools.bench_radix.baseline import BaselineRadixCache
 from memcli.mem_cache.radix_cache import RadixCache
 from memcli.workload.readers import read_trace
 
-DEFAULT_CAPACITY_TOKENS = 2_000_000
 
 Progress = Callable[[str, int, int], None]
 

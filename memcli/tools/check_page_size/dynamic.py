@@ -84,10 +84,15 @@ class PhaseResult:
     def ok(self) -> bool:
         return self.violation is None
 
+    @property
+    def unfinished(self) -> int:
+        """Requests still queued or running when the step limit stopped the phase (then aborted)."""
+        return int(self.coverage.get("drained", 0))
+
     def to_dict(self) -> dict:
         return {
             "name": self.name, "event_loop": self.event_loop, "cache_kind": self.cache_kind,
-            "workload": self.workload, "ok": self.ok,
+            "workload": self.workload, "ok": self.ok, "unfinished": self.unfinished,
             "pool_tokens": self.pool_tokens, "page_size": self.page_size, "steps": self.steps,
             "seconds": round(self.seconds, 3),
             "checks": [c.to_dict() for c in self.checks],
@@ -254,9 +259,13 @@ class _PhaseRun:
             detail = f"request {event.rid} was aborted by the scheduler at step {event.step} ({why}) although it fits"
             self.results["completion"] = failed("completion", detail, event.rid).at_step(event.step)
             return [self.results["completion"]]
-        done = sum(1 for r in self.reqs if r.finished)
-        self.results["completion"] = passed("completion", f"{done} of {len(self.reqs)} requests finished or"
-                                                          " were aborted by the workload")
+        done = sum(1 for r in self.reqs if r.finished and r.rid not in self.planned and r.rid not in self.drained)
+        detail = f"{done} of {len(self.reqs)} requests finished"
+        if self.planned:
+            detail += f", {len(self.planned)} aborted by the workload"
+        if self.drained:
+            detail += f", {len(self.drained)} stopped unfinished at the step limit"
+        self.results["completion"] = passed("completion", detail)
         return []
 
     def checks(self) -> list[CheckRow]:

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from memcli.report.envelope import envelope
 from memcli.report.tables import fmt
 
 COVERAGE_LABELS = {
@@ -33,9 +34,15 @@ COVERAGE_LABELS = {
     "aborts_chunked": "aborted while chunked (workload)",
     "scheduler_aborts": "aborted by the scheduler",
     "prefill_ooms": "prefill out-of-memory events",
-    "drained": "aborted at the step limit (drained)",
+    "drained": "not finished within --steps (aborted at the limit)",
     "mean_partial_page_waste": "mean partial-page waste per running request (tokens)",
 }
+
+
+def check_document(result, config) -> dict:
+    """The --json document: the envelope (the user's config; each run's page size is in `runs`),
+    then the result."""
+    return envelope("check-page-size", result.to_dict(), config)
 
 
 def verdict(ok: bool) -> str:
@@ -155,10 +162,12 @@ COMPARISON_ROWS = (
     ("static checks", "static_ok"),
     ("dynamic checks", "dynamic_ok"),
     ("steps", "steps"),
-    ("requests with a prefix hit", "radix_hits"),
-    ("prefix tokens reused", "cached_tokens"),
-    ("evictions", "evictions"),
-    ("retractions", "retractions"),
+    (COVERAGE_LABELS["radix_hits"], "radix_hits"),
+    (COVERAGE_LABELS["cached_tokens"], "cached_tokens"),
+    (COVERAGE_LABELS["evictions"], "evictions"),
+    (COVERAGE_LABELS["pressure_retractions"], "pressure_retractions"),
+    (COVERAGE_LABELS["forced_retractions"], "forced_retractions"),
+    ("requests not finished within --steps (every phase)", "unfinished"),
     ("partial-page waste per request, expected", "expected_waste_per_request"),
     ("partial-page waste per request, measured", "measured_waste_per_request"),
     ("shortest prefix that can hit", "shortest_hit_prefix"),
@@ -184,8 +193,18 @@ def comparison_table(result) -> Table:
 
 
 def render_verdict(result, console: Console) -> None:
+    unfinished = [f"page size {run.page_size} {phase.name}: {phase.unfinished} of {phase.coverage['requests']}"
+                  for run in result.runs for phase in run.unfinished_phases]
     if result.ok:
-        console.print("result: every page size consistent (exit 0)")
+        if not unfinished:
+            console.print("result: every page size consistent (exit 0)")
+            return
+        allowed = result.allow_unfinished
+        console.print(f"result: every page size consistent, but {result.unfinished} request(s) did not finish within"
+                      f" --steps {result.steps}{' (allowed by --allow-unfinished)' if allowed else ''}"
+                      f" (exit {result.exit_code})")
+        for line in unfinished:
+            console.print(f"  {line} not finished", markup=False)
         return
     problems = []
     for run in result.runs:
@@ -199,3 +218,11 @@ def render_verdict(result, console: Console) -> None:
     console.print(f"result: {len(problems)} problem(s) found (exit 1)")
     for line in problems:
         console.print(f"  {line}", markup=False)
+    for line in unfinished:
+        console.print(f"  {line} not finished within --steps {result.steps}", markup=False)
+
+
+def unfinished_hint(result) -> str:
+    """How to finish every request: a --steps computed from the whole workload."""
+    return (f"raise the limit: --steps {result.steps_hint} lets every request finish even when they run one"
+            " after another (or pass --allow-unfinished to accept the drained requests)")

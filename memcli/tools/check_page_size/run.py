@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
+from memcli.tools.check_page_size import DEFAULT_STEPS, TRACE_DEFAULT_REQUESTS
 from memcli.tools.check_page_size.dynamic import FaultHook, PhaseResult, run_phase
 from memcli.tools.check_page_size.static import PageCost, StaticResult, page_cost, static_checks
 from memcli.tools.check_page_size.workload import (
-    TRACE_DEFAULT_REQUESTS, Adjustment, Workload, bench_workload, builtin_config, builtin_workload, check_fits,
+    Adjustment, Workload, bench_workload, builtin_config, builtin_workload, check_fits,
     indices_only, trace_workload,
 )
 from memcli.config import Config, replace
 from memcli.errors import MemcliError
 from memcli.stack import COMPONENTS, build_stack
 
-DEFAULT_STEPS = 3000
 OTHER_LOOP = {"overlap": "normal", "normal": "overlap"}  # the dynamic workload runs in both loops
 BUILTIN = "default"
 
@@ -46,6 +46,7 @@ class PageSizeRun:
     dynamic_adjustments: list[Adjustment]
     phases: list[PhaseResult]
     notes: list[str] = field(default_factory=list)
+    steps_to_finish: int = 0  # the workload run one request after another (`Workload.steps_one_by_one`)
 
     @property
     def ok(self) -> bool:
@@ -54,6 +55,10 @@ class PageSizeRun:
     @property
     def first_violation(self):
         return next((p.violation for p in self.phases if p.violation is not None), None)
+
+    @property
+    def unfinished_phases(self) -> list[PhaseResult]:
+        return [p for p in self.phases if p.unfinished]
 
     def to_dict(self) -> dict:
         return {
@@ -65,6 +70,7 @@ class PageSizeRun:
             "dynamic_adjustments": [a.to_dict() for a in self.dynamic_adjustments],
             "phases": [p.to_dict() for p in self.phases],
             "notes": self.notes,
+            "steps_to_finish": self.steps_to_finish,
         }
 
 
@@ -75,14 +81,27 @@ class CheckPageSizeResult:
     injections: dict[str, int]
     runs: list[PageSizeRun]
     semantics: str  # the profile the dynamic workload runs under, with its overrides
+    allow_unfinished: bool = False
 
     @property
     def ok(self) -> bool:
+        """Every check passed (requests stopped at the step limit are not a failed check)."""
         return all(run.ok for run in self.runs)
 
     @property
+    def unfinished(self) -> int:
+        """Requests stopped unfinished at the step limit, over every phase and page size."""
+        return sum(p.unfinished for run in self.runs for p in run.phases)
+
+    @property
+    def steps_hint(self) -> int:
+        """A --steps that finishes every request of the workload at every page size checked."""
+        return max((run.steps_to_finish for run in self.runs), default=0)
+
+    @property
     def exit_code(self) -> int:
-        return 0 if self.ok else 1
+        """1 when a check failed, or when requests did not finish and --allow-unfinished is off."""
+        return 0 if self.ok and (self.allow_unfinished or not self.unfinished) else 1
 
     def comparison(self) -> list[dict]:
         """One row per page size: verdicts, costs and what the main phase measured."""
@@ -99,7 +118,9 @@ class CheckPageSizeResult:
                 "cached_tokens": cov.get("cached_tokens"),
                 "radix_hits": cov.get("radix_hits"),
                 "evictions": cov.get("evictions"),
-                "retractions": (cov["pressure_retractions"] + cov["forced_retractions"]) if cov else None,
+                "pressure_retractions": cov.get("pressure_retractions"),
+                "forced_retractions": cov.get("forced_retractions"),
+                "unfinished": sum(p.unfinished for p in run.phases) if run.phases else None,
                 "expected_waste_per_request": run.cost.waste_per_request,
                 "measured_waste_per_request": cov.get("mean_partial_page_waste"),
                 "shortest_hit_prefix": run.cost.shortest_hit,
@@ -109,13 +130,15 @@ class CheckPageSizeResult:
         return rows
 
     def to_dict(self) -> dict:
+        """The fields of the --json document (its envelope carries the config and profile)."""
         return {
-            "command": "check-page-size",
-            "semantics": self.semantics,
             "ok": self.ok,
             "exit_code": self.exit_code,
             "workload": self.workload,
             "steps": self.steps,
+            "unfinished": self.unfinished,
+            "allow_unfinished": self.allow_unfinished,
+            "steps_to_finish": self.steps_hint,
             "injections": {f"{k}.page_size": v for k, v in self.injections.items()},
             "runs": [run.to_dict() for run in self.runs],
             "comparison": self.comparison(),
@@ -177,11 +200,12 @@ def run_check_page_size(config: Config, page_sizes: Optional[Sequence[int]] = No
                         injections: Optional[Mapping[str, int]] = None, workload: str | Path = BUILTIN,
                         steps: int = DEFAULT_STEPS, fault_hook: Optional[FaultHook] = None,
                         requests: int = TRACE_DEFAULT_REQUESTS,
-                        progress: Optional[Progress] = None) -> CheckPageSizeResult:
+                        progress: Optional[Progress] = None, allow_unfinished: bool = False) -> CheckPageSizeResult:
     """Run static and dynamic checks at each page size (see the module docstring).
 
     `workload` is "default" (the built-in workload) or a trace file, of which the first
-    `requests` requests are replayed. `steps` bounds each phase (0: static checks only).
+    `requests` requests are replayed. `steps` bounds each phase (0: static checks only);
+    requests it leaves unfinished make the exit code 1 unless `allow_unfinished`.
     `fault_hook(scheduler, step_record)` runs after every step of the main phase, before the
     checks: tests plant faults with it. Raises `MemcliError` for bad input.
     """
@@ -198,7 +222,7 @@ def run_check_page_size(config: Config, page_sizes: Optional[Sequence[int]] = No
         cfg = config if ps == config.page_size else replace(config, memory={"page_size": ps})
         runs.append(_run_page_size(cfg, injections, trace, steps, fault_hook, progress))
     name = trace.description if trace is not None else BUILTIN
-    return CheckPageSizeResult(name, steps, injections, runs, config.semantics.label)
+    return CheckPageSizeResult(name, steps, injections, runs, config.semantics.label, allow_unfinished)
 
 
 def _run_page_size(config: Config, injections: dict[str, int], trace: Optional[Workload], steps: int,
@@ -221,7 +245,7 @@ def _run_page_size(config: Config, injections: dict[str, int], trace: Optional[W
         _report(progress, config.page_size, phases[-1])
         bench = bench_workload(dyn_config)
         # The bench path has no tree cache of its own: its tree cache is the null cache.
-        bench_injections = {k: v for k, v in injections.items() if k != "tree_cache"}
+        bench_injections = {k: v for k, v in injections.items() if k not in ("tree_cache", "host_pool")}
         bench_stack = build_stack(dyn_config, cache_kind="none", page_size_overrides=bench_injections)
         phases.append(run_phase(f"bench path (null cache, {loop} loop)", bench_stack, dyn_config, bench,
                                 bench.step_bound))
@@ -233,7 +257,15 @@ def _run_page_size(config: Config, injections: dict[str, int], trace: Optional[W
                                 steps, progress=progress))
         _report(progress, config.page_size, phases[-1])
     return PageSizeRun(config.page_size, static, page_cost(config), static_adjustments, dyn_adjustments, phases,
-                       _notes(config, injections))
+                       _notes(config, injections), workload.steps_one_by_one(_chunk_tokens(dyn_config)))
+
+
+def _chunk_tokens(config: Config) -> int:
+    """The most prompt tokens one prefill step takes from a request: the chunk size and the
+    prefill budget, floored to a page."""
+    s, ps = config.scheduler, config.page_size
+    budget = min(s.chunked_prefill_size or s.max_prefill_tokens, s.max_prefill_tokens)
+    return max(budget // ps * ps, ps)
 
 
 def _report(progress: Optional[Progress], page_size: int, phase: PhaseResult) -> None:

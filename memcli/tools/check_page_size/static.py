@@ -19,6 +19,7 @@ ROLES = {
     "tree_cache": (None, "match granularity, page-aligned inserts; picks the alloc path"),
     "scheduler": ("PrefillAdder", "prefill budget rounding (pages.align_up), chunk truncation"),
     "null_cache": ("NullCache", "the bench path's tree cache; picks the alloc path"),
+    "host_pool": ("HostKVPool", "hiradix host tier: backups and load-backs move whole pages"),
 }
 
 

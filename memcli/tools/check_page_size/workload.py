@@ -39,7 +39,6 @@ SYSTEM_PROMPT_LENS = (181, 333, 77)
 WAVES, WAVE_SIZE, WAVE_GAP_MS = 5, 6, 120.0
 LAST_WAVE_MS = 10_000.0  # long after the others: the stack goes idle with a full tree first
 BENCH_PROMPT_LENS = (37, 91, 151, 201)  # odd: every prompt ends mid-page
-TRACE_DEFAULT_REQUESTS = 200
 
 
 @dataclass(frozen=True)
@@ -63,6 +62,14 @@ class Workload:
     def step_bound(self) -> int:
         """Enough steps to finish every request one token at a time, plus one per prefill chunk."""
         return sum(r.output_len + r.input_len // 64 + 2 for r in self.requests)
+
+    def steps_one_by_one(self, chunk_tokens: int | None) -> int:
+        """Steps that finish every request when each runs alone, one after another: its prefill
+        chunks (of `chunk_tokens`; None: one chunk), its decode steps, and one idle step before it
+        (the scheduler waits for its arrival). Concurrent requests need fewer; a retraction more."""
+        def chunks(n: int) -> int:
+            return 1 if not chunk_tokens or chunk_tokens < 1 else -(-n // chunk_tokens)
+        return sum(chunks(r.input_len) + r.output_len + 1 for r in self.requests)
 
 
 @dataclass(frozen=True)
@@ -171,14 +178,15 @@ def trace_workload(path: str | Path, num_requests: int) -> Workload:
 
 
 def check_fits(workload: Workload, config: Config) -> None:
-    """Every request must fit one request row and the pool; raise `CapacityError` (exit 2) if not."""
+    """Every request must fit one request row and the pool; raise `CapacityError` (exit 2) if not.
+    The hint's config holds the longest request of the whole workload."""
     context, pool = config.memory.max_context_len, config.pool_size
     for index, spec in enumerate(workload.requests):
         need = spec.input_len + spec.output_len
         if need <= context and need < pool:
             continue
         limit = f"memory.max_context_len is {context}" if need > context else f"the pool holds {pool} tokens"
-        fit = 1 << (need - 1).bit_length()
+        fit = 1 << (max(r.input_len + r.output_len for r in workload.requests) - 1).bit_length()
         raise CapacityError(
             f"request {spec.rid} (number {index + 1} of {workload.name}) needs {need} tokens (input"
             f" {spec.input_len} + output {spec.output_len}) but {limit}",

@@ -7,13 +7,14 @@ from typing import Any
 
 from rich.console import Console
 
+from memcli.report.envelope import envelope
 from memcli.report.tables import kv_table
 from memcli.workload.generate import summarize_records
 
 
-def trace_stats(records: list) -> dict[str, Any]:
+def trace_stats(records: list, progress=None) -> dict[str, Any]:
     """What the written trace holds: request and token counts, and its reusable share."""
-    summary = summarize_records(records)
+    summary = summarize_records(records, progress)
     return {
         "num_requests": summary.num_requests,
         "input_tokens": summary.input_tokens,
@@ -27,11 +28,15 @@ def trace_stats(records: list) -> dict[str, Any]:
     }
 
 
-def gen_trace_document(out: Path, num_bytes: int, params: dict, stats: dict) -> dict[str, Any]:
-    return {"path": str(out), "bytes": num_bytes, "params": params, "summary": stats}
+def gen_trace_document(out: Path, num_bytes: int, params: dict, stats: dict, unchanged: bool = False) -> dict[str, Any]:
+    """The --json document: the envelope (gen-trace reads no config), then the trace. `unchanged`:
+    the file already held this very trace and was not written again."""
+    return envelope("gen-trace", {"path": str(out), "bytes": num_bytes, "unchanged": unchanged, "params": params,
+                                  "summary": stats})
 
 
-def render(out: Path, num_bytes: int, stats: dict, console: Console) -> None:
+def render(out: Path, num_bytes: int, stats: dict, console: Console, unchanged: bool = False) -> None:
     rows = [("path", str(out)), ("bytes", num_bytes), *stats.items()]
-    console.print(kv_table("gen-trace: wrote a memcli trace", rows))
+    title = "gen-trace: trace already there" if unchanged else "gen-trace: wrote a memcli trace"
+    console.print(kv_table(title, rows))
     console.print("reusable_input_tokens: input tokens that start like an earlier request's input (unlimited cache).")

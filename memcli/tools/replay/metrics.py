@@ -32,8 +32,16 @@ DEFINITIONS = {
                               " ceiling's token-level (page size 1) match: what page size 1 would add to the ceiling",
     "sub_page_prefix_requests": "requests that share a prefix with an earlier prompt, but shorter than one page:"
                                 " they can never hit",
-    "lost_to_capacity_and_timing": "ceiling - cached_tokens: sharing lost to eviction, to requests running"
-                                   " concurrently, and to admission order (negative when reordering helped)",
+    "lost_to_capacity_and_timing": "ceiling - cached_tokens: sharing the ceiling counts that the replay did not"
+                                   " get: prefixes evicted before their reuse, requests running concurrently (both"
+                                   " compute a shared prefix before either has cached it, so it is lost without any"
+                                   " eviction), and admission order (negative when reordering helped)",
+    "partial_page_waste": "slots of a request's last page that it owns but has not filled yet (at most page_size - 1"
+                          " per running request; none at page size 1)",
+    "returned_to_free_list": "slots handed back to the allocator (a free call and its tokens, whole pages); a"
+                             " finished request's tokens that the prefix cache keeps are not freed until evicted",
+    "no_request_holds_memory": "at the end no request holds a slot or a row: every slot is free or evictable"
+                               " in the prefix cache",
 }
 
 
@@ -60,7 +68,8 @@ def _mean(values: np.ndarray, weights: np.ndarray) -> float:
 class StepSeries:
     """One entry per scheduler step, in compact arrays (steps can number in the millions)."""
 
-    FIELDS = ("time_ms", "running", "waiting", "available", "evictable", "protected", "held_tokens", "held_pages")
+    FIELDS = ("time_ms", "running", "waiting", "available", "evictable", "protected", "held_tokens", "held_pages",
+              "host_used", "d2h_bytes", "h2d_bytes")
 
     def __init__(self) -> None:
         self.time_ms = array("d")
@@ -76,6 +85,9 @@ class StepSeries:
         ints["protected"].append(record.protected)
         ints["held_tokens"].append(record.held_tokens)
         ints["held_pages"].append(record.held_pages)
+        ints["host_used"].append(record.host_used)
+        ints["d2h_bytes"].append(record.d2h_bytes)
+        ints["h2d_bytes"].append(record.h2d_bytes)
 
     def __len__(self) -> int:
         return len(self.time_ms)

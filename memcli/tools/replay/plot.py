@@ -73,8 +73,12 @@ def plot_replay(result: ReplayResult, path: Path) -> None:
 
 
 def plot_sweep(sweep, path: Path) -> None:
-    """Hit rate (and block ratio) per swept value, with the unlimited-pool reference line."""
+    """Hit rate (and block ratio) per swept value, with the unlimited-pool reference line; with
+    the host tier, the hit rate by tier as stacked bars instead."""
     plt = require_matplotlib()
+    if all(row.result.host_tier is not None for row in sweep.rows) and sweep.rows:
+        _plot_tiers(plt, sweep, path)
+        return
     labels = [str(row.value) for row in sweep.rows]
     x = np.arange(len(labels))
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -87,6 +91,33 @@ def plot_sweep(sweep, path: Path) -> None:
     ax.set_xlabel(sweep.key)
     ax.set_ylabel("hit rate")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+TIERS = (("device_hit", "device hit"), ("host_loaded", "host hit, loaded back"),
+         ("host_skipped", "host hit, skipped (recomputed)"))
+
+
+def _plot_tiers(plt, sweep, path: Path) -> None:
+    """Stacked bars: the hit rate by tier per swept value (a host size, a write policy), and
+    the unlimited-pool reference."""
+    labels = [str(row.value) for row in sweep.rows]
+    x = np.arange(len(labels))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    bottom = np.zeros(len(x))
+    for key, label in TIERS:
+        values = np.array([row.result.host_tier.rates[key] for row in sweep.rows])
+        ax.bar(x, values, bottom=bottom, label=label, width=0.6)
+        bottom += values
+    ax.axhline(sweep.reference.hit_rate, color="grey", ls="--", label=f"unlimited ({sweep.reference.method})")
+    ax.set_ylim(0, max(float(bottom.max()), sweep.reference.hit_rate) * 1.15 + 1e-3)
+    ax.set_xticks(x, labels)
+    ax.set_xlabel(sweep.key)
+    ax.set_ylabel("share of prompt tokens")
+    ax.set_title("hit rate by tier (hiradix)")
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -8,9 +8,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from memcli.tools.replay.metrics import DEFINITIONS, downsample
+from memcli.tools.replay.hicache import TIER_DEFINITION, tier_rows
+from memcli.tools.replay.metrics import DEFINITIONS, WINDOW_REQUESTS, downsample
 from memcli.tools.replay.result import ReplayResult
 from memcli.tools.replay.sweep import SweepResult
+from memcli.report.envelope import envelope
 from memcli.report.tables import fmt, kv_table
 
 SERIES_POINTS = 500
@@ -24,8 +26,7 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
     """The JSON document of one replay (headline fields first, then one object per section)."""
     s, p, o, a, e, q, i = (result.summary, result.prefix, result.occupancy, result.allocation, result.eviction,
                            result.scheduling, result.integrity)
-    return {
-        "command": "replay",
+    return envelope("replay", {
         "interrupted": result.interrupted,
         "stalled": result.stop.message if result.stop is not None and result.stop.reason == "stalled" else None,
         "requests": s.requests,
@@ -34,19 +35,18 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
         "cached_tokens": p.cached_tokens,
         "hit_rate": _round(p.hit_rate),
         "page_size": result.config.page_size,
-        "semantics": result.config.semantics.label,
         "event_loop": result.config.behaviour.event_loop,
         "arrivals": result.arrivals,
         "device": result.device,
         "kernel_backend": result.kernel_backend,
         "trace": dataclasses.asdict(result.trace),
-        "config": result.config.to_dict(),
         "summary": {
             "requests": s.requests, "finished": s.finished, "aborted": s.aborted,
             "input_tokens": result.trace.input_tokens, "output_tokens": s.output_tokens,
             "simulated_time_ms": _round(s.simulated_ms, 3), "steps": s.steps, "prefill_steps": s.prefill_steps,
             "decode_steps": s.decode_steps, "idle_steps": s.idle_steps, "wall_time_s": _round(s.wall_s, 3),
             "steps_per_s": _round(s.steps_per_s, 1),
+            "queueing_delay_ms": result.queueing_delay.to_dict() if result.queueing_delay else None,
         },
         "prefix_cache": {
             "requests": p.requests,
@@ -98,11 +98,14 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
             "final_reports": list(i.final_reports),
         },
         "series": {"points": series_points, **downsample(_series_fields(result), series_points)},
-    }
+        **({"host_tier": result.host_tier.to_dict()} if result.host_tier is not None else {}),
+    }, result.config)
 
 
 def _series_fields(result: ReplayResult) -> dict:
     keep = ("time_ms", "running", "waiting", "used_tokens", "used_pages", "evictable", "protected", "waste_tokens")
+    if result.host_tier is not None:
+        keep += ("host_used", "d2h_bytes", "h2d_bytes")
     return {name: result.series[name] for name in keep}
 
 
@@ -110,22 +113,36 @@ def render_replay(result: ReplayResult, console: Console) -> None:
     for table in replay_tables(result):
         console.print(table)
     p = result.prefix
-    console.print(f"hit_rate = {DEFINITIONS['hit_rate']}.")
-    console.print(f"ceiling = {DEFINITIONS['ceiling']}.")
-    console.print(f"lost to page alignment = {DEFINITIONS['lost_to_page_alignment']}.")
+    for label, name in footnotes(result):
+        console.print(f"{label} = {DEFINITIONS[name]}.")
     if p.sub_page_prefix_requests:
         console.print(f"{p.sub_page_prefix_requests} request(s) shared a prefix shorter than one page"
                       f" ({p.page_size} tokens): they can never hit.")
+    if result.host_tier is not None:
+        console.print(f"host tier = {TIER_DEFINITION}.")
     if result.integrity.failure:
         console.print(f"INTEGRITY FAILURE (replay stopped): {result.integrity.failure}")
     if result.stop is not None:
         console.print(f"STOPPED EARLY ({result.stop.reason}): {result.stop.message}")
 
 
+def footnotes(result: ReplayResult) -> list[tuple[str, str]]:
+    """(label, DEFINITIONS key) of every figure in the tables that needs its definition: the hit
+    rate, the ceiling, and each "lost" or "waste" figure shown."""
+    paged = result.prefix.page_size > 1
+    return [("hit rate", "hit_rate"), ("ceiling", "ceiling"),
+            ("lost to capacity and timing", "lost_to_capacity_and_timing"),
+            *([("lost to page alignment", "lost_to_page_alignment"),
+               ("partial-page waste", "partial_page_waste")] if paged else []),
+            ("returned to the free list", "returned_to_free_list"),
+            ("no request holds memory at the end", "no_request_holds_memory")]
+
+
 def replay_tables(result: ReplayResult) -> list[Table]:
     s, p, o, a, e, q, i = (result.summary, result.prefix, result.occupancy, result.allocation, result.eviction,
                            result.scheduling, result.integrity)
     ps = p.page_size
+    paged = ps > 1  # page alignment and partial pages cost nothing at page size 1
     summary = kv_table("summary", [
         ("trace", f"{result.trace.path} ({result.trace.format})"),
         ("arrivals", result.arrivals),
@@ -136,6 +153,7 @@ def replay_tables(result: ReplayResult) -> list[Table]:
         ("input tokens", result.trace.input_tokens), ("output tokens", s.output_tokens),
         ("simulated time (s)", s.simulated_ms / 1e3),
         ("steps (prefill / decode / idle)", f"{s.steps:,} ({s.prefill_steps:,} / {s.decode_steps:,} / {s.idle_steps:,})"),
+        *_delay_row(result.queueing_delay),
         ("wall time (s)", s.wall_s), ("steps per second", s.steps_per_s),
     ])
     prefix = kv_table(f"prefix cache (page size {ps}, block size {p.block_size})", [
@@ -143,31 +161,35 @@ def replay_tables(result: ReplayResult) -> list[Table]:
         ("hit rate", _pct(p.hit_rate)),
         ("block ratio (hit blocks / blocks)", f"{_pct(p.block_ratio)} ({p.hit_blocks:,} / {p.blocks:,})"),
         ("hit rate, first 50% excluded", _pct(p.warmup_excluded_hit_rate)),
-        ("hit rate, last 1,000 requests", _pct(p.last_1000_hit_rate)),
+        # over a trace of at most WINDOW_REQUESTS the window is the whole trace: the hit rate above
+        *([(f"hit rate, last {WINDOW_REQUESTS:,} requests", _pct(p.last_1000_hit_rate))]
+          if result.trace.requests > WINDOW_REQUESTS else []),
         ("ceiling (sequential, never evicting)", f"{_pct(p.ceiling_hit_rate)} ({p.ceiling_tokens:,} tokens)"),
         ("lost to capacity and timing", p.lost_to_capacity_and_timing),
-        ("lost to page alignment", p.lost_to_page_alignment),
-        ("requests with a sub-page shared prefix", p.sub_page_prefix_requests),
+        *([("lost to page alignment", p.lost_to_page_alignment),
+           ("requests with a sub-page shared prefix", p.sub_page_prefix_requests)] if paged else []),
         ("requests with a hit", p.requests_with_hits),
     ])
     allocation = kv_table(f"allocation (pool {o.pool_tokens:,} tokens = {o.num_pages:,} pages)", [
         ("peak used tokens", f"{o.peak_used_tokens:,} ({_pct(o.peak_token_fraction)})"),
-        ("peak used pages", f"{o.peak_used_pages:,} ({_pct(o.peak_page_fraction)})"),
-        ("mean used tokens / pages", f"{o.mean_used_tokens:,.0f} / {o.mean_used_pages:,.0f}"),
-        ("partial-page waste, peak / mean (tokens)", f"{o.peak_waste_tokens:,} / {o.mean_waste_tokens:,.0f}"),
+        *([("peak used pages", f"{o.peak_used_pages:,} ({_pct(o.peak_page_fraction)})"),
+           ("mean used tokens / pages", f"{o.mean_used_tokens:,.0f} / {o.mean_used_pages:,.0f}")] if paged else
+          [("mean used tokens", f"{o.mean_used_tokens:,.0f}")]),
+        *([("partial-page waste, peak / mean (tokens)", f"{o.peak_waste_tokens:,} / {o.mean_waste_tokens:,.0f}")]
+          if paged else []),
         ("peak evictable / protected (tokens)", f"{o.peak_evictable_tokens:,} / {o.peak_protected_tokens:,}"),
         ("allocations (tokens)", f"{a.allocations:,} ({a.allocated_tokens:,})"),
-        ("frees (tokens)", f"{a.frees:,} ({a.freed_tokens:,})"),
+        ("returned to the free list: calls (tokens)", f"{a.frees:,} ({a.freed_tokens:,})"),
         ("request rows, peak / total", f"{a.peak_request_rows:,} / {a.request_rows:,}"),
         ("out-of-memory events", a.oom_events),
     ])
     eviction = kv_table(f"eviction (policy {e.policy})", [
         ("evictions (nodes)", e.evictions), ("tokens evicted", e.tokens_evicted),
-        ("age at eviction p50 / p90 / max (s)", _dist(e.age_ms, 1e-3)),
-        ("reuse count p50 / p90 / max", _dist(e.reuse, 1)),
+        *([("age at eviction p50 / p90 / max (s)", _dist(e.age_ms, 1e-3)),
+           ("reuse count p50 / p90 / max", _dist(e.reuse, 1))] if e.evictions else []),
     ])
     scheduling = kv_table("scheduling", [
-        ("retractions (requests)", f"{q.retractions:,} ({q.retracted_requests:,})"),
+        ("retraction events (requests retracted)", f"{q.retractions:,} ({q.retracted_requests:,})"),
         ("recomputed tokens", q.recomputed_tokens), ("aborted", q.aborted),
         ("running, mean / max", f"{q.queue.mean_running:,.1f} / {q.queue.max_running:,}"),
         ("waiting, mean / max", f"{q.queue.mean_waiting:,.1f} / {q.queue.max_waiting:,}"),
@@ -176,9 +198,20 @@ def replay_tables(result: ReplayResult) -> list[Table]:
         ("checks", i.mode), ("checks run", i.checks_run),
         ("incremental / full walks", f"{i.incremental_checks:,} / {i.full_walks:,} ({i.check_s:,.2f} s)"),
         ("result", "ok" if i.ok else "FAILED"),
-        ("everything free at the end", i.everything_free),
+        ("no request holds memory at the end", i.everything_free),
     ])
-    return [summary, prefix, allocation, eviction, scheduling, integrity]
+    tables = [summary, prefix, allocation, eviction, scheduling, integrity]
+    if result.host_tier is not None:
+        tables.insert(2, kv_table(f"host tier (hiradix, host pool {result.host_tier.host_pool_tokens:,} tokens)",
+                                  tier_rows(result.host_tier)))
+    return tables
+
+
+def _delay_row(delay) -> list[tuple[str, str]]:
+    if delay is None or not delay.requests:
+        return []
+    return [("queueing delay p50 / p90 / p99 / max (ms)",
+             " / ".join(fmt(round(v, 1)) for v in (delay.p50, delay.p90, delay.p99, delay.max)))]
 
 
 def _pct(value: float) -> str:
@@ -194,19 +227,17 @@ def _dist(values: dict[str, float], scale: float) -> str:
 
 def sweep_document(sweep: SweepResult) -> dict[str, Any]:
     base = sweep.rows[0].result if sweep.rows else None
-    return {
-        "command": "replay",
+    return envelope("replay", {
         "sweep": {"key": sweep.key, "values": [row.value for row in sweep.rows]},
         "requests": base.summary.requests if base else 0,
         "input_tokens": base.prefix.input_tokens if base else 0,
         "output_tokens": base.summary.output_tokens if base else 0,
         "page_size": base.config.page_size if base else None,
         "arrivals": sweep.arrivals,
-        "config": sweep.config.to_dict(),
         "hit_rate_definition": DEFINITIONS["hit_rate"],
         "rows": [_sweep_row(row.value, row.result) for row in sweep.rows],
         "reference": sweep.reference.to_dict(),
-    }
+    }, sweep.config)
 
 
 def _sweep_row(value: Any, r: ReplayResult) -> dict[str, Any]:
@@ -220,6 +251,7 @@ def _sweep_row(value: Any, r: ReplayResult) -> dict[str, Any]:
         "tokens_evicted": r.eviction.tokens_evicted, "retractions": r.scheduling.retractions,
         "peak_used_tokens": r.occupancy.peak_used_tokens, "simulated_time_ms": _round(r.summary.simulated_ms, 3),
         "steps": r.summary.steps, "wall_time_s": _round(r.summary.wall_s, 3), "integrity_ok": r.integrity.ok,
+        **({"host_tier": r.host_tier.to_dict()} if r.host_tier is not None else {}),
     }
 
 
@@ -239,14 +271,36 @@ def render_sweep(sweep: SweepResult, console: Console) -> None:
                   _optional_pct(ref.block_ratio), _optional_pct(ref.warmup_excluded_hit_rate),
                   _pct(ref.ceiling_hit_rate), *(["-"] * 4))
     console.print(table)
+    tiers = [row for row in sweep.rows if row.result.host_tier is not None]
+    if tiers:
+        console.print(_tier_table(sweep.key, tiers))
     for row in sweep.rows:
         if not row.result.integrity.ok:
             console.print(f"INTEGRITY FAILURE at {sweep.key}={row.value} (replay stopped):"
                           f" {row.result.integrity.failure}")
     console.print("blocks = block ratio; warm-up excl = hit rate without the first 50% of requests;"
                   " ceiling = sequential, never evicting (see the single-replay report).")
+    if tiers:
+        console.print("host tier: hit rate by tier (device, host loaded back, host skipped, miss; see the"
+                      " single-replay report), GB copied device -> host and back, host tokens evicted.")
     console.print(f"hit rate = {DEFINITIONS['hit_rate']}.")
     console.print(f"unlimited ({ref.method}): {ref.note}.")
+
+
+def _tier_table(key: str, rows: list) -> Table:
+    """Hit rate by tier per swept value (the rows with a host tier)."""
+    table = Table(title=f"host tier by {key}", title_justify="left")
+    for name in ("value", "host pool", "device", "host load", "host skip", "miss", "GB d2h", "GB h2d",
+                 "host evict", "sim s"):
+        table.add_column(name, justify="left" if name == "value" else "right", no_wrap=True)
+    for row in rows:
+        h = row.result.host_tier
+        r, t = h.rates, h.transfers
+        table.add_row(str(row.value), fmt(h.host_pool_tokens), _pct(r["device_hit"]), _pct(r["host_loaded"]),
+                      _pct(r["host_skipped"]), _pct(r["miss"]), f"{t['d2h_bytes'] / 1e9:,.1f}",
+                      f"{t['h2d_bytes'] / 1e9:,.1f}", fmt(t["host_evicted_tokens"]),
+                      f"{row.result.summary.simulated_ms / 1e3:,.0f}")
+    return table
 
 
 def _optional_pct(value) -> str:

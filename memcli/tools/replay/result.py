@@ -8,7 +8,9 @@ from typing import Optional
 import numpy as np
 
 from memcli.config import Config
+from memcli.tools.replay.hicache import HostTierStats
 from memcli.tools.replay.metrics import EvictionStats, OccupancyStats, PrefixStats, QueueStats
+from memcli.tools.replay.requests import DelayStats, RequestLog
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,11 @@ class ReplayResult:
     """Per request in trace order: tokens matched at first admission, -1 if never admitted."""
     stop: Optional[Stop] = None
     """Set when the replay stopped early; the rest of the result covers the replay so far."""
+    requests_log: Optional[RequestLog] = None
+    """Per request: arrival, admission, finish, tokens, retractions (`replay --requests-out`)."""
+    queueing_delay: Optional[DelayStats] = None
+    host_tier: Optional[HostTierStats] = None
+    """The host tier's tiers, transfers and occupancy (`cache.kind: hiradix` only)."""
 
     @property
     def interrupted(self) -> bool:

@@ -29,7 +29,10 @@ from memcli.errors import CapacityError, IntegrityError, MemcliError, StalledErr
 from memcli.mem_cache.integrity import CheckPolicy, IntegrityChecker, check_memory
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from memcli.mem_cache.pages import align_up
+from memcli.tools.replay import ARRIVALS
 from memcli.tools.replay.ceiling import shared_prefix_lens
+from memcli.tools.replay.requests import RequestLog, delay_stats
+from memcli.tools.replay.hicache import TierLog, host_tier_stats
 from memcli.tools.replay.metrics import (EvictionLog, StepSeries, eviction_stats, occupancy_stats, prefix_stats,
                                    queue_stats)
 from memcli.tools.replay.result import (AllocationStats, IntegrityStats, ReplayResult, RunSummary, SchedulingStats,
@@ -39,7 +42,6 @@ from memcli.stack import build_stack, resolve_device
 from memcli.timing import torch_threads
 from memcli.workload.spec import Trace, output_token_base
 
-ARRIVALS = ("timestamp", "burst", "sequential")
 RECORDS_KEPT = 4096  # the scheduler's own step records are trimmed to this many (we keep our own)
 
 
@@ -96,9 +98,9 @@ def check_options(trace: Trace, config: Config, options: ReplayOptions) -> None:
 
 def check_fits(config: Config, trace: Trace) -> None:
     """Raise `CapacityError` for the first request that can never run: longer than a request row
-    (`memory.max_context_len`), or more than an empty pool admits or holds."""
+    (`memory.max_context_len`), or more than an empty pool admits or holds. The hint's values
+    hold every request of the trace (the largest need), so that following it is enough."""
     ps, pool, context = config.page_size, config.pool_size, config.memory.max_context_len
-    clip = config.scheduler.max_new_tokens_clip
     for index, spec in enumerate(trace.requests):
         need = spec.input_len + spec.output_len
         where = f"{trace.path}:{spec.line}: request {spec.rid} (#{index + 1})" if spec.line else \
@@ -107,15 +109,35 @@ def check_fits(config: Config, trace: Trace) -> None:
             raise CapacityError(
                 f"{where} needs {need} tokens (input {spec.input_len} + output {spec.output_len}),"
                 f" more than memory.max_context_len {context}",
-                f"raise it (--set memory.max_context_len={need}) or replay fewer requests (--limit {index})"
-                if index else f"raise it: --set memory.max_context_len={need}",
+                _fit_hint(config, trace, index),
             )
-        paged = align_up(need, ps)
-        if paged > pool or spec.input_len + min(spec.output_len, clip) >= pool:
+        if _pool_need(config, spec.input_len, spec.output_len) > pool:
             raise CapacityError(
-                f"{where} needs {paged} tokens ({need} rounded to pages of {ps}) but the pool holds {pool}",
-                f"enlarge the pool: --set memory.max_total_tokens={paged + ps} (and memory.kv_budget_gib=null)",
+                f"{where} needs {align_up(need, ps)} tokens ({need} rounded to pages of {ps}) but the pool holds {pool}",
+                _fit_hint(config, trace, index),
             )
+
+
+def _pool_need(config: Config, input_len: int, output_len: int) -> int:
+    """The smallest pool (tokens, whole pages) that admits and holds one request alone."""
+    ps, clip = config.page_size, config.scheduler.max_new_tokens_clip
+    return max(align_up(input_len + output_len, ps), align_up(input_len + min(output_len, clip) + 1, ps))
+
+
+def _fit_hint(config: Config, trace: Trace, index: int) -> str:
+    """Settings that hold the largest request of the whole trace, or fewer requests."""
+    mem = config.memory
+    context = max(max(s.input_len + s.output_len for s in trace.requests), mem.max_context_len)
+    pool = max(max(_pool_need(config, s.input_len, s.output_len) for s in trace.requests),
+               align_up(context, config.page_size), config.pool_size)
+    settings = []
+    if context > mem.max_context_len:
+        settings.append(f"--set memory.max_context_len={context}")
+    if pool > config.pool_size:
+        settings.append(f"--set memory.max_total_tokens={pool}"
+                        + (" --set memory.kv_budget_gib=null" if mem.kv_budget_gib is not None else ""))
+    fewer = f"replay fewer requests (--limit {index}), or " if index else ""
+    return f"{fewer}hold every request of the trace: {' '.join(settings)}"
 
 
 def replay(config: Config, trace: Trace, options: ReplayOptions, progress: Optional[ProgressFn] = None,
@@ -157,7 +179,11 @@ class _Run:
         self.config, self.trace, self.options = config, trace, options
         self.events, self.progress = events, progress
         self.index = {spec.rid: i for i, spec in enumerate(trace.requests)}
-        self.cached = np.full(trace.num_requests, -1, dtype=np.int64)
+        timed = options.arrivals == "timestamp"
+        self.log = RequestLog(trace.num_requests, np.fromiter(
+            (spec.arrival_ms if timed else np.nan for spec in trace.requests), dtype=np.float64,
+            count=trace.num_requests))
+        self.tiers = TierLog(trace.num_requests) if config.cache.kind == "hiradix" else None
         self.next = 0
         self.output_tokens = 0
         self.series = StepSeries()
@@ -193,6 +219,7 @@ class _Run:
                     break
                 sched.step()
                 self._after_step()
+            self.stack.tree_cache.finish_copies()  # the host tier's last copies are waited for
             reports = check_memory(self.stack, sched.memory_holders())
         except IntegrityError as exc:
             self.failure_at = (getattr(exc, "step", None), getattr(exc, "check", None))
@@ -257,8 +284,10 @@ class _Run:
             self._report_progress()
 
     def _harvest(self, req) -> None:
-        if req.first_cached_tokens is not None:
-            self.cached[self.index[req.rid]] = req.first_cached_tokens
+        index = self.index[req.rid]
+        self.log.record(index, req)
+        if self.tiers is not None and req.first_cached_tokens is not None:
+            self.tiers.harvest(index, req)
 
     def _harvest_unfinished(self) -> None:
         """After a stop: the hits of requests admitted but not finished count too."""
@@ -296,7 +325,7 @@ class _Run:
                 prefill_steps=stats.prefill_batches, decode_steps=stats.decode_steps, idle_steps=stats.idle_steps,
                 wall_s=wall_s,
             ),
-            prefix=prefix_stats(input_lens, self.cached, shared, ps, trace.block_size),
+            prefix=prefix_stats(input_lens, self.log.cached_tokens, shared, ps, trace.block_size),
             occupancy=occupancy_stats(series, pool, ps),
             allocation=AllocationStats(
                 allocations=stats.allocations, allocated_tokens=stats.allocated_tokens, frees=self.stack.allocator.num_frees,
@@ -317,8 +346,12 @@ class _Run:
                 failure_step=self.failure_at[0], failure_check=self.failure_at[1],
             ),
             series=series,
-            first_cached_tokens=self.cached,
+            first_cached_tokens=self.log.cached_tokens,
+            requests_log=self.log,
+            queueing_delay=delay_stats(self.log),
             stop=self.stop,
+            host_tier=None if self.tiers is None else host_tier_stats(self.tiers, self.log.cached_tokens, input_lens,
+                                                                       series, tree.host_tier()),
         )
 
 

@@ -7,18 +7,23 @@ from typing import Any
 
 from rich.console import Console
 
-from memcli.config import Config
+from memcli.config import Config, host_pool_size
+from memcli.report.envelope import envelope
 from memcli.report.tables import kv_table
 
 
 def derived_sizes(cfg: Config) -> dict[str, int]:
-    return {
+    sizes = {
         "pool_size": cfg.pool_size,
         "requested_total_tokens": cfg.requested_total_tokens,
         "bytes_per_token": cfg.model.bytes_per_token,
         "kv_pool_bytes": (cfg.pool_size + cfg.page_size) * cfg.model.bytes_per_token,
         "num_pages": cfg.pool_size // cfg.page_size,
     }
+    if cfg.cache.kind == "hiradix":
+        host = host_pool_size(cfg)
+        sizes.update(host_pool_size=host, host_pool_bytes=host * cfg.model.bytes_per_token)
+    return sizes
 
 
 def in_force(cfg: Config) -> dict[str, str]:
@@ -27,8 +32,7 @@ def in_force(cfg: Config) -> dict[str, str]:
 
 
 def show_config_document(cfg: Config) -> dict[str, Any]:
-    return {"command": "show-config", "config": cfg.to_dict(), "semantics_in_force": in_force(cfg),
-            "derived": derived_sizes(cfg)}
+    return envelope("show-config", {"semantics_in_force": in_force(cfg), "derived": derived_sizes(cfg)}, cfg)
 
 
 def render(cfg: Config, console: Console) -> None:

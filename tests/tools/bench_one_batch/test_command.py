@@ -24,7 +24,7 @@ from memcli.mem_cache.null_cache import NullCache
 from memcli.stack import build_stack
 
 runner = CliRunner()
-QUICK = ["--repeat", "1", "--warmup", "0", "--output-len", "3"]
+QUICK = ["--repeat", "1", "--warmup", "0", "--rounds", "1", "--output-len", "3"]
 
 
 def invoke(*args):
@@ -44,14 +44,14 @@ def cdiv(a, b):
 
 
 def test_default_run():
-    result = invoke()
+    result = invoke("--progress")
     assert result.exit_code == 0, result.stderr
     out = result.stdout
     assert "bs=1 input=512 output=16 prefix=0 page_size=1" in out
     assert "bs=8 input=512 output=16 prefix=0 page_size=1" in out
     assert "synchronized wall clock" in out and "n/a (no device)" in out
     assert "decode memory path" in out and "free on finish" in out and "idle check ok" in out
-    assert "case 2/2" in result.stderr
+    assert "round 7/7 over 2 case(s)" in result.stderr
 
 
 @pytest.mark.parametrize("profile, steps", [("sglang-0.5.5", 2), ("memcli", 3)])
@@ -59,7 +59,7 @@ def test_decode_steps_follow_the_profile(profile, steps):
     doc = bench_json("-b", 2, "--input-len", 40, *QUICK, "--set", f"semantics.profile={profile}")
     (case,) = doc["cases"]
     assert case["output_len"] == 3 and len(case["decode_step_us"]) == steps
-    assert doc["semantics"] == profile
+    assert doc["profile"] == profile
 
 
 def test_json_is_one_document_with_every_figure():
@@ -91,11 +91,12 @@ def test_json_is_one_document_with_every_figure():
 
 
 def test_several_page_sizes_give_a_comparison_table():
-    result = invoke("-b", "1,2", "--input-len", 40, "--page-size", 1, 16, *QUICK)
+    result = invoke("-b", "1,2", "--input-len", 40, "--page-size", 1, 16, *QUICK, "--progress")
     assert result.exit_code == 0, result.stderr
     assert "page sizes compared" in result.stdout
     assert "page_size=1" in result.stdout and "page_size=16" in result.stdout
-    assert result.stderr.count("case ") == 4
+    assert "round 1/1 over 4 case(s)" in result.stderr
+    assert invoke("-b", "1", "--input-len", 40, *QUICK).stderr == ""  # no --progress, no terminal: silent
 
 
 def test_list_options_accept_spaces_commas_and_repeated_flags():

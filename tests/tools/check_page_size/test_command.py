@@ -4,6 +4,7 @@ reported with the check that breaks first, traces replay, bad input exits 2."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from typer.testing import CliRunner
 from memcli.tools.check_page_size.run import run_check_page_size
 from memcli.cli.app import app
 from memcli.config import load_config
+from memcli.workload.generate import generate_trace, write_trace
 
 runner = CliRunner()
 TRACE = Path(__file__).resolve().parents[2] / "data" / "conversation_head300.jsonl"
@@ -136,7 +138,7 @@ def test_planted_faults_are_caught_by_the_right_check(hook, check, others):
 
 
 def test_trace_replay_runs_and_drains(tmp_path):
-    result = invoke("--workload", TRACE, "--requests", 20, "--steps", 30, "--json", *TRACE_SETS)
+    result = invoke("--workload", TRACE, "--requests", 20, "--steps", 30, "--json", "--allow-unfinished", *TRACE_SETS)
     assert result.exit_code == 0, result.stdout + result.stderr
     doc = json.loads(result.stdout)
     phase = doc["runs"][0]["phases"][0]
@@ -155,11 +157,11 @@ def test_trace_request_that_does_not_fit_is_bad_input():
 
 
 def test_json_is_one_document():
-    result = invoke("--set", "memory.page_size=16", "--steps", 60, "--json")
+    result = invoke("--set", "memory.page_size=16", "--steps", 60, "--json", "--allow-unfinished")
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["command"] == "check-page-size" and doc["ok"] is True and doc["exit_code"] == 0
-    assert doc["semantics"] == "sglang-0.5.5"  # the dynamic workload runs SGLang's profile by default
+    assert doc["profile"] == "sglang-0.5.5"  # the dynamic workload runs SGLang's profile by default
     run = doc["runs"][0]
     assert [c["name"] for c in run["static"]["components"]] == [
         "config", "kv_pool", "allocator", "tree_cache", "scheduler", "null_cache"]
@@ -185,7 +187,7 @@ def test_human_output_of_an_injected_mismatch():
 
 
 def test_several_page_sizes_side_by_side():
-    result = invoke("--page-size", "1", "16", "--steps", 40)
+    result = invoke("--page-size", "1", "16", "--steps", 40, "--allow-unfinished")
     assert result.exit_code == 0, result.stderr
     assert "page sizes side by side" in result.stdout
     assert "check-page-size: page size 1" in result.stdout and "check-page-size: page size 16" in result.stdout
@@ -207,3 +209,77 @@ def test_bad_input_exits_2_with_error_and_hint(args, message):
     assert result.exit_code == 2, result.stdout
     assert result.stderr.startswith("error: ") and message in result.stderr
     assert "\nhint: " in result.stderr and "Traceback" not in result.stderr
+
+
+# -- requests that do not finish within --steps --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_trace(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("chat") / "chat.jsonl"
+    write_trace(generate_trace(16, seed=1, system_prompt_len=96, input_len=40, output_len=30, rate=20), path)
+    return path
+
+
+def test_unfinished_requests_exit_1_and_the_hinted_steps_finish_them(chat_trace):
+    short = invoke("--workload", chat_trace, "--page-size", 16, "--steps", 25)
+    assert short.exit_code == 1, short.stdout + short.stderr
+    assert "did not finish within --steps 25 (exit 1)" in short.stdout
+    hint = short.stderr.strip().splitlines()[-1]
+    assert hint.startswith("hint: raise the limit: --steps ") and "--allow-unfinished" in hint
+    steps = int(re.search(r"--steps (\d+)", hint).group(1))
+    followed = invoke("--workload", chat_trace, "--page-size", 16, "--steps", steps, "--json")
+    assert followed.exit_code == 0, followed.stdout + followed.stderr
+    doc = json.loads(followed.stdout)
+    assert doc["unfinished"] == 0 and followed.stderr == ""
+    assert all(p["coverage"]["finished"] == 16 for p in doc["runs"][0]["phases"] if p["name"].startswith("workload"))
+
+
+def test_the_hint_covers_every_page_size(chat_trace):
+    small = run_check_page_size(config("scheduler.chunked_prefill_size=null", "scheduler.max_prefill_tokens=100"),
+                                [1, 64], workload=chat_trace, steps=5)
+    assert small.steps_hint == max(run.steps_to_finish for run in small.runs) > 5
+    assert small.runs[0].steps_to_finish != small.runs[1].steps_to_finish  # chunks are floored to each page size
+
+
+def test_allow_unfinished_exits_0_and_still_reports_them(chat_trace):
+    result = invoke("--workload", chat_trace, "--steps", 25, "--allow-unfinished", "--json")
+    assert result.exit_code == 0
+    doc = json.loads(result.stdout)
+    assert doc["unfinished"] > 0 and doc["allow_unfinished"] is True and doc["ok"] is True
+    assert doc["comparison"][0]["unfinished"] == doc["unfinished"]
+    completion = next(c for c in doc["runs"][0]["phases"][0]["checks"] if c["name"] == "completion")
+    assert "stopped unfinished at the step limit" in completion["detail"]
+
+
+def test_a_count_has_one_name_in_every_table():
+    from memcli.tools.check_page_size.report import COMPARISON_ROWS, COVERAGE_LABELS
+
+    result = run_check_page_size(config(), [1, 16], steps=400)
+    for label, key in COMPARISON_ROWS:
+        if key in COVERAGE_LABELS:
+            assert label == COVERAGE_LABELS[key], key
+    for row, run in zip(result.comparison(), result.runs):
+        coverage = run.phases[0].coverage
+        assert (row["pressure_retractions"], row["forced_retractions"]) == (
+            coverage["pressure_retractions"], coverage["forced_retractions"])
+        assert row["forced_retractions"] > 0  # the built-in workload forces some
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_hiradix_host_pool_is_a_page_size_holder(page_size):
+    result = run_check_page_size(config("cache.kind=hiradix"), page_sizes=[page_size], steps=3000)
+    run = result.runs[0]
+    assert result.exit_code == 0, [p.violation for p in run.phases]
+    host = next(c for c in run.static.components if c.name == "host_pool")
+    assert host.page_size == page_size and host.holder == "HostKVPool" and host.agrees
+
+
+def test_an_injected_host_pool_page_size_breaks_the_backups():
+    result = run_check_page_size(config("cache.kind=hiradix"), injections={"host_pool": 16}, steps=3000)
+    assert result.exit_code == 1
+    run = result.runs[0]
+    assert run.static.mismatched == ["host_pool"]
+    violation = run.phases[0].violation
+    assert violation.name == "no_exception" and "host alloc" in violation.detail and "page_size 16" in violation.detail
+    assert run.phases[1].ok  # the bench path has no host pool

@@ -94,3 +94,45 @@ def test_unparseable_option_is_a_usage_error(tmp_path):
     result = invoke(tmp_path / "t.jsonl", "--requests", "many")
     assert result.exit_code == 2
     assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_the_same_options_again_leave_the_file_and_exit_0(tmp_path):
+    out = tmp_path / "t.jsonl"
+    assert invoke(out, "-n", 20, "--seed", 5).exit_code == 0
+    before = (out.read_bytes(), out.stat().st_mtime_ns)
+    again = invoke(out, "-n", 20, "--seed", 5, "--json")
+    assert again.exit_code == 0, again.stderr
+    assert again.stderr == f"note: {out} already holds this trace (same options and seed): left as it is\n"
+    doc = json.loads(again.stdout)
+    assert doc["unchanged"] is True and doc["bytes"] == len(before[0]) and doc["summary"]["num_requests"] == 20
+    assert (out.read_bytes(), out.stat().st_mtime_ns) == before
+
+
+@pytest.mark.parametrize("other", [["-n", "21", "--seed", "5"], ["-n", "20", "--seed", "6"]])
+def test_other_options_over_an_existing_trace_need_force(tmp_path, other):
+    out = tmp_path / "t.jsonl"
+    assert invoke(out, "-n", 20, "--seed", 5).exit_code == 0
+    before = out.read_bytes()
+    result = invoke(out, *other)
+    assert result.exit_code == 2 and "already exists and holds another trace" in result.stderr
+    assert out.read_bytes() == before
+    forced = invoke(out, *other, "--force", "--json")
+    assert forced.exit_code == 0 and json.loads(forced.stdout)["unchanged"] is False
+    assert out.read_bytes() != before
+
+
+def test_a_file_cut_short_is_another_trace(tmp_path):
+    out = tmp_path / "t.jsonl"
+    assert invoke(out, "-n", 20).exit_code == 0
+    out.write_bytes(out.read_bytes()[:-10])
+    assert invoke(out, "-n", 20).exit_code == 2
+
+
+def test_progress_only_when_asked_or_on_a_terminal(tmp_path):
+    quiet = invoke(tmp_path / "a.jsonl", "-n", 600)
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+    shown = invoke(tmp_path / "b.jsonl", "-n", 600, "--progress")
+    assert shown.exit_code == 0
+    for phase in ("generating", "writing", "summarizing"):
+        assert phase in shown.stderr
+    assert shown.stderr.count("600/600") == 3

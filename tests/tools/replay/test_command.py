@@ -184,7 +184,7 @@ def test_human_output_prints_the_definition(memcli_trace):
     result = invoke(memcli_trace, *SMALL, env={"NO_COLOR": "1"})
     assert result.exit_code == 0, result.stderr
     for needle in ("prefix cache", "hit rate", "allocation", "eviction", "scheduling", "integrity",
-                   "hit_rate = cached_tokens / input_tokens"):
+                   "hit rate = cached_tokens / input_tokens"):
         assert needle in result.stdout
 
 
@@ -193,6 +193,30 @@ def test_progress_goes_to_stderr_and_stdout_stays_one_document(memcli_trace):
     assert result.exit_code == 0
     json.loads(result.stdout)
     assert "replay" in result.stderr and "30/30" in result.stderr
+    assert "reading the trace" in result.stderr and "MB, 30 requests" in result.stderr
+
+
+def test_no_progress_when_stderr_is_not_a_terminal(memcli_trace):
+    result = invoke(memcli_trace, *SMALL)
+    assert result.exit_code == 0 and result.stderr == ""
+
+
+def test_sweep_progress_has_one_bar_per_replay(memcli_trace):
+    result = invoke(memcli_trace, *SMALL, "--sweep", "memory.max_total_tokens=20000,60000", "--progress", "--json")
+    assert result.exit_code == 0, result.stderr
+    for label in ("memory.max_total_tokens=20000", "memory.max_total_tokens=60000", "unlimited pool"):
+        assert label in result.stderr
+
+
+def test_plot_says_where_it_wrote(memcli_trace, tmp_path, monkeypatch):
+    import memcli.tools.replay.plot as plot
+
+    monkeypatch.setattr(plot, "require_matplotlib", lambda: None)
+    monkeypatch.setattr(plot, "plot_replay", lambda result, path: path.write_bytes(b"png"))
+    out = tmp_path / "o.png"
+    result = invoke(memcli_trace, *SMALL, "--plot", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == f"plot: wrote {out}\n" and out.read_bytes() == b"png"
 
 
 def test_check_every_step(memcli_trace):

@@ -1,0 +1,105 @@
+"""The decode memory path as one CUDA-graph replay per step.
+
+A decode step's memory path is tiny on the device (one slot per request, one `req_to_token`
+column, the free list's head moved) and all host time: Python, argument binding, a launch,
+an allocation for the output. `DecodeGraphs` captures the whole step once per batch size,
+`kernels.alloc_decode_step` with static buffers, and replays it:
+
+* inputs: the graph reads the lengths and request rows from its own buffers. The lengths
+  are incremented on the device by the step itself, and the batch keeps them as its
+  `seq_lens`, so the next step finds them in place; a copy is made only when the batch
+  hands in other tensors (a new batch, a filter, a merge, a restore);
+* free list: its head and length live on the device (`state`, one packed int64) and the
+  step advances them; the allocator keeps its host copy for the capacity check (the step's
+  page count is known on the host before the replay). When anything else moved the head (an
+  extend, a free, a restore), one fill sets the device copy before the next replay;
+* output: the slots land in a static buffer, valid until the next step of that batch size.
+
+So a steady decode step is one graph launch. Replays give exactly the slots of the eager
+path (tested on a GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from memcli import kernels
+
+# Graphs kept at once: one per batch size seen, each a few small buffers and one tiny graph,
+# so every batch size a scheduler can run (its request rows) fits; beyond this the oldest goes.
+MAX_GRAPHS = 1024
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    seq: torch.Tensor  # lengths before the step; incremented in place by the replay
+    rows: torch.Tensor
+    out: torch.Tensor
+    rows_source: Optional[torch.Tensor] = None  # the tensor `rows` was last copied from
+    rows_version: int = -1
+
+
+class DecodeGraphs:
+    """The captured decode steps of one allocator over one `req_to_token` table."""
+
+    def __init__(self, free_pages: torch.Tensor, req_to_token: torch.Tensor, page_size: int, ring: bool):
+        self.free_pages = free_pages
+        self.req_to_token = req_to_token
+        self.page_size = page_size
+        self.ring = ring
+        self.state = torch.zeros(1, dtype=torch.int64, device=free_pages.device)
+        self._on_device: Optional[tuple[int, int]] = None  # (head, length) the device state holds
+        self._graphs: dict[int, _Graph] = {}
+        self.captures = 0
+
+    def step(self, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, head: int,
+             num_free: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the step for this batch from the free list at (`head`, `num_free`); returns
+        (slots, lengths after the step). The caller checked the capacity and advances its
+        host copy of the free list by the pages the step opens, then calls `advanced`."""
+        g = self._graphs.get(seq_lens.shape[0]) or self._capture(seq_lens.shape[0])
+        if seq_lens is not g.seq:
+            g.seq.copy_(seq_lens)
+        if req_pool_indices is not g.rows_source or req_pool_indices._version != g.rows_version:
+            g.rows.copy_(req_pool_indices)
+            g.rows_source, g.rows_version = req_pool_indices, req_pool_indices._version
+        if self._on_device != (head, num_free):
+            self.state.fill_(kernels.pack_free_state(head, num_free))
+        g.graph.replay()
+        self._on_device = None  # until `advanced` says where the replay left it
+        return g.out, g.seq
+
+    def advanced(self, head: int, num_free: int) -> None:
+        """The host's copy of the free list after the replay (what the device now holds)."""
+        self._on_device = (head, num_free)
+
+    def _capture(self, bs: int) -> _Graph:
+        device = self.free_pages.device
+        seq = torch.zeros(bs, dtype=torch.int64, device=device)
+        rows = torch.zeros(bs, dtype=torch.int64, device=device)
+        out = torch.empty(bs, dtype=torch.int64, device=device)
+        self._compile(bs)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            kernels.alloc_decode_step(seq, rows, self.req_to_token, self.free_pages, self.state, self.page_size,
+                                      self.ring, out=out, backend="triton", validate=False)
+        if len(self._graphs) >= MAX_GRAPHS:
+            self._graphs.pop(next(iter(self._graphs)))
+        g = self._graphs[bs] = _Graph(graph, seq, rows, out)
+        self.captures += 1
+        return g
+
+    def _compile(self, bs: int) -> None:
+        """Compile the kernel before the capture, on scratch buffers (a launch writes its
+        inputs): an empty free list, so no page is read, and a scratch table row."""
+        device = self.free_pages.device
+        scratch = torch.zeros((1, 2), dtype=torch.int32, device=device)
+        kernels.alloc_decode_step(torch.zeros(bs, dtype=torch.int64, device=device),
+                                  torch.zeros(bs, dtype=torch.int64, device=device), scratch, self.free_pages,
+                                  torch.zeros(1, dtype=torch.int64, device=device), self.page_size, self.ring,
+                                  backend="triton", validate=False)
+        torch.cuda.synchronize(device)

@@ -1,0 +1,81 @@
+"""The decode memory path as a CUDA-graph replay gives exactly the eager path's slots.
+
+GPU only: CUDA graphs need a device. The kernel it replays (`alloc_decode_step`) is tested
+on the CPU in tests/kernels/test_kernel_decode_step.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from memcli.cli.app import app
+from memcli.config import load_config, replace
+from memcli.errors import ConfigError
+from memcli.stack import build_stack
+from memcli.tools.bench_one_batch.cases import Case
+from memcli.tools.bench_one_batch.runner import CaseRunner
+from tests.tools.replay.helpers import CONVERSATION
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+def test_on_without_cuda_is_a_config_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="runtime.decode_graph"):
+        build_stack(load_config(None, ["runtime.device=cpu", "runtime.decode_graph=true"]))
+
+
+def test_auto_is_off_on_a_cpu():
+    stack = build_stack(load_config(None, ["runtime.device=cpu"]))
+    assert stack.allocator.decode_graphs is None
+
+
+def _decoded_rows(mode: str, page_size: int, steps: int):
+    cfg = load_config(None, ["runtime.device=cuda", f"runtime.decode_graph={mode}"])
+    cfg = replace(cfg, memory={"page_size": page_size})
+    stack = build_stack(cfg)
+    case = Case(7, 37, steps, 0, page_size)
+    runner = CaseRunner(stack, case)
+    runner.start()
+    runner.batch.prepare_for_extend()
+    outs = []
+    for i in range(steps):
+        runner.batch.prepare_for_decode()
+        outs.append(runner.batch.out_cache_loc.clone())
+        if i == steps // 2:  # a free between steps moves the head on the host
+            stack.allocator.free(stack.allocator.alloc(page_size))
+    rows = torch.stack([stack.req_to_token_pool.req_to_token[r.req_pool_idx, : 37 + steps] for r in runner.reqs])
+    graphs = stack.allocator.decode_graphs
+    return torch.stack(outs).cpu(), rows.cpu(), runner.batch.seq_lens.cpu(), graphs
+
+
+@cuda
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_graph_replays_give_the_eager_slots(page_size):
+    out_on, rows_on, seq_on, graphs = _decoded_rows("true", page_size, 20)
+    out_off, rows_off, seq_off, none = _decoded_rows("false", page_size, 20)
+    assert graphs is not None and graphs.captures == 1 and none is None
+    assert torch.equal(out_on, out_off) and torch.equal(rows_on, rows_off) and torch.equal(seq_on, seq_off)
+
+
+@cuda
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_replay_with_graphs_is_the_replay_without(page_size):
+    """The scheduler's whole run (admission, eviction, retraction, finish) is unchanged."""
+    docs = {}
+    for mode in ("true", "false"):
+        result = CliRunner().invoke(app, ["replay", str(CONVERSATION), "--limit", "40", "--json",
+                                          "--set", "runtime.device=cuda", "--set", f"runtime.decode_graph={mode}",
+                                          "--set", f"memory.page_size={page_size}"])
+        assert result.exit_code == 0, result.stderr
+        doc = json.loads(result.stdout)
+        del doc["config"]  # differs in runtime.decode_graph itself
+        for section, key in (("summary", "wall_time_s"), ("summary", "steps_per_s"), ("integrity", "check_s")):
+            doc.get(section, {}).pop(key, None)
+        docs[mode] = doc
+    assert docs["true"] == docs["false"]

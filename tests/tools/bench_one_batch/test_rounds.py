@@ -1,0 +1,154 @@
+"""Statistics of bench-one-batch: rounds over interleaved cases, the median of round medians,
+the spread and the flag on unstable figures; and `--compare sglang-0.5.5`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from memcli.cli.app import app
+from memcli.config import load_config, replace
+from memcli.errors import IntegrityError
+from memcli.reference.fetch import unavailable_reason
+from memcli.stack import build_stack
+from memcli.tools.bench_one_batch.cases import Case
+from memcli.tools.bench_one_batch.phases import UNSTABLE_SPREAD, PhaseTiming, combine_rounds
+from memcli.tools.bench_one_batch.results import combine_case_rounds
+from memcli.tools.bench_one_batch.run import BenchOptions, run_bench_one_batch, run_case
+from memcli.tools.bench_one_batch.runner import CaseRunner
+
+runner = CliRunner()
+
+
+def timing(median: float, low: float, first_ms: float = 1.0, syncs=None) -> PhaseTiming:
+    return PhaseTiming(median, low, 5, "wall-clock (cpu)", first_ms, syncs)
+
+
+def test_rounds_combine_to_the_median_of_round_medians():
+    rounds = [timing(10.0, 9.0, first_ms=7.0), timing(30.0, 8.0, first_ms=0.1), timing(12.0, 11.0)]
+    t = combine_rounds(rounds)
+    assert t.median_us == 12.0  # the median of 10, 30, 12: one noisy round moves nothing
+    assert t.min_us == 8.0 and t.samples == 15
+    assert t.first_call_ms == 7.0  # the first round's first call is the one that compiled
+    assert t.round_medians == (10.0, 30.0, 12.0)
+    assert t.spread == pytest.approx(3.0) and t.unstable
+    steady = combine_rounds([timing(10.0, 9.0), timing(11.0, 9.5)])
+    assert steady.spread == pytest.approx(1.1) and not steady.unstable
+    edge = combine_rounds([timing(10.0, 9.0), timing(10.0 * UNSTABLE_SPREAD, 9.0)])
+    assert not edge.unstable  # the limit itself is still stable
+    assert combine_rounds([timing(5.0, 4.0)]).spread == 1.0
+
+
+def _small_config(page_size: int = 1):
+    cfg = load_config(None, ["runtime.device=cpu"])
+    return replace(cfg, memory={"page_size": page_size})
+
+
+def test_cases_are_interleaved_round_by_round():
+    cases = [Case(1, 24, 2, 0, 1), Case(2, 24, 2, 0, 1), Case(1, 24, 2, 0, 4)]
+    seen = []
+    result = run_bench_one_batch(_small_config(), cases, BenchOptions(repeat=2, warmup=0, rounds=3),
+                                 progress=lambda r, rounds, n, count, case: seen.append((r, case)))
+    assert seen == [(r, c) for r in (1, 2, 3) for c in cases]
+    for case in result.cases:
+        for name, phase in case.phases.items():
+            assert phase.rounds == 3 and len(phase.round_medians) == 3, name
+            assert phase.samples >= 3 * 2, name
+            assert phase.median_us == sorted(phase.round_medians)[1]
+
+
+def test_a_round_that_allocates_differently_is_an_error():
+    cfg = _small_config()
+    stack = build_stack(cfg)
+    case = Case(2, 24, 2, 0, 1)
+    one = run_case(stack, case, BenchOptions(repeat=1, warmup=0))
+    two = run_case(stack, case, BenchOptions(repeat=1, warmup=0))
+    assert combine_case_rounds([one, two]).prefill_allocated_tokens == one.prefill_allocated_tokens
+    import dataclasses
+    bad = dataclasses.replace(two, decode_allocated_tokens=two.decode_allocated_tokens + 1)
+    with pytest.raises(IntegrityError, match="decode_allocated_tokens differs between rounds"):
+        combine_case_rounds([one, bad])
+
+
+def test_json_carries_rounds_spread_and_the_unstable_flag():
+    result = runner.invoke(app, ["bench-one-batch", "--set", "runtime.device=cpu", "-b", "2", "--input-len", "32",
+                                 "--output-len", "2", "--repeat", "2", "--warmup", "0", "--rounds", "3", "--json"])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["options"]["rounds"] == 3
+    phase = doc["cases"][0]["phases"]["decode_memory"]
+    assert phase["rounds"] == 3 and len(phase["round_medians_us"]) == 3
+    assert phase["spread"] == pytest.approx(max(phase["round_medians_us"]) / min(phase["round_medians_us"]))
+    assert phase["unstable"] == (phase["spread"] > UNSTABLE_SPREAD)
+    assert doc["compare"] is None
+
+
+def test_rounds_must_be_positive():
+    result = runner.invoke(app, ["bench-one-batch", "--rounds", "0"])
+    assert result.exit_code == 2 and "--rounds" in result.stderr
+
+
+def test_compare_without_the_wheel_names_the_fetch_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMCLI_CACHE_DIR", str(tmp_path))
+    result = runner.invoke(app, ["bench-one-batch", "--compare", "sglang-0.5.5"])
+    assert result.exit_code == 2
+    assert "memcli reference fetch" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_compare_rejects_an_unknown_implementation():
+    result = runner.invoke(app, ["bench-one-batch", "--compare", "vllm"])
+    assert result.exit_code == 2 and "sglang-0.5.5" in result.stderr
+
+
+needs_reference = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+
+@needs_reference
+@pytest.mark.parametrize("tree_cache, page_size, prefix", [("none", 1, 0), ("radix", 4, 8), ("chunk", 4, 8)])
+def test_sglang_side_runs_the_same_batch_slot_for_slot(tree_cache, page_size, prefix):
+    """The compared case is the same work: after the prefill and the decode steps, SGLang's
+    request rows hold exactly the slots memcli's hold (sglang-0.5.5 profile)."""
+    from memcli.reference.loader import load_reference
+    from memcli.tools.bench_one_batch.sglang_side import SglangCase
+
+    ref = load_reference()
+    cfg = replace(_small_config(page_size), cache={"kind": tree_cache})
+    case = Case(3, 20, 4, prefix, page_size)
+    mine = CaseRunner(build_stack(cfg), case)
+    mine.start()
+    mine.batch.prepare_for_extend()
+    for _ in range(mine.decode_steps):
+        mine.batch.prepare_for_decode()
+    theirs = SglangCase(ref, case, cfg)
+    theirs.replay_to_finish()
+    assert theirs.decode_steps == mine.decode_steps == 3
+    seq = case.input_len + mine.decode_steps
+    for a, b in zip(mine.reqs, theirs.batch.reqs):
+        assert a.req_pool_idx == b.req_pool_idx
+        ours = mine.pool.req_to_token[a.req_pool_idx, :seq].to(torch.int64)
+        sglang = theirs.pool.req_to_token[b.req_pool_idx, :seq].to(torch.int64).cpu()
+        assert torch.equal(ours, sglang)
+    theirs.finish()  # SGLang's own finish leaves its stack idle
+    assert theirs.allocator.available_size() + theirs.tree_cache.evictable_size() == theirs.allocator.size
+    assert len(theirs.pool.free_slots) == theirs.pool.size
+
+
+@needs_reference
+def test_compare_prints_a_speedup_per_phase():
+    from memcli.reference.loader import load_reference
+
+    result = runner.invoke(app, ["bench-one-batch", "--set", f"runtime.device={load_reference().device}", "-b", "2",
+                                 "--input-len", "24",
+                                 "--output-len", "3", "--page-size", "1", "--repeat", "1", "--warmup", "0",
+                                 "--rounds", "2", "--compare", "sglang-0.5.5", "--json"])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    rows = doc["compare"]["rows"]
+    assert doc["compare"]["name"] == "sglang-0.5.5"
+    assert [r["phase"] for r in rows] == ["prefill_memory", "decode_memory", "free"]
+    for row in rows:
+        assert row["reference"]["rounds"] == 2 and row["memcli"]["rounds"] == 2
+        assert row["speedup"] == pytest.approx(row["reference"]["median_us"] / row["memcli"]["median_us"])
