@@ -269,7 +269,7 @@ class OwnershipLedger:
         `release` and `give_back` in one transition. `owner` is a state (LOOSE for a plain
         allocator free, TREE, IN_FLIGHT), a row, or one row per page (an array).
         `sorted_pages`: `pages` are sorted, so a page given twice sits beside itself (checked
-        so, without the scratch array)."""
+        by comparing neighbours, not with the marks)."""
         pages = _host(pages)
         if sorted_pages and len(pages) > 1:
             twice = (pages[1:] == pages[:-1]).nonzero()[0]
