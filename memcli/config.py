@@ -59,7 +59,8 @@ class CacheConfig:
     """Prefix cache in front of the allocator."""
 
     kind: Literal["radix", "hiradix", "chunk", "none"] = "radix"
-    eviction_policy: Literal["lru", "lfu", "fifo"] = "lru"
+    # belady is offline (the trace's future uses; replay, radix only), a memcli extension SGLang does not have.
+    eviction_policy: Literal["lru", "lfu", "fifo", "belady"] = "lru"
     kv_events: bool = False
     # hiradix only (SGLang's --enable-hierarchical-cache): a host-memory tier behind the tree.
     host_ratio: float = 2.0  # host pool size as a multiple of the device pool (--hicache-ratio)

@@ -109,11 +109,17 @@ def use_decode_graph(config: Config, device: torch.device, backend: str) -> bool
 
 
 def build_stack(config: Config, cache_kind: str | None = None,
-                page_size_overrides: dict[str, int] | None = None) -> MemoryStack:
+                page_size_overrides: dict[str, int] | None = None, future: Any = None) -> MemoryStack:
     """Build pools, allocator and prefix cache. `cache_kind` overrides `cache.kind`.
+    `future` (`memcli.workload.future.FutureUses`) is the trace's future, for the radix cache:
+    `cache.eviction_policy: belady` needs it (a `ConfigError` without it).
 
     Raises `CapacityError` before allocating anything when the stack would not fit on the
     device (`memcli.footprint.check_footprint`)."""
+    kind = cache_kind or config.cache.kind
+    if kind == "radix" and config.cache.eviction_policy == "belady" and future is None:
+        raise ConfigError("cache.eviction_policy: belady evicts by the trace's future uses, which only memcli replay"
+                          " knows", hint="use lru, lfu or fifo here (memcli replay accepts belady)")
     overrides = dict(page_size_overrides or {})
     unknown = set(overrides) - set(COMPONENTS)
     if unknown:
@@ -133,7 +139,6 @@ def build_stack(config: Config, cache_kind: str | None = None,
     if use_decode_graph(config, device, backend):
         allocator.decode_graphs = DecodeGraphs(allocator._buf, req_to_token_pool.req_to_token, alloc_ps,
                                                ring=alloc_ps == 1)
-    kind = cache_kind or config.cache.kind
     if kind == "none" and "tree_cache" in overrides:
         raise ConfigError("cannot inject tree_cache.page_size: the tree cache is the bench null cache here",
                           hint="inject null_cache.page_size instead, or use cache.kind radix or chunk")
@@ -146,6 +151,8 @@ def build_stack(config: Config, cache_kind: str | None = None,
         host_pool = make_host_pool(config, device, overrides.get("host_pool", ps))
     tree_cache = make_tree_cache(kind, config, req_to_token_pool, allocator, tree_ps, host_pool, kv_pool)
     tree_cache.evict_rule = evict_rule(config.behaviour)
+    if kind == "radix":
+        tree_cache.future = future
     # The bench null cache is built here too, so its page size is read from a real object.
     null_cache = tree_cache if kind == "none" else NullCache(allocator, req_to_token_pool,
                                                               overrides.get("null_cache", ps))

@@ -92,7 +92,7 @@ run_line() {  # the job on line $1 of jobs.tsv
   for try in 1 2 3; do  # retried: a replay can fail while the code is being edited
     t0=$(date +%s.%N)
     # shellcheck disable=SC2086
-    if $MEMCLI replay "$file" $args --json > "$out.tmp" 2> "$OUT/json/$name.err"; then
+    if $MEMCLI replay "$file" $args --jobs 1 --json > "$out.tmp" 2> "$OUT/json/$name.err"; then
       mv "$out.tmp" "$out"
       printf '%s\t%s\n' "$name" "$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')" \
         | tee -a "$OUT/times.tsv" >&2
@@ -115,10 +115,10 @@ rows = []
 for path in sorted(src.glob("*.json")):
     trace, pool, ps, policy, key = path.stem.split("__")
     doc = json.loads(path.read_text())
-    for row in doc["rows"]:
+    for row in doc["points"]:
         rows.append({
             "trace": trace, "pool": pool, "pool_tokens": row["pool_tokens"], "page_size": row["page_size"],
-            "eviction_policy": policy, "key": key, "value": row["value"],
+            "eviction_policy": policy, "key": key, "value": next(iter(row["point"].values())),
             "hit_rate": row["hit_rate"], "cached_tokens": row["cached_tokens"],
             "evictions": row["evictions"], "tokens_evicted": row["tokens_evicted"],
             "retractions": row["retractions"], "steps": row["steps"], "wall_time_s": row["wall_time_s"],

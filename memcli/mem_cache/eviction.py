@@ -1,8 +1,8 @@
 """Eviction policies for the radix cache, and the lazy queue of evictable leaves.
 
 A policy is a priority function of a tree node: the leaf with the smallest priority is
-evicted first. Add a policy by adding an entry to `EVICTION_POLICIES`; an offline-optimal
-one only needs a priority that it updates when a node is accessed.
+evicted first. Add a policy by adding an entry to `EVICTION_POLICIES`. `belady` (offline) is
+the one policy that reads the trace's future: the radix cache computes its priority.
 
 Contract between a policy and the queue: a node's priority may change only when the node
 is accessed (match or insert through it); the cache re-queues a leaf every time it
@@ -33,10 +33,17 @@ def fifo_priority(node: Any) -> Any:
     return node.creation_time
 
 
+def belady_priority(node: Any) -> Any:
+    """Offline: the page next used furthest in the future first. It reads the trace's future,
+    so the radix cache computes it (`RadixCache._belady_priority`); this entry only names it."""
+    raise ValueError("the belady priority is computed by the radix cache from the trace's future uses")
+
+
 EVICTION_POLICIES: dict[str, PriorityFn] = {
     "lru": lru_priority,
     "lfu": lfu_priority,
     "fifo": fifo_priority,
+    "belady": belady_priority,
 }
 
 

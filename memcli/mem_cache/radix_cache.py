@@ -16,6 +16,7 @@ across calls.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
@@ -33,14 +34,19 @@ from memcli.mem_cache.integrity.radix import radix_checks
 from memcli.mem_cache.pages import align_down
 
 _EMPTY_TOKENS = np.empty((0,), dtype=np.int64)
+_UNKNOWN = object()  # a handle not computed yet (None is the future's "nobody uses it")
 
 
 class EvictionRecord(NamedTuple):
-    """One evicted node: its size, how long it was cached, how often it was matched."""
+    """One evicted node: its size, how long it was cached, how often it was matched, and,
+    when the cache knows the trace's future (`RadixCache.future`), the requests (trace
+    indices, -1 for none) that last used and will next use its first page."""
 
     tokens: int
     age: float
     hit_count: int
+    last_use: int = -1
+    next_use: int = -1
 
 
 class TreeNode:
@@ -49,6 +55,7 @@ class TreeNode:
     __slots__ = (
         "children", "parent", "key", "value", "extra_key", "lock_ref",
         "creation_time", "last_access_time", "birth_time", "hit_count", "page_hashes", "heap_seq", "id",
+        "future_end", "future_first",
     )
     _ids = itertools.count()
 
@@ -67,6 +74,8 @@ class TreeNode:
         self.page_hashes: list[int] = []  # only filled when KV events are on
         self.heap_seq = -1
         self.id = next(TreeNode._ids)
+        self.future_end = _UNKNOWN  # the future's handles of the path to this node's end and first page
+        self.future_first = _UNKNOWN
 
     @property
     def evicted(self) -> bool:
@@ -91,6 +100,12 @@ class RadixCache(BasePrefixCache):
     `retract_free="two_calls"` frees a retracted request's aligned part and its partial last
     page in two allocator calls (SGLang: the pages of the second call are handed out first).
     `eviction_log` receives an `EvictionRecord` per evicted node; the caller clears it.
+
+    `future` (set by the caller; see `memcli.workload.future`) answers which request of the
+    trace next uses a node's first page. `eviction_policy="belady"` needs it: the evictable
+    leaf whose first page is next used furthest in the future goes first (never used again
+    before anything), Belady's rule applied to the tree's leaves; and with it every
+    `EvictionRecord` carries the last and next use of what was evicted.
     """
 
     def __init__(self, req_to_token_pool: Any, allocator: Any, page_size: int,
@@ -105,6 +120,10 @@ class RadixCache(BasePrefixCache):
         self.page_size = page_size
         self.eviction_policy = eviction_policy.lower()
         self.priority = get_eviction_policy(eviction_policy)
+        self.belady = self.eviction_policy == "belady"
+        if self.belady:
+            self.priority = self._belady_priority
+        self.future = None
         self.kv_events = kv_events
         self.disable = disable
         if device is None:
@@ -283,8 +302,11 @@ class RadixCache(BasePrefixCache):
         upper.page_hashes, child.page_hashes = child.page_hashes[:pages], child.page_hashes[pages:]
         parent.children[self._child_key(child.extra_key, child.key, 0)] = upper
         child.key, child.value, child.parent = child.key[split_len:], child.value[split_len:], upper
+        child.future_first = _UNKNOWN
         upper.children[self._child_key(child.extra_key, child.key, 0)] = child
         self._num_nodes += 1
+        if self.belady and is_evictable_leaf(child):
+            self._queue.push(child)  # its first page moved: its next use can only be later
         return upper
 
     def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: torch.Tensor,
@@ -342,13 +364,52 @@ class RadixCache(BasePrefixCache):
         self._total -= size
         self._evictable -= size
         self._num_nodes -= 1
-        self.eviction_log.append(EvictionRecord(size, now - node.birth_time, node.hit_count))
+        if self.future is None:
+            self.eviction_log.append(EvictionRecord(size, now - node.birth_time, node.hit_count))
+        else:
+            first = self._first_handle(node)
+            last_use, next_use = self.future.last_use(first), self.future.next_use(first)
+            self.eviction_log.append(EvictionRecord(size, now - node.birth_time, node.hit_count,
+                                                    -1 if last_use is None else last_use,
+                                                    -1 if next_use is None else next_use))
         if self.kv_events:
             self._events.extend(BlockRemoved((h,)) for h in node.page_hashes)
         node.value, node.parent = None, None
         if parent is not self.root:
             self._touched(parent)
         return size
+
+    # -- the trace's future (Belady) ------------------------------------------------------
+
+    def _end_handle(self, node: TreeNode) -> Any:
+        """The future's handle of the path root -> end of `node` (memoised on the nodes)."""
+        chain, top = [], node
+        while top is not self.root and top.future_end is _UNKNOWN:
+            chain.append(top)
+            top = top.parent
+        for path_node in reversed(chain):
+            path_node.future_end = self.future.advance(self._start_handle(path_node), path_node.key)
+        return node.future_end
+
+    def _start_handle(self, node: TreeNode) -> Any:
+        parent = node.parent
+        return self.future.start(node.extra_key) if parent is self.root else parent.future_end
+
+    def _first_handle(self, node: TreeNode) -> Any:
+        """The handle of `node`'s first page (memoised until the node is split)."""
+        if node.future_first is _UNKNOWN:
+            if node.parent is not self.root:
+                self._end_handle(node.parent)
+            node.future_first = self.future.advance(self._start_handle(node), node.key[: self.page_size])
+        return node.future_first
+
+    def _belady_priority(self, node: TreeNode) -> tuple[float, float]:
+        """Furthest next use first; never used again before anything; ties least recently used."""
+        if self.future is None:
+            raise ValueError("eviction_policy belady needs the trace's future uses (RadixCache.future), which only"
+                             " a replay of a trace provides")
+        next_use = self.future.next_use(self._first_handle(node))
+        return (-math.inf if next_use is None else -next_use, node.last_access_time)
 
     # -- locks --------------------------------------------------------------------------
 

@@ -122,6 +122,9 @@ class ReferenceLoop:
                                                     config.memory.max_context_len + 4, ref.device,
                                                     enable_memory_saver=False)
         kind = config.cache.kind
+        if kind == "radix" and config.cache.eviction_policy == "belady":
+            raise MemcliError("cache.eviction_policy belady is a memcli extension: SGLang 0.5.5 has no such policy to"
+                              " compare with", "use --set cache.eviction_policy=lru or lfu")
         if kind == "radix":
             self.tree_cache = ref.RadixCache(self.req_to_token_pool, self.allocator, ps,
                                              eviction_policy=config.cache.eviction_policy)

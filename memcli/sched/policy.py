@@ -54,14 +54,20 @@ class PrefillAdder:
         )
         self.can_run_list: list = []
         self.new_chunked_req = None
+        # What SGLang's scheduler logs for the batch: #cached-token (prefixes of the requests
+        # added; 0 for a chunked request's next piece) and #new-token (their extends in pages).
+        self.log_hit_tokens = 0
+        self.log_input_tokens = 0
 
     @property
     def rem_total_tokens(self) -> float:
         u = common.usage(self.tree_cache, self.allocator)
         return u.available + u.evictable - self.rem_total_token_offset
 
-    def _update_budget(self, extend_len: int, max_new: int) -> None:
+    def _update_budget(self, extend_len: int, max_new: int, prefix_len: int = 0) -> None:
         extend = align_up(extend_len, self.page_size)
+        self.log_hit_tokens += prefix_len
+        self.log_input_tokens += extend
         self.rem_total_token_offset += extend + max_new
         self.rem_input_tokens -= extend
         if self.rem_chunk_tokens is not None:
@@ -119,7 +125,7 @@ class PrefillAdder:
             return AddResult.OTHER
         if self.rem_chunk_tokens is None or extend <= self.rem_chunk_tokens:
             self.can_run_list.append(req)
-            self._update_budget(req.extend_input_len, max_new)
+            self._update_budget(req.extend_input_len, max_new, len(req.prefix_indices))
             return self.budget_state()
         trunc = align_down(self.rem_chunk_tokens, self.page_size)
         if trunc <= 0 or has_chunked_req:
@@ -129,7 +135,7 @@ class PrefillAdder:
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + trunc]
         self.can_run_list.append(req)
         self.new_chunked_req = req
-        self._update_budget(trunc, 0)
+        self._update_budget(trunc, 0, len(req.prefix_indices))
         return self.budget_state()
 
     def _load_back(self, req, locked):

@@ -12,6 +12,7 @@ of `SimConfig`. Every arrival, admission, allocation, finish, retraction and abo
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
@@ -69,6 +70,13 @@ class SchedulerStats:
     peak_request_rows: int = 0
     checks_run: int = 0
     forced_retractions: int = 0
+    # Every admission (first, or again after a retraction): tokens asked (prompt and output so
+    # far) and tokens matched, as vLLM's prefix-cache counters count queries and hits.
+    admission_queries: int = 0
+    admission_hits: int = 0
+    # Per prefill batch, SGLang's logged #cached-token and #new-token (`PrefillAdder.log_*`).
+    batch_cached_tokens: array = field(default_factory=lambda: array("q"))
+    batch_new_tokens: array = field(default_factory=lambda: array("q"))
     extra: dict = field(default_factory=dict)
 
 
@@ -76,7 +84,8 @@ class Scheduler:
     def __init__(self, stack, sched_config, sim_config, page_size: int, output_token_base: int = 1 << 40,
                  check_every_step: bool = False, retract_every: int = 0, record_events: bool = True,
                  on_step: Callable[["Scheduler", StepRecord], None] | None = None,
-                 checker: IntegrityChecker | None = None):
+                 checker: IntegrityChecker | None = None,
+                 on_admission: Callable[[Req, bool], None] | None = None):
         self.stack = stack
         self.cfg = sched_config
         self.sim = sim_config
@@ -90,6 +99,9 @@ class Scheduler:
         self.retract_every = retract_every
         self.record_events = record_events
         self.on_step = on_step
+        # Told when a request is admitted (True: its prefill batch was built) or goes back to
+        # waiting (False: retracted); memcli replay moves the trace's future with it.
+        self.on_admission = on_admission
         self.next_token = output_token_base
         self.clock_ms = 0.0
         self.step_count = 0
@@ -298,7 +310,7 @@ class Scheduler:
         if not adder.can_run_list:
             self._unstick()
             return None
-        return self._prepare_prefill(adder.can_run_list)
+        return self._prepare_prefill(adder.can_run_list, adder.log_hit_tokens, adder.log_input_tokens)
 
     def _unstick(self) -> None:
         """Nothing holds memory and the head request still cannot be admitted: the pool can
@@ -317,7 +329,7 @@ class Scheduler:
         self._event("abort", req.rid, req.input_len)
         self.finished.append(req)
 
-    def _prepare_prefill(self, reqs: list[Req]) -> ScheduleBatch | None:
+    def _prepare_prefill(self, reqs: list[Req], log_hit_tokens: int = 0, log_input_tokens: int = 0) -> ScheduleBatch | None:
         batch = ScheduleBatch(reqs, self.stack)
         batch.load_end_ms = self.tree_cache.ready_to_load_host_cache()
         try:
@@ -328,16 +340,26 @@ class Scheduler:
         self.stats.prefill_batches += 1
         self.stats.allocations += 1
         self.stats.allocated_tokens += batch.extend_num_tokens
+        self.stats.batch_cached_tokens.append(log_hit_tokens)
+        self.stats.batch_new_tokens.append(log_input_tokens)
         for req in reqs:
             if req.first_cached_tokens is None:
                 req.first_cached_tokens = len(req.prefix_indices)
                 req.first_host_skipped = req.host_skipped_len
                 req.admit_ms = self.clock_ms
                 self._event("admit", req.rid, len(req.prefix_indices))
+                self._admitted(req)
             elif req.retraction_count and req.kv_committed_len == 0:
                 self.stats.recomputed_tokens += req.extend_input_len
+                self._admitted(req)
         self._event("alloc", "", batch.extend_num_tokens)
         return batch
+
+    def _admitted(self, req: Req) -> None:
+        self.stats.admission_queries += req.seqlen
+        self.stats.admission_hits += len(req.prefix_indices)
+        if self.on_admission is not None:
+            self.on_admission(req, True)
 
     def _prefill_failed(self, reqs: list[Req], exc: Exception) -> None:
         """Put the batch back (unlocking what admission locked) and record the OOM."""
@@ -407,6 +429,8 @@ class Scheduler:
         self.stats.retracted_requests += len(retracted)
         for req in retracted:
             self._event("retract", req.rid, req.seqlen)
+            if self.on_admission is not None:
+                self.on_admission(req, False)
         if self.retract_to_front:
             # Retracted requests were admitted before anything still waiting: they go first.
             self.waiting[:0] = sorted(retracted, key=lambda r: r.arrival_ms)

@@ -25,6 +25,20 @@ DEFINITIONS = {
     "warmup_excluded": "hit_rate over the requests after the first 50% (trace order), token weighted"
                        " (KVCache.AI kvcache-simulator)",
     "last_1000": "hit_rate over the last 1,000 requests (trace order), token weighted (vLLM's logged window)",
+    "per_request_mean": "mean over the admitted requests of cached_tokens / input_len: every request weighs the"
+                        " same, whatever its length",
+    "page_hit_rate": "hit pages / prompt pages: cached_tokens / page_size over ceil(input_len / page_size), summed"
+                     " over the admitted requests",
+    "sglang_batch": "SGLang's cache hit rate of one prefill batch, as its scheduler logs it: #cached-token /"
+                    " (#new-token + #cached-token), #cached-token the prefixes of the requests the batch admits"
+                    " (0 for a chunked request's next piece), #new-token their extend tokens rounded up to pages;"
+                    " given as the mean over prefill batches and the last batch's value (what SGLang's gauge keeps)",
+    "sglang_cumulative": "SGLang's per-batch counts summed over every prefill batch: sum #cached-token /"
+                         " (sum #new-token + sum #cached-token)",
+    "vllm": "vLLM's prefix-cache hit rate: hits / queries in tokens, counted at every admission (again after a"
+            " retraction): queries the request's tokens at that time (prompt and output so far), hits those matched",
+    "belady": "hit_rate of a second replay with cache.eviction_policy belady (offline: the evictable leaf whose"
+              " first page is next used furthest in the future goes first), everything else equal",
     "ceiling": "what a cache that never evicts gives when requests run one after another: per request the longest"
                " prefix shared with an earlier prompt, at most input_len - 1, floored to a page; computed"
                " without the radix tree",
@@ -106,11 +120,14 @@ class StepSeries:
 
 @dataclass
 class EvictionLog:
-    """Ages (simulated ms) and hit counts of evicted tree nodes, and their sizes."""
+    """Evicted tree nodes: sizes, ages (simulated ms), hit counts, and the requests (trace
+    indices, -1: none) that last used and next use their first page."""
 
     tokens: array = field(default_factory=lambda: array("q"))
     age_ms: array = field(default_factory=lambda: array("d"))
     hits: array = field(default_factory=lambda: array("q"))
+    last_use: array = field(default_factory=lambda: array("q"))
+    next_use: array = field(default_factory=lambda: array("q"))
 
     def drain(self, tree_cache) -> None:
         log = getattr(tree_cache, "eviction_log", None)
@@ -120,6 +137,8 @@ class EvictionLog:
             self.tokens.append(record.tokens)
             self.age_ms.append(record.age)
             self.hits.append(record.hit_count)
+            self.last_use.append(record.last_use)
+            self.next_use.append(record.next_use)
         log.clear()
 
 
@@ -142,10 +161,32 @@ class PrefixStats:
     ceiling_tokens: int
     sub_page_prefix_requests: int
     requests_with_hits: int
+    per_request_mean_hit_rate: float = 0.0
+    hit_pages: int = 0
+    pages: int = 0
+    batches: int = 0
+    batch_cached_tokens: int = 0
+    batch_new_tokens: int = 0
+    batch_mean_hit_rate: float = 0.0
+    last_batch_hit_rate: float = 0.0
+    vllm_queries: int = 0
+    vllm_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
         return _ratio(self.cached_tokens, self.input_tokens)
+
+    @property
+    def page_hit_rate(self) -> float:
+        return _ratio(self.hit_pages, self.pages)
+
+    @property
+    def sglang_cumulative_hit_rate(self) -> float:
+        return _ratio(self.batch_cached_tokens, self.batch_new_tokens + self.batch_cached_tokens)
+
+    @property
+    def vllm_hit_rate(self) -> float:
+        return _ratio(self.vllm_hits, self.vllm_queries)
 
     @property
     def block_ratio(self) -> float:
@@ -177,11 +218,13 @@ def _ratio(num: float, den: float) -> float:
 
 
 def prefix_stats(input_lens: np.ndarray, cached: np.ndarray, shared: np.ndarray, page_size: int,
-                 block_size: int) -> PrefixStats:
+                 block_size: int, counters: "EngineCounters | None" = None) -> PrefixStats:
     """Hits of the requests with `cached >= 0` (admitted); arrays are per request in trace order.
 
-    `shared` is the ceiling's token-level match of each request (`ceiling.shared_prefix_lens`).
+    `shared` is the ceiling's token-level match of each request (`ceiling.shared_prefix_lens`);
+    `counters`, what the scheduler counted per prefill batch and per admission.
     """
+    counters = counters or EngineCounters.empty()
     admitted = cached >= 0
     inputs, hits, shared = input_lens[admitted], cached[admitted], shared[admitted]
     half = int(len(input_lens) * WARMUP_FRACTION)
@@ -205,7 +248,37 @@ def prefix_stats(input_lens: np.ndarray, cached: np.ndarray, shared: np.ndarray,
         ceiling_tokens=int(align_down(shared, page_size).sum()),
         sub_page_prefix_requests=int(((shared > 0) & (shared < page_size)).sum()),
         requests_with_hits=int((hits > 0).sum()),
+        per_request_mean_hit_rate=float((hits / np.maximum(inputs, 1)).mean()) if len(inputs) else 0.0,
+        hit_pages=int((hits // page_size).sum()),
+        pages=int(num_pages(inputs, page_size).sum()),
+        **counters.summary(),
     )
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """What the scheduler counted: per prefill batch SGLang's #cached-token and #new-token,
+    per admission vLLM's queries and hits (see `DEFINITIONS`)."""
+
+    batch_cached: np.ndarray
+    batch_new: np.ndarray
+    vllm_queries: int
+    vllm_hits: int
+
+    @classmethod
+    def empty(cls) -> "EngineCounters":
+        return cls(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), 0, 0)
+
+    def summary(self) -> dict:
+        total = self.batch_cached + self.batch_new
+        rates = self.batch_cached[total > 0] / total[total > 0]
+        return {
+            "batches": len(total), "batch_cached_tokens": int(self.batch_cached.sum()),
+            "batch_new_tokens": int(self.batch_new.sum()),
+            "batch_mean_hit_rate": float(rates.mean()) if len(rates) else 0.0,
+            "last_batch_hit_rate": float(rates[-1]) if len(rates) else 0.0,
+            "vllm_queries": self.vllm_queries, "vllm_hits": self.vllm_hits,
+        }
 
 
 @dataclass(frozen=True)
@@ -257,25 +330,62 @@ def occupancy_stats(series: dict[str, np.ndarray], pool_tokens: int, page_size: 
     )
 
 
+EVICTION_DEFINITIONS = {
+    "age_ms": "simulated time from a node's insertion to its eviction",
+    "hits_before_eviction": "matches that passed through the node before it was evicted",
+    "reuse_distance": "for an evicted node whose first page a later request uses again: the requests (trace"
+                      " order) and the simulated time between the admission of the last request that used it"
+                      " before the eviction and the admission of the next one after it",
+    "needed_again": "share of evicted tokens in nodes whose first page a later request uses again (it would have"
+                    " hit, had the node stayed)",
+}
+
+
 @dataclass(frozen=True)
 class EvictionStats:
-    """Evicted tree nodes: how many, how big, how old (simulated ms), how often matched before."""
+    """Evicted tree nodes: how many, how big, how old (simulated ms), how often matched before,
+    and (when the trace's future is known, `future_known`) how far their next use was and how
+    many of their tokens were needed again. See `EVICTION_DEFINITIONS`."""
 
     policy: str
     evictions: int
     tokens_evicted: int
     age_ms: dict[str, float]
-    reuse: dict[str, float]
+    hits_before_eviction: dict[str, float]
+    future_known: bool = False
+    reused_evictions: int = 0
+    reuse_distance_requests: dict[str, float] = field(default_factory=lambda: _percentiles(np.zeros(0)))
+    reuse_distance_ms: dict[str, float] = field(default_factory=lambda: _percentiles(np.zeros(0)))
+    tokens_needed_again: int = 0
+
+    @property
+    def needed_again_share(self) -> float:
+        return _ratio(self.tokens_needed_again, self.tokens_evicted)
 
 
-def eviction_stats(log: EvictionLog, policy: str) -> EvictionStats:
+def eviction_stats(log: EvictionLog, policy: str, admit_ms: np.ndarray | None = None,
+                   future_known: bool = False) -> EvictionStats:
+    """`admit_ms`: per request in trace order, when it was admitted (NaN: never)."""
     tokens = np.frombuffer(log.tokens, dtype=np.int64)
+    last = np.frombuffer(log.last_use, dtype=np.int64)
+    nxt = np.frombuffer(log.next_use, dtype=np.int64)
+    reused = nxt >= 0
+    both = reused & (last >= 0)
+    distance_ms = np.zeros(0)
+    if admit_ms is not None and both.any():
+        distance_ms = admit_ms[nxt[both]] - admit_ms[last[both]]
+        distance_ms = distance_ms[~np.isnan(distance_ms)]
     return EvictionStats(
         policy=policy,
         evictions=len(tokens),
         tokens_evicted=int(tokens.sum()),
         age_ms=_percentiles(np.frombuffer(log.age_ms, dtype=np.float64)),
-        reuse=_percentiles(np.frombuffer(log.hits, dtype=np.int64)),
+        hits_before_eviction=_percentiles(np.frombuffer(log.hits, dtype=np.int64)),
+        future_known=future_known,
+        reused_evictions=int(reused.sum()),
+        reuse_distance_requests=_percentiles((nxt[both] - last[both]).astype(np.float64)),
+        reuse_distance_ms=_percentiles(distance_ms),
+        tokens_needed_again=int(tokens[reused].sum()),
     )
 
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 from rich.console import Console
 from rich.table import Table
 
 from memcli.tools.replay.hicache import TIER_DEFINITION, tier_rows
-from memcli.tools.replay.metrics import DEFINITIONS, WINDOW_REQUESTS, downsample
+from memcli.tools.replay.metrics import DEFINITIONS, EVICTION_DEFINITIONS, WINDOW_REQUESTS, downsample
 from memcli.tools.replay.result import ReplayResult
-from memcli.tools.replay.sweep import SweepResult
+from memcli.tools.replay.grid import point_label, short_key
 from memcli.report.envelope import envelope
 from memcli.report.tables import fmt, kv_table
 
@@ -22,8 +22,10 @@ def _round(value: float, digits: int = 6) -> float:
     return round(float(value), digits)
 
 
-def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) -> dict[str, Any]:
-    """The JSON document of one replay (headline fields first, then one object per section)."""
+def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS,
+                    bound: Optional[ReplayResult] = None) -> dict[str, Any]:
+    """The JSON document of one replay (headline fields first, then one object per section).
+    `bound`: the Belady replay of `--bound belady`."""
     s, p, o, a, e, q, i = (result.summary, result.prefix, result.occupancy, result.allocation, result.eviction,
                            result.scheduling, result.integrity)
     return envelope("replay", {
@@ -59,8 +61,24 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
             "warmup_excluded": {"cached_tokens": p.warmup_cached_tokens, "input_tokens": p.warmup_input_tokens,
                                 "hit_rate": _round(p.warmup_excluded_hit_rate),
                                 "definition": DEFINITIONS["warmup_excluded"]},
-            "last_1000": {"cached_tokens": p.window_cached_tokens, "input_tokens": p.window_input_tokens,
-                          "hit_rate": _round(p.last_1000_hit_rate), "definition": DEFINITIONS["last_1000"]},
+            "last_1000": {"n": WINDOW_REQUESTS, "cached_tokens": p.window_cached_tokens,
+                          "input_tokens": p.window_input_tokens, "hit_rate": _round(p.last_1000_hit_rate),
+                          "definition": DEFINITIONS["last_1000"]},
+            "per_request_mean": {"requests": p.requests, "hit_rate": _round(p.per_request_mean_hit_rate),
+                                 "definition": DEFINITIONS["per_request_mean"]},
+            "page_hit_rate": {"hit_pages": p.hit_pages, "pages": p.pages, "page_size": p.page_size,
+                              "value": _round(p.page_hit_rate), "definition": DEFINITIONS["page_hit_rate"]},
+            "sglang_batch": {"batches": p.batches, "mean": _round(p.batch_mean_hit_rate),
+                             "last": _round(p.last_batch_hit_rate), "definition": DEFINITIONS["sglang_batch"]},
+            "sglang_cumulative": {"cached_tokens": p.batch_cached_tokens, "new_tokens": p.batch_new_tokens,
+                                  "hit_rate": _round(p.sglang_cumulative_hit_rate),
+                                  "definition": DEFINITIONS["sglang_cumulative"]},
+            "vllm": {"queries": p.vllm_queries, "hits": p.vllm_hits, "hit_rate": _round(p.vllm_hit_rate),
+                     "definition": DEFINITIONS["vllm"]},
+            "belady": None if bound is None else {
+                "cached_tokens": bound.prefix.cached_tokens, "hit_rate": _round(bound.prefix.hit_rate),
+                "evictions": bound.eviction.evictions, "wall_time_s": _round(bound.summary.wall_s, 3),
+                "definition": DEFINITIONS["belady"]},
             "ceiling": {"tokens": p.ceiling_tokens, "hit_rate": _round(p.ceiling_hit_rate),
                         "page_size_1_tokens": p.shared_tokens, "definition": DEFINITIONS["ceiling"]},
             "lost_to_page_alignment": {"tokens": p.lost_to_page_alignment,
@@ -83,7 +101,8 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS) ->
             "oom_events": a.oom_events,
             "means": "weighted by simulated time",
         },
-        "eviction": dataclasses.asdict(e),
+        "eviction": {**dataclasses.asdict(e), "needed_again_share": _round(e.needed_again_share),
+                     "definitions": EVICTION_DEFINITIONS},
         "scheduling": {
             "retractions": q.retractions, "retracted_requests": q.retracted_requests,
             "recomputed_tokens": q.recomputed_tokens, "aborted": q.aborted, **dataclasses.asdict(q.queue),
@@ -109,12 +128,14 @@ def _series_fields(result: ReplayResult) -> dict:
     return {name: result.series[name] for name in keep}
 
 
-def render_replay(result: ReplayResult, console: Console) -> None:
-    for table in replay_tables(result):
+def render_replay(result: ReplayResult, console: Console, bound: Optional[ReplayResult] = None) -> None:
+    for table in replay_tables(result, bound):
         console.print(table)
     p = result.prefix
-    for label, name in footnotes(result):
+    for label, name in footnotes(result, bound):
         console.print(f"{label} = {DEFINITIONS[name]}.")
+    if result.eviction.future_known and result.eviction.evictions:
+        console.print(f"reuse distance = {EVICTION_DEFINITIONS['reuse_distance']}.")
     if p.sub_page_prefix_requests:
         console.print(f"{p.sub_page_prefix_requests} request(s) shared a prefix shorter than one page"
                       f" ({p.page_size} tokens): they can never hit.")
@@ -126,11 +147,16 @@ def render_replay(result: ReplayResult, console: Console) -> None:
         console.print(f"STOPPED EARLY ({result.stop.reason}): {result.stop.message}")
 
 
-def footnotes(result: ReplayResult) -> list[tuple[str, str]]:
-    """(label, DEFINITIONS key) of every figure in the tables that needs its definition: the hit
-    rate, the ceiling, and each "lost" or "waste" figure shown."""
+def footnotes(result: ReplayResult, bound: Optional[ReplayResult] = None) -> list[tuple[str, str]]:
+    """(label, DEFINITIONS key) of every figure in the tables that needs its definition: each
+    hit rate, the ceiling, the Belady bound when there is one, and each "lost" or "waste"
+    figure shown."""
     paged = result.prefix.page_size > 1
-    return [("hit rate", "hit_rate"), ("ceiling", "ceiling"),
+    return [("hit rate", "hit_rate"), ("per-request mean", "per_request_mean"), ("page hit rate", "page_hit_rate"),
+            ("block ratio", "block_ratio"), ("SGLang per batch", "sglang_batch"),
+            ("SGLang cumulative", "sglang_cumulative"), ("vLLM", "vllm"), ("first 50% excluded", "warmup_excluded"),
+            *([(f"last {WINDOW_REQUESTS:,} requests", "last_1000")] if result.trace.requests > WINDOW_REQUESTS else []),
+            ("ceiling", "ceiling"), *([("Belady bound", "belady")] if bound is not None else []),
             ("lost to capacity and timing", "lost_to_capacity_and_timing"),
             *([("lost to page alignment", "lost_to_page_alignment"),
                ("partial-page waste", "partial_page_waste")] if paged else []),
@@ -138,7 +164,7 @@ def footnotes(result: ReplayResult) -> list[tuple[str, str]]:
             ("no request holds memory at the end", "no_request_holds_memory")]
 
 
-def replay_tables(result: ReplayResult) -> list[Table]:
+def replay_tables(result: ReplayResult, bound: Optional[ReplayResult] = None) -> list[Table]:
     s, p, o, a, e, q, i = (result.summary, result.prefix, result.occupancy, result.allocation, result.eviction,
                            result.scheduling, result.integrity)
     ps = p.page_size
@@ -158,13 +184,20 @@ def replay_tables(result: ReplayResult) -> list[Table]:
     ])
     prefix = kv_table(f"prefix cache (page size {ps}, block size {p.block_size})", [
         ("cached tokens", p.cached_tokens), ("input tokens", p.input_tokens),
-        ("hit rate", _pct(p.hit_rate)),
+        ("hit rate (tokens)", _pct(p.hit_rate)),
+        ("per-request mean", _pct(p.per_request_mean_hit_rate)),
+        ("page hit rate (hit pages / pages)", f"{_pct(p.page_hit_rate)} ({p.hit_pages:,} / {p.pages:,})"),
         ("block ratio (hit blocks / blocks)", f"{_pct(p.block_ratio)} ({p.hit_blocks:,} / {p.blocks:,})"),
+        ("SGLang per batch, mean / last", f"{_pct(p.batch_mean_hit_rate)} / {_pct(p.last_batch_hit_rate)}"
+                                          f" ({p.batches:,} batches)"),
+        ("SGLang cumulative", _pct(p.sglang_cumulative_hit_rate)),
+        ("vLLM (hits / queries)", f"{_pct(p.vllm_hit_rate)} ({p.vllm_hits:,} / {p.vllm_queries:,})"),
         ("hit rate, first 50% excluded", _pct(p.warmup_excluded_hit_rate)),
         # over a trace of at most WINDOW_REQUESTS the window is the whole trace: the hit rate above
         *([(f"hit rate, last {WINDOW_REQUESTS:,} requests", _pct(p.last_1000_hit_rate))]
           if result.trace.requests > WINDOW_REQUESTS else []),
         ("ceiling (sequential, never evicting)", f"{_pct(p.ceiling_hit_rate)} ({p.ceiling_tokens:,} tokens)"),
+        *([("Belady bound (offline, same pool)", _pct(bound.prefix.hit_rate))] if bound is not None else []),
         ("lost to capacity and timing", p.lost_to_capacity_and_timing),
         *([("lost to page alignment", p.lost_to_page_alignment),
            ("requests with a sub-page shared prefix", p.sub_page_prefix_requests)] if paged else []),
@@ -183,10 +216,15 @@ def replay_tables(result: ReplayResult) -> list[Table]:
         ("request rows, peak / total", f"{a.peak_request_rows:,} / {a.request_rows:,}"),
         ("out-of-memory events", a.oom_events),
     ])
+    reuse = [
+        ("needed again (tokens, share)", f"{e.tokens_needed_again:,} ({_pct(e.needed_again_share)})"),
+        ("reuse distance p50 / p90 / max (requests)", _dist(e.reuse_distance_requests, 1)),
+        ("reuse distance p50 / p90 / max (s)", _dist(e.reuse_distance_ms, 1e-3)),
+    ] if e.future_known else [("reuse distance", "not computed (the trace is too large for its future index)")]
     eviction = kv_table(f"eviction (policy {e.policy})", [
         ("evictions (nodes)", e.evictions), ("tokens evicted", e.tokens_evicted),
         *([("age at eviction p50 / p90 / max (s)", _dist(e.age_ms, 1e-3)),
-           ("reuse count p50 / p90 / max", _dist(e.reuse, 1))] if e.evictions else []),
+           ("hits before eviction p50 / p90 / max", _dist(e.hits_before_eviction, 1)), *reuse] if e.evictions else []),
     ])
     scheduling = kv_table("scheduling", [
         ("retraction events (requests retracted)", f"{q.retractions:,} ({q.retracted_requests:,})"),
@@ -222,85 +260,63 @@ def _dist(values: dict[str, float], scale: float) -> str:
     return " / ".join(fmt(round(values[k] * scale, 3)) for k in ("p50", "p90", "max"))
 
 
-# -- sweeps ---------------------------------------------------------------------------------
+# -- studies --------------------------------------------------------------------------------
 
 
-def sweep_document(sweep: SweepResult) -> dict[str, Any]:
-    base = sweep.rows[0].result if sweep.rows else None
-    return envelope("replay", {
-        "sweep": {"key": sweep.key, "values": [row.value for row in sweep.rows]},
-        "requests": base.summary.requests if base else 0,
-        "input_tokens": base.prefix.input_tokens if base else 0,
-        "output_tokens": base.summary.output_tokens if base else 0,
-        "page_size": base.config.page_size if base else None,
-        "arrivals": sweep.arrivals,
-        "hit_rate_definition": DEFINITIONS["hit_rate"],
-        "rows": [_sweep_row(row.value, row.result) for row in sweep.rows],
-        "reference": sweep.reference.to_dict(),
-    }, sweep.config)
-
-
-def _sweep_row(value: Any, r: ReplayResult) -> dict[str, Any]:
-    return {
-        "value": value, "requests": r.summary.requests, "input_tokens": r.prefix.input_tokens,
-        "output_tokens": r.summary.output_tokens, "cached_tokens": r.prefix.cached_tokens,
-        "hit_rate": _round(r.prefix.hit_rate), "block_ratio": _round(r.prefix.block_ratio),
-        "warmup_excluded_hit_rate": _round(r.prefix.warmup_excluded_hit_rate),
-        "ceiling_hit_rate": _round(r.prefix.ceiling_hit_rate), "page_size": r.config.page_size,
-        "pool_tokens": r.occupancy.pool_tokens, "evictions": r.eviction.evictions,
-        "tokens_evicted": r.eviction.tokens_evicted, "retractions": r.scheduling.retractions,
-        "peak_used_tokens": r.occupancy.peak_used_tokens, "simulated_time_ms": _round(r.summary.simulated_ms, 3),
-        "steps": r.summary.steps, "wall_time_s": _round(r.summary.wall_s, 3), "integrity_ok": r.integrity.ok,
-        **({"host_tier": r.host_tier.to_dict()} if r.host_tier is not None else {}),
-    }
-
-
-def render_sweep(sweep: SweepResult, console: Console) -> None:
-    table = Table(title=f"sweep of {sweep.key} ({sweep.arrivals} arrivals)", title_justify="left")
-    for name in ("value", "pool", "hit rate", "blocks", "warm-up excl", "ceiling", "evictions", "retracts",
-                 "peak used", "steps"):
-        table.add_column(name, justify="left" if name == "value" else "right", no_wrap=True)
-    for row in sweep.rows:
-        r = row.result
-        table.add_row(str(row.value), fmt(r.occupancy.pool_tokens), _pct(r.prefix.hit_rate),
-                      _pct(r.prefix.block_ratio), _pct(r.prefix.warmup_excluded_hit_rate),
-                      _pct(r.prefix.ceiling_hit_rate), fmt(r.eviction.evictions), fmt(r.scheduling.retractions),
-                      fmt(r.occupancy.peak_used_tokens), fmt(r.summary.steps))
-    ref = sweep.reference
-    table.add_row("unlimited", fmt(ref.pool_tokens) if ref.pool_tokens else "-", _pct(ref.hit_rate),
-                  _optional_pct(ref.block_ratio), _optional_pct(ref.warmup_excluded_hit_rate),
-                  _pct(ref.ceiling_hit_rate), *(["-"] * 4))
+def render_study(doc: dict[str, Any], console: Console) -> None:
+    """The study as one table: a row per finished point (its keys, then the numbers), then the
+    unlimited-pool reference of each page size."""
+    keys = doc["study"]["keys"]
+    names = [short_key(key, keys) for key in keys]
+    table = Table(title=f"study of {', '.join(names) or 'the base config'}: {doc['study']['finished']} of"
+                        f" {doc['study']['points']} points ({doc['arrivals']} arrivals, {doc['study']['executor']})",
+                  title_justify="left")
+    for name in [*names, "pool", "hit rate", "ceiling", "evictions", "needed again", "retracts"]:
+        table.add_column(name, justify="left" if name in names else "right", no_wrap=True)
+    for entry in doc["points"]:
+        table.add_row(*(_value(entry["config"][key]) for key in keys), fmt(entry["pool_tokens"]),
+                      _pct(entry["hit_rate"]), _pct(entry["ceiling_hit_rate"]), fmt(entry["evictions"]),
+                      _optional_pct(entry["needed_again_share"]), fmt(entry["retractions"]))
+    for ref in doc["references"]:
+        label = [f"unlimited, ps {ref['page_size']}"] + [""] * (len(keys) - 1) if keys else []
+        table.add_row(*label, fmt(ref["pool_tokens"]) if ref["pool_tokens"] else "-", _pct(ref["hit_rate"]),
+                      _pct(ref["ceiling_hit_rate"]), "-", "-", "-")
     console.print(table)
-    tiers = [row for row in sweep.rows if row.result.host_tier is not None]
+    tiers = [entry for entry in doc["points"] if "tier_device_hit" in entry]
     if tiers:
-        console.print(_tier_table(sweep.key, tiers))
-    for row in sweep.rows:
-        if not row.result.integrity.ok:
-            console.print(f"INTEGRITY FAILURE at {sweep.key}={row.value} (replay stopped):"
-                          f" {row.result.integrity.failure}")
-    console.print("blocks = block ratio; warm-up excl = hit rate without the first 50% of requests;"
-                  " ceiling = sequential, never evicting (see the single-replay report).")
+        console.print(_tier_table(tiers, keys))
+    for entry in doc["points"]:
+        if not entry["integrity_ok"]:
+            console.print(f"INTEGRITY FAILURE at {point_label(entry['point'])} (that replay stopped)")
+        if entry["stalled"]:
+            console.print(f"STALLED at {point_label(entry['point'])} (that replay stopped)")
+    console.print("ceiling = sequential, never evicting; needed again = share of evicted tokens a later request"
+                  " uses (see the single-replay report); --out DIR (study.csv) and --json have every number of"
+                  " every point, every hit-rate definition included.")
     if tiers:
         console.print("host tier: hit rate by tier (device, host loaded back, host skipped, miss; see the"
                       " single-replay report), GB copied device -> host and back, host tokens evicted.")
     console.print(f"hit rate = {DEFINITIONS['hit_rate']}.")
-    console.print(f"unlimited ({ref.method}): {ref.note}.")
+    for ref in doc["references"]:
+        console.print(f"unlimited, ps {ref['page_size']} ({ref['method']}): {ref['note']}.")
 
 
-def _tier_table(key: str, rows: list) -> Table:
-    """Hit rate by tier per swept value (the rows with a host tier)."""
-    table = Table(title=f"host tier by {key}", title_justify="left")
-    for name in ("value", "host pool", "device", "host load", "host skip", "miss", "GB d2h", "GB h2d",
+def _tier_table(entries: list[dict[str, Any]], keys: list[str]) -> Table:
+    """Hit rate by tier per point (the points with a host tier)."""
+    table = Table(title=f"host tier by {', '.join(keys)}", title_justify="left")
+    for name in ("point", "host pool", "device", "host load", "host skip", "miss", "GB d2h", "GB h2d",
                  "host evict", "sim s"):
-        table.add_column(name, justify="left" if name == "value" else "right", no_wrap=True)
-    for row in rows:
-        h = row.result.host_tier
-        r, t = h.rates, h.transfers
-        table.add_row(str(row.value), fmt(h.host_pool_tokens), _pct(r["device_hit"]), _pct(r["host_loaded"]),
-                      _pct(r["host_skipped"]), _pct(r["miss"]), f"{t['d2h_bytes'] / 1e9:,.1f}",
-                      f"{t['h2d_bytes'] / 1e9:,.1f}", fmt(t["host_evicted_tokens"]),
-                      f"{row.result.summary.simulated_ms / 1e3:,.0f}")
+        table.add_column(name, justify="left" if name == "point" else "right", no_wrap=True)
+    for e in entries:
+        table.add_row(point_label(e["point"]), fmt(e["host_pool_tokens"]), _pct(e["tier_device_hit"]),
+                      _pct(e["tier_host_loaded"]), _pct(e["tier_host_skipped"]), _pct(e["tier_miss"]),
+                      f"{e['d2h_bytes'] / 1e9:,.1f}", f"{e['h2d_bytes'] / 1e9:,.1f}", fmt(e["host_evicted_tokens"]),
+                      f"{e['simulated_time_ms'] / 1e3:,.0f}")
     return table
+
+
+def _value(value: Any) -> str:
+    return fmt(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
 def _optional_pct(value) -> str:

@@ -33,13 +33,14 @@ from memcli.tools.replay import ARRIVALS
 from memcli.tools.replay.ceiling import shared_prefix_lens
 from memcli.tools.replay.requests import RequestLog, delay_stats
 from memcli.tools.replay.hicache import TierLog, host_tier_stats
-from memcli.tools.replay.metrics import (EvictionLog, StepSeries, eviction_stats, occupancy_stats, prefix_stats,
+from memcli.tools.replay.metrics import (EngineCounters, EvictionLog, StepSeries, eviction_stats, occupancy_stats, prefix_stats,
                                    queue_stats)
 from memcli.tools.replay.result import (AllocationStats, IntegrityStats, ReplayResult, RunSummary, SchedulingStats,
                                   Stop, TraceInfo)
 from memcli.sched.scheduler import Scheduler
 from memcli.stack import build_stack, resolve_device
 from memcli.timing import torch_threads
+from memcli.workload.future import FutureTooLarge, FutureUses, build_future, check_future_fits
 from memcli.workload.spec import Trace, output_token_base
 
 RECORDS_KEPT = 4096  # the scheduler's own step records are trimmed to this many (we keep our own)
@@ -94,6 +95,13 @@ def check_options(trace: Trace, config: Config, options: ReplayOptions) -> None:
     if options.events_path is not None and config.cache.kind != "radix":
         raise MemcliError(f"--events needs the radix cache, but cache.kind is {config.cache.kind}",
                           "use --set cache.kind=radix")
+    if config.cache.eviction_policy == "belady":
+        if config.cache.kind == "hiradix":
+            raise MemcliError("cache.eviction_policy belady ranks the leaves of the radix cache; the host tier"
+                              " (cache.kind hiradix) is not modelled with it", "use --set cache.kind=radix with belady,"
+                              " or lru, lfu or fifo with hiradix")
+        if config.cache.kind == "radix":
+            check_future_fits(trace, config.page_size)
 
 
 def check_fits(config: Config, trace: Trace) -> None:
@@ -184,6 +192,7 @@ class _Run:
             (spec.arrival_ms if timed else np.nan for spec in trace.requests), dtype=np.float64,
             count=trace.num_requests))
         self.tiers = TierLog(trace.num_requests) if config.cache.kind == "hiradix" else None
+        self.future = None
         self.next = 0
         self.output_tokens = 0
         self.series = StepSeries()
@@ -195,16 +204,33 @@ class _Run:
     def execute(self, shared: np.ndarray) -> ReplayResult:
         start = time.perf_counter()
         with torch_threads(resolve_device(self.config)):
-            self.stack = build_stack(self.config)
+            self.future = self._build_future()
+            self.stack = build_stack(self.config, future=self.future)
             self.scheduler = Scheduler(
                 self.stack, self.config.scheduler, self.config.sim, self.config.page_size,
                 output_token_base=output_token_base(self.trace), check_every_step=self.options.check_every_step,
                 record_events=False, on_step=self._on_step,
                 checker=IntegrityChecker(self.stack, self.options.check_policy),
+                on_admission=None if self.future is None else self._on_admission,
             )
             failure, reports = self._loop()
         wall_s = time.perf_counter() - start
         return self._result(shared, failure, reports, wall_s)
+
+    def _build_future(self) -> Optional[FutureUses]:
+        """The trace's future uses, for the radix cache: Belady reads it, and every replay's
+        eviction stats (reuse distance). Without belady a trace too large for it goes without."""
+        if self.config.cache.kind != "radix":
+            return None
+        try:
+            return build_future(self.trace, self.config.page_size)
+        except FutureTooLarge:
+            if self.config.cache.eviction_policy == "belady":
+                raise
+            return None
+
+    def _on_admission(self, req, admitted: bool) -> None:
+        self.future.set_admitted(self.index[req.rid], admitted)
 
     # -- the loop ------------------------------------------------------------------------
     def _loop(self) -> tuple[Optional[str], tuple[dict, ...]]:
@@ -325,14 +351,17 @@ class _Run:
                 prefill_steps=stats.prefill_batches, decode_steps=stats.decode_steps, idle_steps=stats.idle_steps,
                 wall_s=wall_s,
             ),
-            prefix=prefix_stats(input_lens, self.log.cached_tokens, shared, ps, trace.block_size),
+            prefix=prefix_stats(input_lens, self.log.cached_tokens, shared, ps, trace.block_size, EngineCounters(
+                np.frombuffer(stats.batch_cached_tokens, dtype=np.int64),
+                np.frombuffer(stats.batch_new_tokens, dtype=np.int64), stats.admission_queries, stats.admission_hits)),
             occupancy=occupancy_stats(series, pool, ps),
             allocation=AllocationStats(
                 allocations=stats.allocations, allocated_tokens=stats.allocated_tokens, frees=self.stack.allocator.num_frees,
                 freed_tokens=self.stack.allocator.freed_tokens, peak_request_rows=stats.peak_request_rows,
                 request_rows=rows.size, oom_events=stats.oom_events,
             ),
-            eviction=eviction_stats(self.evictions, config.cache.eviction_policy),
+            eviction=eviction_stats(self.evictions, config.cache.eviction_policy, self.log.admission_ms,
+                                    self.future is not None),
             scheduling=SchedulingStats(stats.retractions, stats.retracted_requests, stats.recomputed_tokens,
                                        stats.aborted, queue_stats(series)),
             integrity=IntegrityStats(

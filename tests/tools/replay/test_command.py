@@ -127,7 +127,12 @@ def test_empty_and_missing_files(tmp_path):
     (["--set", "memory.bogus=1"], "unknown config key 'memory.bogus'"),
     (["--sweep", "memory.max_total_tokens"], "expected KEY=v1,v2"),
     (["--sweep", "cache.eviction_policy=lru,mru"], "cache.eviction_policy: invalid value 'mru'"),
-    (["--sweep", "cache.eviction_policy=lru", "--events", "x.jsonl"], "cannot be combined with --sweep"),
+    (["--sweep", "cache.eviction_policy=lru", "--events", "x.jsonl"], "cannot be combined with --sweep or --sweep-file"),
+    (["--jobs", "2"], "--jobs runs the points of a study"),
+    (["--sweep", "cache.eviction_policy=lru", "--jobs", "0"], "--jobs 0: at least 1"),
+    (["--sweep", "cache.eviction_policy=lru", "--resume"], "--resume continues the study under --out"),
+    (["--sweep", "cache.eviction_policy=lru", "--ray-address", "10.0.0.1:6379"], "--ray-address is the Ray cluster"),
+    (["--sweep-file", "missing.yaml"], "cannot read --sweep-file missing.yaml"),
     (["--plot", "out.txt"], "unsupported file type"),
     (["--set", "memory.max_context_len=100"], "more than memory.max_context_len 100"),
     (["--set", "memory.max_total_tokens=200", "--set", "memory.max_context_len=64", "--set", "memory.page_size=1",
@@ -163,8 +168,10 @@ def test_json_schema(memcli_trace):
     prefix = doc["prefix_cache"]
     assert "first admitted" in prefix["hit_rate_definition"]
     for variant in ("block_ratio", "warmup_excluded", "last_1000", "ceiling", "lost_to_page_alignment",
-                    "sub_page_prefix_requests", "lost_to_capacity_and_timing"):
+                    "sub_page_prefix_requests", "lost_to_capacity_and_timing", "per_request_mean", "page_hit_rate",
+                    "sglang_batch", "sglang_cumulative", "vllm"):
         assert prefix[variant]["definition"]
+    assert prefix["belady"] is None  # only with --bound belady
     # Sequential arrivals with a pool that never evicts: exactly the ceiling.
     assert doc["eviction"]["evictions"] == 0 and prefix["ceiling"]["tokens"] == doc["cached_tokens"]
     summary = doc["summary"]
@@ -174,7 +181,10 @@ def test_json_schema(memcli_trace):
     for key in ("peak_used_tokens", "peak_used_pages", "mean_used_tokens", "peak_partial_page_waste_tokens",
                 "allocations", "frees", "peak_request_rows", "oom_events"):
         assert key in doc["allocation"]
-    assert set(doc["eviction"]["age_ms"]) == {"p50", "p90", "max"} == set(doc["eviction"]["reuse"])
+    eviction = doc["eviction"]
+    assert set(eviction["age_ms"]) == {"p50", "p90", "max"} == set(eviction["hits_before_eviction"])
+    assert set(eviction["reuse_distance_requests"]) == {"p50", "p90", "max"} and eviction["future_known"]
+    assert set(eviction["definitions"]) >= {"reuse_distance", "needed_again"}
     assert doc["integrity"]["ok"] and doc["integrity"]["everything_free_at_end"]
     series = doc["series"]
     assert len(series["time_ms"]) == len(series["running"]) <= series["points"]
@@ -184,7 +194,7 @@ def test_human_output_prints_the_definition(memcli_trace):
     result = invoke(memcli_trace, *SMALL, env={"NO_COLOR": "1"})
     assert result.exit_code == 0, result.stderr
     for needle in ("prefix cache", "hit rate", "allocation", "eviction", "scheduling", "integrity",
-                   "hit rate = cached_tokens / input_tokens"):
+                   "hit rate = cached_tokens / input_tokens", "SGLang per batch = ", "vLLM = "):
         assert needle in result.stdout
 
 
@@ -201,11 +211,12 @@ def test_no_progress_when_stderr_is_not_a_terminal(memcli_trace):
     assert result.exit_code == 0 and result.stderr == ""
 
 
-def test_sweep_progress_has_one_bar_per_replay(memcli_trace):
-    result = invoke(memcli_trace, *SMALL, "--sweep", "memory.max_total_tokens=20000,60000", "--progress", "--json")
+def test_a_study_has_one_progress_bar_over_its_replays(memcli_trace):
+    result = invoke(memcli_trace, *SMALL, "--sweep", "memory.max_total_tokens=20000,60000", "--jobs", 1,
+                    "--progress", "--json")
     assert result.exit_code == 0, result.stderr
-    for label in ("memory.max_total_tokens=20000", "memory.max_total_tokens=60000", "unlimited pool"):
-        assert label in result.stderr
+    assert result.stderr.count("study (serial)") >= 1 and "3/3" in result.stderr  # two points, one reference
+    assert "replay " not in result.stderr.replace("study", "")
 
 
 def test_plot_says_where_it_wrote(memcli_trace, tmp_path, monkeypatch):
@@ -250,26 +261,26 @@ def test_events_file(memcli_trace, tmp_path):
     assert doc["config"]["cache"]["kv_events"] is True
 
 
-# -- sweeps ---------------------------------------------------------------------------------
+# -- studies (more in test_study.py) ------------------------------------------------------
 
 
 def test_sweep_pool_sizes_with_the_unlimited_reference(mooncake_trace):
-    doc = run_json(mooncake_trace, "--block-size", 32, "--sweep", "memory.max_total_tokens=8000,60000")
-    rows = doc["rows"]
-    assert [row["value"] for row in rows] == [8000, 60000]
+    doc = run_json(mooncake_trace, "--block-size", 32, "--sweep", "memory.max_total_tokens=8000,60000", "--jobs", 1)
+    rows = doc["points"]
+    assert [row["point"] for row in rows] == [{"memory.max_total_tokens": 8000}, {"memory.max_total_tokens": 60000}]
     assert [row["pool_tokens"] for row in rows] == [8000, 60000]
     assert rows[0]["evictions"] > 0 and rows[0]["hit_rate"] <= rows[1]["hit_rate"]
-    ref = doc["reference"]
-    assert ref["method"] == "replayed" and ref["pool_tokens"] >= doc["input_tokens"]
+    (ref,) = doc["references"]
+    assert ref["method"] == "replayed" and ref["pool_tokens"] >= doc["input_tokens"] and ref["page_size"] == 16
     assert ref["hit_rate"] >= rows[1]["hit_rate"] - 1e-9
     assert all(row["integrity_ok"] for row in rows)
 
 
 def test_sweep_eviction_policies_human(mooncake_trace):
     result = invoke(mooncake_trace, "--block-size", 32, *SMALL, "--sweep", "cache.eviction_policy=lru,lfu",
-                    env={"NO_COLOR": "1"})
+                    "--jobs", 1, env={"NO_COLOR": "1"})
     assert result.exit_code == 0, result.stderr
-    assert "lru" in result.stdout and "lfu" in result.stdout and "unlimited (replayed)" in result.stdout
+    assert "lru" in result.stdout and "lfu" in result.stdout and "unlimited, ps 16 (replayed)" in result.stdout
     assert "…" not in result.stdout  # fits 120 columns
 
 
@@ -283,12 +294,39 @@ def test_plot_without_matplotlib_is_bad_input(memcli_trace, tmp_path, monkeypatc
     assert "error: --plot needs matplotlib" in result.stderr and "hint: pip install 'memcli[plot]'" in result.stderr
 
 
-def test_plot_writes_a_png(memcli_trace, tmp_path):
+def test_plot_writes_a_png_and_says_where(memcli_trace, tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "o.png"
     result = invoke(memcli_trace, *SMALL, "--plot", out, "--json")
     assert result.exit_code == 0, result.stderr
-    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert out.read_bytes()[:4] == b"\x89PNG" and f"plot: wrote {out}" in result.stderr
+
+
+def test_occupancy_is_scaled_to_what_was_used():
+    import numpy as np
+
+    from memcli.tools.replay.plot import occupancy_scale
+
+    series = {"time_ms": np.arange(3.0), "used_tokens": np.array([10, 900, 400]), "used_pages": np.array([1, 60, 30])}
+    assert occupancy_scale(series, 4_194_304, 16) == (pytest.approx(1104.0), False)  # 60 pages of 16, +15 %
+    assert occupancy_scale(series, 1000, 16) == (pytest.approx(1050.0), True)  # near the pool: the pool is drawn
+
+
+def test_a_study_plot_draws_every_line(mooncake_trace, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "study.png"
+    result = invoke(mooncake_trace, "--block-size", 32, *SMALL, "--sweep", "memory.max_total_tokens=8000,60000",
+                    "--sweep", "cache.eviction_policy=lru,fifo", "--jobs", 1, "--plot", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert out.read_bytes()[:4] == b"\x89PNG" and f"plot: wrote {out}" in result.stderr
+    from memcli.tools.replay.plot import study_lines
+
+    x_key, categories, lines, ceilings = study_lines(json.loads(result.stdout))
+    assert x_key == "memory.max_total_tokens" and categories == []
+    assert [(line.label, line.xs, line.bound) for line in lines] == [
+        ("eviction_policy=lru", [8000, 60000], False), ("eviction_policy=fifo", [8000, 60000], False),
+        ("eviction_policy=belady (offline bound)", [8000, 60000], True)]
+    assert [ps for ps, _ in ceilings] == [16]
 
 
 def test_synthetic_head_replays(tmp_path):

@@ -77,13 +77,17 @@ def test_cli_json_and_sweeps(trace_path):
     assert sum(tiers["tokens"][k] for k in ("device_hit", "host_loaded", "host_skipped", "miss")) == doc["input_tokens"]
     assert len(doc["series"]["host_used"]) == len(doc["series"]["time_ms"])
     for key, values in (("cache.host_size_gib", "1.0,2.0"), ("cache.write_policy", "write_through,write_back")):
-        out = runner.invoke(app, base + ["--sweep", f"{key}={values}"])
+        out = runner.invoke(app, base + ["--sweep", f"{key}={values}", "--jobs", "1"])
         assert out.exit_code == 0, out.output
-        rows = json.loads(out.stdout)["rows"]
-        assert [r["value"] for r in rows] == [float(v) if "gib" in key else v for v in values.split(",")]
-        assert all("host_tier" in r for r in rows)
-    pools = [r["host_tier"]["host_pool"]["tokens"] for r in rows]
+        rows = json.loads(out.stdout)["points"]
+        assert [r["point"][key] for r in rows] == [float(v) if "gib" in key else v for v in values.split(",")]
+        assert all(0 <= r["tier_device_hit"] <= 1 and "host_evicted_tokens" in r for r in rows)
+    pools = [r["host_pool_tokens"] for r in rows]
     assert pools[0] == pools[1]  # the write policy does not change the pool
+    human = runner.invoke(app, [arg for arg in base if arg != "--json"] + ["--sweep", "cache.write_policy=write_back",
+                                                                           "--jobs", "1"])
+    assert human.exit_code == 0, human.output
+    assert "host tier by cache.write_policy" in human.stdout and "write_policy=write_back" in human.stdout
 
 
 def test_a_host_pool_not_above_the_device_pool_is_refused_under_sglang(trace_path):

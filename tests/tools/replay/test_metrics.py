@@ -74,10 +74,42 @@ def test_eviction_log_drains_and_summarises():
     stats = eviction_stats(log, "lru")
     assert (stats.evictions, stats.tokens_evicted) == (3, 64)
     assert stats.age_ms == {"p50": 200.0, "p90": 280.0, "max": 300.0}
-    assert stats.reuse["max"] == 2
+    assert stats.hits_before_eviction["max"] == 2
+    assert not stats.future_known and stats.tokens_needed_again == 0
+
+
+def test_reuse_distance_from_the_last_and_next_use():
+    from memcli.mem_cache.radix_cache import EvictionRecord
+
+    # Requests 0..5 admitted at 0, 10, ..., 50 ms; request 4 never admitted (the replay stopped).
+    admit_ms = np.array([0.0, 10.0, 20.0, 30.0, np.nan, 50.0])
+    tree = _Tree([EvictionRecord(16, 1.0, 0, last_use=1, next_use=3),   # 2 requests, 20 ms later
+                  EvictionRecord(32, 1.0, 0, last_use=0, next_use=5),   # 5 requests, 50 ms
+                  EvictionRecord(8, 1.0, 0, last_use=2, next_use=-1),   # never needed again
+                  EvictionRecord(4, 1.0, 0, last_use=-1, next_use=4)])  # needed, never used before
+    log = EvictionLog()
+    log.drain(tree)
+    stats = eviction_stats(log, "lru", admit_ms, future_known=True)
+    assert stats.reused_evictions == 3 and stats.tokens_needed_again == 16 + 32 + 4
+    assert stats.needed_again_share == pytest.approx(52 / 60)
+    assert stats.reuse_distance_requests["max"] == 5 and stats.reuse_distance_requests["p50"] == 3.5
+    assert stats.reuse_distance_ms["max"] == 50 and stats.reuse_distance_ms["p50"] == 35
+
+
+def test_engine_counters_give_sglang_and_vllm_rates():
+    from memcli.tools.replay.metrics import EngineCounters, prefix_stats
+
+    counters = EngineCounters(np.array([0, 30, 10]), np.array([100, 70, 0]), vllm_queries=400, vllm_hits=60)
+    p = prefix_stats(np.array([100, 200]), np.array([0, 40]), np.array([0, 40]), 4, 16, counters)
+    assert p.batches == 3 and p.batch_mean_hit_rate == pytest.approx((0 + 0.3 + 1.0) / 3)
+    assert p.last_batch_hit_rate == 1.0 and p.sglang_cumulative_hit_rate == pytest.approx(40 / 210)
+    assert p.vllm_hit_rate == 60 / 400
+    assert p.per_request_mean_hit_rate == pytest.approx((0 + 40 / 200) / 2) and p.hit_rate == 40 / 300
+    assert (p.hit_pages, p.pages) == (10, 25 + 50)
 
 
 def test_every_reported_ratio_has_a_definition():
     for key in ("hit_rate", "block_ratio", "warmup_excluded", "last_1000", "ceiling", "lost_to_page_alignment",
-                "sub_page_prefix_requests", "lost_to_capacity_and_timing"):
+                "sub_page_prefix_requests", "lost_to_capacity_and_timing", "per_request_mean", "page_hit_rate",
+                "sglang_batch", "sglang_cumulative", "vllm", "belady"):
         assert len(DEFINITIONS[key]) > 40

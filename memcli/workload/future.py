@@ -1,0 +1,306 @@
+"""Which request of a trace next uses a cached page: the future that Belady's eviction reads.
+
+A page of the prefix cache is a position `e` (its last token is token `e - 1`) on a path of
+tokens from the root. Request `j` *uses* it when its prompt starts with the path's first `e`
+tokens and its match may reach that far (`e <= input_len - 1`: an engine computes at least
+one token), so at admission it would match the page.
+
+The cache asks through handles, so it never hands over whole paths:
+
+    start(extra_key)          the handle of the empty path in that namespace
+    advance(handle, tokens)   the handle of the path extended by `tokens`
+    next_use(handle)          the first request, in trace order, that uses the page ending
+                              at the handle and is not admitted yet (None: no such request)
+    last_use(handle)          the last admitted request that uses it (None: none)
+
+A handle is None once the path leaves every prompt of the trace (output tokens, or a prompt
+that no other request shares beyond that point): nobody uses it.
+
+`set_admitted(index, admitted)` moves the boundary between past and future: the replay marks
+a request admitted when its first prefill batch is built, and not admitted again when it is
+retracted (it will match its prefix again).
+
+Two exact indexes, chosen by the trace format:
+
+- Mooncake (`hash_ids`): a trie of hash blocks (keyed by parent and hash id, as the ceiling
+  does). Token `k` of a block with hash `h` is `h * block_size + k`, so a handle is the trie
+  block holding the path's last token and the path length; `advance` reads the block ids off
+  the tokens and checks every token against them. Cost: O(blocks of the trace) to build.
+- memcli token ids: every page end `e` (a multiple of the page size, up to the match cap) of
+  every prompt, keyed by a 64-bit polynomial hash of the prompt's first `e` tokens (and the
+  namespace); a handle is that hash and `e`. Cost: one entry per page of every prompt, so
+  `MAX_PAGE_ENTRIES` bounds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Optional
+
+import numpy as np
+
+from memcli.errors import MemcliError
+from memcli.workload.spec import Trace
+
+MAX_PAGE_ENTRIES = 40_000_000
+_MASK = (1 << 64) - 1
+_BASE = 0x9E3779B97F4A7C15  # odd: invertible modulo 2**64
+_BASE_INV = pow(_BASE, -1, 1 << 64)
+_POS_MIX = 0xFF51AFD7ED558CCD
+
+
+class FutureTooLarge(MemcliError):
+    """The index would take too much memory (a memcli-format trace with very many pages)."""
+
+
+class FutureUses:
+    """Past and future users of every page of a trace (see the module docstring)."""
+
+    def __init__(self, num_requests: int, caps: np.ndarray):
+        self.caps = caps  # per request: how far its match may reach (input_len - 1)
+        self.admitted = np.zeros(num_requests, dtype=bool)
+        self.frontier = 0  # every request before it is admitted
+        self.max_admitted = -1
+
+    # -- the boundary between past and future ----------------------------------------------
+    def set_admitted(self, index: int, admitted: bool) -> None:
+        self.admitted[index] = admitted
+        if admitted:
+            self.max_admitted = max(self.max_admitted, index)
+            n = len(self.admitted)
+            while self.frontier < n and self.admitted[self.frontier]:
+                self.frontier += 1
+        else:
+            self.frontier = min(self.frontier, index)
+
+    def _first_future(self, users: np.ndarray, pos: int) -> Optional[int]:
+        """First user not admitted whose match reaches `pos` (users ascending)."""
+        admitted, caps = self.admitted, self.caps
+        for i in range(int(np.searchsorted(users, self.frontier)), len(users)):
+            j = int(users[i])
+            if not admitted[j] and caps[j] >= pos:
+                return j
+        return None
+
+    def _last_past(self, users: np.ndarray, pos: int) -> Optional[int]:
+        admitted, caps = self.admitted, self.caps
+        for i in range(int(np.searchsorted(users, self.max_admitted, side="right")) - 1, -1, -1):
+            j = int(users[i])
+            if admitted[j] and caps[j] >= pos:
+                return j
+        return None
+
+    # -- implemented by the two indexes ------------------------------------------------------
+    def start(self, extra_key: Optional[str]) -> Any:
+        raise NotImplementedError
+
+    def advance(self, handle: Any, tokens: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    def users(self, handle: Any) -> Optional[tuple[np.ndarray, int]]:
+        """The requests whose prompt holds the path of `handle` (ascending), and the position."""
+        raise NotImplementedError
+
+    def next_use(self, handle: Any) -> Optional[int]:
+        found = self.users(handle) if handle is not None else None
+        return None if found is None else self._first_future(*found)
+
+    def last_use(self, handle: Any) -> Optional[int]:
+        found = self.users(handle) if handle is not None else None
+        return None if found is None else self._last_past(*found)
+
+
+def check_future_fits(trace: Trace, page_size: int) -> None:
+    """Raise `FutureTooLarge` when `build_future` would (before anything is built)."""
+    if trace.format != "mooncake":
+        _check_pages(sum(max(r.input_len - 1, 0) // page_size for r in trace.requests), page_size)
+
+
+def _check_pages(pages: int, page_size: int) -> None:
+    if pages > MAX_PAGE_ENTRIES:
+        raise FutureTooLarge(
+            f"the trace's future uses (for belady) need an index of {pages:,} pages, over the {MAX_PAGE_ENTRIES:,} kept",
+            f"use a larger page size (now {page_size}) or replay fewer requests (--limit)")
+
+
+def build_future(trace: Trace, page_size: int) -> FutureUses:
+    """The index of `trace` (Mooncake: block trie; memcli: pages of `page_size`). Raises
+    `FutureTooLarge` when a memcli-format trace has more than `MAX_PAGE_ENTRIES` pages."""
+    caps = np.fromiter((r.input_len - 1 for r in trace.requests), dtype=np.int64, count=trace.num_requests)
+    if trace.format == "mooncake":
+        return _BlockFuture(trace, caps)
+    return _PageFuture(trace, caps, page_size)
+
+
+class _BlockFuture(FutureUses):
+    """Mooncake traces: a trie of hash blocks; a handle is (trie block, path length)."""
+
+    def __init__(self, trace: Trace, caps: np.ndarray):
+        super().__init__(trace.num_requests, caps)
+        self.block_size = trace.block_size
+        self.roots: dict[Optional[str], int] = {}
+        self.children: dict[tuple[int, int], int] = {}
+        block_hash: list[int] = [-1]
+        users: list[list[int]] = [[]]
+        for j, req in enumerate(trace.requests):
+            node = self.roots.get(req.extra_key)
+            if node is None:
+                node = self.roots[req.extra_key] = len(users)
+                users.append([])
+                block_hash.append(-1)
+            for h in req.hash_ids:
+                child = self.children.get((node, h))
+                if child is None:
+                    child = self.children[(node, h)] = len(users)
+                    users.append([])
+                    block_hash.append(h)
+                users[child].append(j)
+                node = child
+        self.block_hash = np.asarray(block_hash, dtype=np.int64)
+        self.starts = np.zeros(len(users) + 1, dtype=np.int64)
+        np.cumsum([len(u) for u in users], out=self.starts[1:])
+        self.flat = np.fromiter((j for u in users for j in u), dtype=np.int64, count=int(self.starts[-1]))
+
+    def start(self, extra_key: Optional[str]) -> Any:
+        node = self.roots.get(extra_key)
+        return None if node is None else (node, 0)
+
+    def advance(self, handle: Any, tokens: np.ndarray) -> Any:
+        if handle is None or len(tokens) == 0:
+            return handle
+        node, pos = handle
+        bs, n = self.block_size, len(tokens)
+        where = pos + np.arange(n, dtype=np.int64)
+        ids, offsets = np.divmod(tokens, bs)
+        if not np.array_equal(offsets, where % bs):
+            return None
+        block_of = where // bs
+        if pos % bs:  # the first tokens finish the block the path is in
+            head = int(np.searchsorted(block_of, block_of[0], side="right"))
+            if not (ids[:head] == self.block_hash[node]).all():
+                return None
+        else:
+            head = 0
+        if head < n:
+            firsts = np.flatnonzero(np.diff(block_of[head:], prepend=block_of[head] - 1)) + head
+            if not _constant_runs(ids, firsts, n):
+                return None
+            children = self.children
+            for h in ids[firsts].tolist():
+                node = children.get((node, h))
+                if node is None:
+                    return None
+        return node, pos + n
+
+    def users(self, handle: Any) -> Optional[tuple[np.ndarray, int]]:
+        node, pos = handle
+        return self.flat[self.starts[node]:self.starts[node + 1]], pos
+
+
+def _constant_runs(ids: np.ndarray, firsts: np.ndarray, n: int) -> bool:
+    """Every token of each run [firsts[i], firsts[i+1]) has the id of the run's first token."""
+    run_id = np.repeat(ids[firsts], np.diff(np.append(firsts, n)))
+    return bool(np.array_equal(ids[firsts[0]:], run_id))
+
+
+class _PageFuture(FutureUses):
+    """memcli traces: every page end of every prompt, by the hash of the prompt up to it."""
+
+    def __init__(self, trace: Trace, caps: np.ndarray, page_size: int):
+        super().__init__(trace.num_requests, caps)
+        self.page_size = page_size
+        _check_pages(sum(max(int(c), 0) // page_size for c in caps.tolist()), page_size)
+        keys, owners = [], []
+        for j, req in enumerate(trace.requests):
+            cap = int(caps[j]) // page_size * page_size
+            if cap <= 0:
+                continue
+            ends = np.arange(page_size, cap + 1, page_size, dtype=np.int64)
+            hashes = _prefix_hashes(req.input_ids()[:cap], _seed(req.extra_key))[ends - 1]
+            keys.append(_mix(hashes, ends))
+            owners.append(np.full(len(ends), j, dtype=np.int64))
+        key = np.concatenate(keys) if keys else np.empty(0, dtype=np.uint64)
+        owner = np.concatenate(owners) if owners else np.empty(0, dtype=np.int64)
+        order = np.lexsort((owner, key))
+        key, self.flat = key[order], owner[order]
+        self.keys, first = np.unique(key, return_index=True)
+        self.starts = np.append(first, len(key)).astype(np.int64)
+
+    def start(self, extra_key: Optional[str]) -> Any:
+        return _seed(extra_key), 0
+
+    def advance(self, handle: Any, tokens: np.ndarray) -> Any:
+        value, pos = handle
+        n = len(tokens)
+        if n == 0:
+            return handle
+        powers = _powers(n)
+        body = int(np.multiply(tokens.astype(np.uint64) + np.uint64(1), powers[n - 1::-1]).sum(dtype=np.uint64))
+        return (value * pow(_BASE, n, 1 << 64) + body) & _MASK, pos + n
+
+    def users(self, handle: Any) -> Optional[tuple[np.ndarray, int]]:
+        value, pos = handle
+        if pos == 0 or pos % self.page_size:
+            return None
+        key = _mix(np.asarray([value], dtype=np.uint64), np.asarray([pos], dtype=np.int64))[0]
+        i = int(np.searchsorted(self.keys, key))
+        if i == len(self.keys) or self.keys[i] != key:
+            return None
+        return self.flat[self.starts[i]:self.starts[i + 1]], pos
+
+
+def _seed(extra_key: Optional[str]) -> int:
+    if extra_key is None:
+        return 0
+    return int.from_bytes(hashlib.blake2b(extra_key.encode(), digest_size=8).digest(), "little")
+
+
+_POWERS = np.ones(1, dtype=np.uint64)
+
+
+def _powers(n: int) -> np.ndarray:
+    """BASE**i mod 2**64 for i < n (at least)."""
+    global _POWERS
+    if len(_POWERS) < n:
+        size = max(n, 2 * len(_POWERS))
+        out = np.empty(size, dtype=np.uint64)
+        out[0] = 1
+        value = 1
+        for i in range(1, size):  # once per process, up to the longest path seen
+            value = value * _BASE & _MASK
+            out[i] = value
+        _POWERS = out
+    return _POWERS
+
+
+def _prefix_hashes(tokens: np.ndarray, seed: int) -> np.ndarray:
+    """H[k] = hash of tokens[:k + 1] with `advance`'s polynomial: seed * B^(k+1) + sum (t_i + 1) B^(k-i)."""
+    n = len(tokens)
+    powers = _powers(n + 1)
+    inverse = _inverse_powers(n)
+    scaled = np.multiply(tokens.astype(np.uint64) + np.uint64(1), inverse[:n])
+    sums = np.cumsum(scaled, dtype=np.uint64)  # sum (t_i + 1) B^-i, wrapping
+    out = np.multiply(sums, powers[:n])  # times B^k
+    if seed:
+        out += np.uint64(seed) * powers[1:n + 1]
+    return out
+
+
+_INVERSE = np.ones(1, dtype=np.uint64)
+
+
+def _inverse_powers(n: int) -> np.ndarray:
+    global _INVERSE
+    if len(_INVERSE) < n:
+        size = max(n, 2 * len(_INVERSE))
+        out = np.empty(size, dtype=np.uint64)
+        value = 1
+        for i in range(size):
+            out[i] = value
+            value = value * _BASE_INV & _MASK
+        _INVERSE = out
+    return _INVERSE
+
+
+def _mix(hashes: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    return hashes ^ (ends.astype(np.uint64) * np.uint64(_POS_MIX))

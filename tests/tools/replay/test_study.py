@@ -1,0 +1,217 @@
+"""Studies: every executor gives the same rows, files are written as points finish, --resume
+skips what is there, and each page size gets its unlimited-pool reference."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from memcli.cli.app import app
+from memcli.config import apply_overrides, config_from_dict
+from memcli.errors import CapacityError, MemcliError
+from memcli.tools.replay import study as study_mod
+from memcli.tools.replay import unlimited as unlimited_mod
+from memcli.tools.replay.ceiling import shared_prefix_lens
+from memcli.tools.replay.executors import processes, ray_executor, serial
+from memcli.tools.replay.grid import grid_points, parse_sweep
+from memcli.tools.replay.runner import ReplayOptions
+from memcli.tools.replay.study import TIMING_COLUMNS, StudyContext, StudyState, plan_study, run_study
+from memcli.tools.replay.unlimited import unlimited_pool_tokens
+from memcli.workload.readers import read_trace
+
+from tests.tools.replay.helpers import CONVERSATION, shrink_mooncake, small_config
+
+runner = CliRunner()
+SMALL = ["--set", "memory.max_total_tokens=60000", "--set", "memory.max_running_requests=16",
+         "--set", "memory.max_context_len=60000", "--set", "runtime.device=cpu",
+         "--set", "scheduler.chunked_prefill_size=4096", "--set", "scheduler.max_prefill_tokens=8192"]
+GRID = ["--sweep", "memory.max_total_tokens=8000,60000", "--sweep", "cache.eviction_policy=lru,fifo",
+        "--sweep", "memory.page_size=1,16"]
+
+
+@pytest.fixture(scope="module")
+def trace_path(tmp_path_factory):
+    return shrink_mooncake(CONVERSATION, tmp_path_factory.mktemp("s") / "t.jsonl", 40, block_size=32)
+
+
+@pytest.fixture(scope="module")
+def trace(trace_path):
+    return read_trace(trace_path, block_size=32)
+
+
+def _make_config(extra):
+    raw = small_config(16, pool=60_000, context=60_000).to_dict()
+    return config_from_dict(apply_overrides(raw, extra))
+
+
+def _study(trace, points, options=ReplayOptions("burst")):
+    plan = plan_study(points, _make_config, trace, options)
+    return StudyState(plan), StudyContext(trace, options, shared_prefix_lens(trace))
+
+
+def _rows(state):
+    """Rows by task, without the machine-dependent columns."""
+    return {key: {k: v for k, v in row.items() if k not in TIMING_COLUMNS} for key, row in state.rows.items()}
+
+
+@pytest.fixture(scope="module")
+def serial_rows(trace):
+    points = grid_points([parse_sweep("memory.max_total_tokens=8000,60000"), parse_sweep("cache.eviction_policy=lru,fifo"),
+                          parse_sweep("memory.page_size=1,16")])
+    state, context = _study(trace, points)
+    return points, _rows(run_study(state, context, serial))
+
+
+def test_a_study_is_every_point_plus_one_reference_per_page_size(serial_rows):
+    points, rows = serial_rows
+    assert len(rows) == 8 + 2
+    small = [rows[k] for k in rows if k.startswith("point:") and '"memory.max_total_tokens": 8000' in k]
+    assert len(small) == 4 and all(r["evictions"] > 0 and r["pool_tokens"] == 8000 for r in small)
+    refs = [row for key, row in rows.items() if key.startswith("reference:")]
+    assert sorted(ref["page_size"] for ref in refs) == [1, 16]
+    # The policies differ where the pool is short: the study really ran each point's config.
+    by_point = {k: r for k, r in rows.items() if k.startswith("point:")}
+    assert {r["eviction_policy"] for r in by_point.values()} == {"lru", "fifo"}
+
+
+def test_processes_give_the_same_rows_as_serial(trace, serial_rows):
+    points, expected = serial_rows
+    state, context = _study(trace, points)
+    assert _rows(run_study(state, context, processes(2))) == expected
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'memcli[ray]')")
+def test_ray_gives_the_same_rows_as_serial(trace, serial_rows):
+    points, expected = serial_rows
+    state, context = _study(trace, points)
+    assert _rows(run_study(state, context, ray_executor(None, 2))) == expected
+
+
+def test_every_point_is_checked_before_the_first_replay(trace, monkeypatch):
+    monkeypatch.setattr(study_mod, "replay", lambda *a, **k: pytest.fail("replayed before checking every point"))
+    with pytest.raises(CapacityError):
+        plan_study(grid_points([parse_sweep("memory.max_total_tokens=60000,2000")]), _make_config, trace,
+                   ReplayOptions("burst"))
+
+
+def test_reference_is_computed_when_the_pool_would_be_too_large(trace, monkeypatch):
+    monkeypatch.setattr(unlimited_mod, "UNLIMITED_REPLAY_MAX_TOKENS", 1000)
+    state, context = _study(trace, [{"cache.eviction_policy": "lru"}], ReplayOptions("sequential"))
+    rows = run_study(state, context, serial).rows
+    ref = next(row for key, row in rows.items() if key.startswith("reference:"))
+    point = next(row for key, row in rows.items() if key.startswith("point:"))
+    assert ref["method"] == "computed" and ref["pool_tokens"] is None
+    # Sequential arrivals and no eviction at 60k tokens: the replay reaches the computed ceiling.
+    assert ref["hit_rate"] == point["hit_rate"] == point["ceiling_hit_rate"]
+
+
+def test_reference_replays_with_every_token_of_the_trace(trace):
+    state, context = _study(trace, [{"memory.max_total_tokens": 12000}], ReplayOptions("sequential"))
+    rows = run_study(state, context, serial).rows
+    ref = next(row for key, row in rows.items() if key.startswith("reference:"))
+    point = next(row for key, row in rows.items() if key.startswith("point:"))
+    assert ref["method"] == "replayed" and ref["pool_tokens"] == unlimited_pool_tokens(trace, 16)
+    assert ref["hit_rate"] == ref["ceiling_hit_rate"] >= point["hit_rate"]
+
+
+# -- through the CLI: files, resume ---------------------------------------------------------
+
+
+def invoke(*args):
+    return runner.invoke(app, ["replay", *map(str, args)])
+
+
+def test_out_writes_json_and_csv_and_resume_runs_only_what_is_missing(trace_path, tmp_path, monkeypatch):
+    out = tmp_path / "study"
+    first = invoke(trace_path, "--block-size", 32, *SMALL, *GRID, "--jobs", 1, "--out", out, "--json")
+    assert first.exit_code == 0, first.stderr
+    doc = json.loads(first.stdout)
+    assert json.loads((out / "study.json").read_text()) == doc and doc["study"]["complete"]
+    with open(out / "study.csv") as fh:
+        table = list(csv.DictReader(fh))
+    # 8 points, and the 4 belady twins a policy sweep always gets.
+    assert len(table) == 12 and [row["cache.eviction_policy"] for row in table[8:]] == ["belady"] * 4
+    assert list(table[0])[:4] == ["index", "memory.max_total_tokens", "cache.eviction_policy",
+                                                      "memory.page_size"]
+    assert [row["hit_rate"] for row in table] == [str(p["hit_rate"]) for p in doc["points"]]
+    # Same folder again without --resume: refused, nothing run.
+    again = invoke(trace_path, "--block-size", 32, *SMALL, *GRID, "--jobs", 1, "--out", out)
+    assert again.exit_code == 2 and "already holds a study" in again.stderr and "--resume" in again.stderr
+    # An interrupted study: two points and one reference missing. --resume runs those three only.
+    partial = dict(doc, points=doc["points"][:3] + doc["points"][5:], references=doc["references"][:1])
+    (out / "study.json").write_text(json.dumps(partial))
+    ran = []
+    real = study_mod.run_task
+    monkeypatch.setattr(study_mod, "run_task", lambda task, context: ran.append(task.index) or real(task, context))
+    from memcli.tools.replay import executors
+    monkeypatch.setattr(executors, "run_task", study_mod.run_task)
+    resumed = invoke(trace_path, "--block-size", 32, *SMALL, *GRID, "--jobs", 1, "--out", out, "--resume", "--json")
+    assert resumed.exit_code == 0, resumed.stderr
+    assert sorted(ran) == [3, 4, 13]
+    strip = lambda d: [{k: v for k, v in p.items() if k not in TIMING_COLUMNS} for p in d["points"]]  # noqa: E731
+    assert strip(json.loads(resumed.stdout)) == strip(doc)
+
+
+def test_resume_refuses_a_different_study(trace_path, tmp_path):
+    out = tmp_path / "study"
+    assert invoke(trace_path, "--block-size", 32, *SMALL, "--sweep", "cache.eviction_policy=lru", "--jobs", 1,
+                  "--out", out).exit_code == 0
+    other = invoke(trace_path, "--block-size", 32, *SMALL, "--set", "memory.max_running_requests=8",
+                   "--sweep", "cache.eviction_policy=lru", "--jobs", 1, "--out", out, "--resume")
+    assert other.exit_code == 2 and "is a study of something else (differs in: config)" in other.stderr
+
+
+def test_ray_without_ray_installed_is_bad_input(trace_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    result = invoke(trace_path, "--block-size", 32, *SMALL, "--sweep", "cache.eviction_policy=lru", "--ray")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: --ray needs Ray") and "pip install 'memcli[ray]'" in result.stderr
+
+
+def test_a_sweep_file_study(trace_path, tmp_path):
+    points = tmp_path / "points.yaml"
+    points.write_text("- {memory.max_total_tokens: 8000, cache.eviction_policy: lru}\n- {memory.page_size: 1}\n")
+    result = invoke(trace_path, "--block-size", 32, *SMALL, "--sweep-file", points, "--jobs", 1, "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    # A point sets the policy: each point gets its belady twin.
+    assert [p["config"] for p in doc["points"]] == [
+        {"memory.max_total_tokens": 8000, "cache.eviction_policy": "lru", "memory.page_size": 1},
+        {"memory.max_total_tokens": 60000, "cache.eviction_policy": "lru", "memory.page_size": 1},
+        {"memory.max_total_tokens": 8000, "cache.eviction_policy": "belady", "memory.page_size": 1},
+        {"memory.max_total_tokens": 60000, "cache.eviction_policy": "belady", "memory.page_size": 1}]
+
+
+def test_every_rate_column_of_a_row_has_its_definition(serial_rows):
+    from memcli.tools.replay.study_files import RATE_COLUMNS
+
+    _, rows = serial_rows
+    row = next(r for k, r in rows.items() if k.startswith("point:"))
+    rates = {column for column in row if column.endswith("hit_rate") or column == "block_ratio"}
+    assert rates == set(RATE_COLUMNS)
+    assert row["needed_again_share"] is not None and 0 <= row["needed_again_share"] <= 1
+
+
+def test_ctrl_c_keeps_what_finished_and_exits_130(trace_path, tmp_path, monkeypatch):
+    out = tmp_path / "study"
+    real = study_mod.run_task
+
+    def interrupted_at_the_third(task, context):
+        if task.index == 2:
+            raise KeyboardInterrupt
+        return real(task, context)
+
+    from memcli.tools.replay import executors
+
+    monkeypatch.setattr(executors, "run_task", interrupted_at_the_third)
+    result = invoke(trace_path, "--block-size", 32, *SMALL, "--sweep", "memory.max_total_tokens=8000,20000,60000",
+                    "--jobs", 1, "--out", out)
+    assert result.exit_code == 130
+    assert "interrupted: 2 of 4 replays finished; --resume --out" in result.stderr
+    doc = json.loads((out / "study.json").read_text())
+    assert [p["index"] for p in doc["points"]] == [0, 1] and not doc["study"]["complete"]

@@ -1,0 +1,84 @@
+"""The trace's future uses: which request next uses (and last used) a page, for both trace
+formats, as admissions and retractions move the boundary."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from memcli.workload.future import FutureTooLarge, build_future, check_future_fits
+from memcli.workload.readers import read_trace
+from memcli.workload.spec import RequestSpec, Trace, mooncake_token_ids
+
+
+def mooncake(tmp_path, rows, block_size=4):
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": i, "input_length": n, "output_length": 1, "hash_ids": h}) + "\n"
+                            for i, (n, h) in enumerate(rows)))
+    return read_trace(path, block_size=block_size)
+
+
+def path_handle(future, tokens, pieces=1):
+    """Advance in `pieces` steps (the cache advances node by node)."""
+    handle = future.start(None)
+    for part in np.array_split(np.asarray(tokens, dtype=np.int64), pieces):
+        handle = future.advance(handle, part)
+    return handle
+
+
+def test_mooncake_next_use_follows_the_hash_chain_and_the_match_cap(tmp_path):
+    # 0: blocks 1,2 (8 tokens)  1: blocks 1,3  2: blocks 1,2 but only 6 tokens  3: blocks 1,2,5
+    trace = mooncake(tmp_path, [(8, [1, 2]), (8, [1, 3]), (6, [1, 2]), (12, [1, 2, 5])])
+    future = build_future(trace, page_size=1)
+    tokens = mooncake_token_ids((1, 2, 5), 4, 12)
+    at = lambda e, pieces=1: future.next_use(path_handle(future, tokens[:e], pieces))  # noqa: E731
+    assert at(4) == 0 and at(5) == 0
+    future.set_admitted(0, True)
+    assert at(4) == 1  # request 1 shares block 1 only
+    assert at(5) == 2 and at(5, pieces=3) == 2  # same handle, however it is reached
+    assert at(6) == 3  # request 2 matches at most 5 tokens (input_len - 1)
+    future.set_admitted(1, True), future.set_admitted(2, True), future.set_admitted(3, True)
+    assert at(6) is None and future.last_use(path_handle(future, tokens[:6])) == 3
+    future.set_admitted(2, False)  # retracted: it will match again
+    assert at(5) == 2 and future.frontier == 2
+
+
+def test_mooncake_paths_that_leave_the_trace_have_no_users(tmp_path):
+    trace = mooncake(tmp_path, [(8, [1, 2]), (8, [1, 2])])
+    future = build_future(trace, page_size=1)
+    tokens = mooncake_token_ids((1, 2), 4, 8)
+    assert future.advance(future.start(None), np.append(tokens, 10_000)) is None  # an output token
+    assert future.advance(future.start(None), tokens[::-1].copy()) is None
+    assert future.advance(future.start(None), mooncake_token_ids((7,), 4, 4)) is None  # an unknown block
+    assert future.start("lora") is None  # a namespace the trace does not have
+
+
+def test_token_traces_are_indexed_by_page(tmp_path):
+    a = RequestSpec.from_ids("a", [1, 2, 3, 4, 5, 6], 1)
+    b = RequestSpec.from_ids("b", [1, 2, 3, 4, 9, 9, 9], 1)
+    c = RequestSpec.from_ids("c", [1, 2, 3, 4, 5], 1)
+    d = RequestSpec.from_ids("d", [1, 2, 3, 4, 5, 6, 7], 1, extra_key="x")
+    trace = Trace(tmp_path / "t.jsonl", "memcli", 512, [a, b, c, d])
+    future = build_future(trace, page_size=2)
+    handle = lambda ids, extra=None: future.advance(future.start(extra), np.asarray(ids, dtype=np.int64))  # noqa: E731
+    assert future.next_use(handle([1, 2, 3, 4])) == 0
+    assert future.next_use(handle([1, 2, 3, 4, 5, 6])) is None  # a's cap is 5 tokens, d is another namespace
+    assert future.next_use(handle([1, 2, 3, 4, 5, 6], "x")) == 3
+    assert future.next_use(handle([1, 2, 3])) is None  # not a page end
+    future.set_admitted(0, True)
+    assert future.next_use(handle([1, 2, 3, 4])) == 1 and future.last_use(handle([1, 2, 3, 4])) == 0
+    two_steps = future.advance(handle([1, 2]), np.asarray([3, 4], dtype=np.int64))
+    assert two_steps == handle([1, 2, 3, 4])
+
+
+def test_a_token_trace_too_large_for_the_index_is_refused(tmp_path, monkeypatch):
+    import memcli.workload.future as future_mod
+
+    monkeypatch.setattr(future_mod, "MAX_PAGE_ENTRIES", 3)
+    trace = Trace(tmp_path / "t.jsonl", "memcli", 512, [RequestSpec.from_ids("a", list(range(10)), 1)])
+    with pytest.raises(FutureTooLarge, match="index of 9 pages") as info:
+        check_future_fits(trace, 1)
+    assert "larger page size" in info.value.hint
+    check_future_fits(trace, 4)
