@@ -68,6 +68,7 @@ class BaseAllocator:
         self.need_sort = need_sort
         self.debug = debug
         self._buf = torch.empty(self.num_pages, dtype=torch.int64, device=device)
+        self._buf_host = self._buf.numpy() if self._buf.device.type == "cpu" else None  # the same memory
         self.clear()
 
     # -- free-list storage, specialised by subclasses ------------------------------------
@@ -97,15 +98,20 @@ class BaseAllocator:
         (`hand_out`), or loose until claimed (`take`)."""
         if self.ledger is not None:
             if claimed:
-                self.ledger.hand_out(self._head_view(n))
+                self.ledger.hand_out(self._head_host(n))
             else:
-                self.ledger.take(self._head_view(n), "allocator.alloc")
+                self.ledger.take(self._head_host(n), "allocator.alloc")
         self._move_head(n)
         self._num_free -= n
 
     def _move_head(self, n: int) -> None:
         """The free list's head moves past `n` entries."""
         raise NotImplementedError
+
+    def _head_host(self, n: int):
+        """`_head_view(n)` for the ownership ledger: a numpy view on the CPU (slicing a tensor
+        costs more than the ledger's work on a decode step), else the tensor view."""
+        return self._head_view(n)
 
     def _decode_write(self, seq_lens, req_pool_indices, req_to_token, num_pages: int,
                       claimed: bool) -> DecodeWrite:
@@ -342,6 +348,14 @@ class TokenToKVPoolAllocator(BaseAllocator):
     def _move_head(self, n: int) -> None:
         self._head = (self._head + n) % self.num_pages
 
+    def _head_host(self, n: int):
+        buf, start, cap = self._buf_host, self._head, self.num_pages
+        if buf is None:
+            return self._head_view(n)
+        if start + n <= cap:
+            return buf[start : start + n]
+        return np.concatenate([buf[start:], buf[: start + n - cap]])
+
     def _take(self, n: int) -> torch.Tensor:
         # A copy: the ring positions are rewritten by later frees.
         out = self._head_view(n).clone()
@@ -404,6 +418,11 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
 
     def _move_head(self, n: int) -> None:
         self._head += n
+
+    def _head_host(self, n: int):
+        if self._buf_host is None:
+            return self._head_view(n)
+        return self._buf_host[self._head : self._head + n]
 
     def _take(self, n: int) -> torch.Tensor:
         out = self._head_view(n)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 
 from memcli.errors import IntegrityError, OutOfMemoryError, RequestSlotsExhausted
@@ -234,7 +235,7 @@ def hold_in_flight(req_to_token_pool, row: int, slot: int) -> None:
     ownership ledger, when checking is on, records anything."""
     ledger = getattr(req_to_token_pool, "ledger", None)
     if ledger is not None:
-        ledger.move(torch.tensor([slot], dtype=torch.int64), row, IN_FLIGHT, "decode slot in flight")
+        ledger.move(np.array([slot], dtype=np.int64), row, IN_FLIGHT, "decode slot in flight")
 
 
 def free_slots(allocator, slots: list[int] | torch.Tensor) -> None:

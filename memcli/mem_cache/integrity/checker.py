@@ -22,7 +22,7 @@ import numpy as np
 
 from memcli.errors import IntegrityError
 from memcli.mem_cache.integrity.checks import check_memory
-from memcli.mem_cache.integrity.incremental import check_step
+from memcli.mem_cache.integrity.incremental import step_failure
 from memcli.mem_cache.integrity.layout import take_layout
 from memcli.mem_cache.integrity.ownership import FREE, IN_FLIGHT, TREE, OwnershipError, OwnershipLedger, owner_name
 from memcli.mem_cache.integrity.requests import InFlightSlot, holds_memory
@@ -114,9 +114,9 @@ class IntegrityChecker:
 
     def _incremental(self, step: int, running: list) -> None:
         start = time.perf_counter()
-        for result in check_step(self.ledger, self.stack, running):
-            if not result.ok:
-                raise OwnershipError(f"step {step}: {result.name}: {result.detail}", step, result.name)
+        result = step_failure(self.ledger, self.stack, running)
+        if result is not None:
+            raise OwnershipError(f"step {step}: {result.name}: {result.detail}", step, result.name)
         self.stats.incremental += 1
         self.stats.incremental_s += time.perf_counter() - start
 
@@ -149,7 +149,7 @@ def verify_ledger(ledger: OwnershipLedger, stack: Any, running: list) -> CheckRe
     ledger.settle()
     layout = take_layout(stack, running)
     ps = ledger.page_size
-    expected = np.full(ledger.num_pages + 1, -99, dtype=np.int64)
+    expected = np.full(ledger.num_pages + 1, -99, dtype=np.int32)  # the ledger's own dtype: half the bytes
     expected[layout.free_pages] = FREE
     if len(layout.tree_slots):
         expected[layout.tree_slots // ps] = TREE
@@ -165,7 +165,7 @@ def verify_ledger(ledger: OwnershipLedger, stack: Any, running: list) -> CheckRe
     known[0] = False
     bad = np.flatnonzero(known & (expected != ledger.owner))
     if not len(bad):
-        return passed("ledger", f"{int(known.sum())} pages: the ledger agrees with the walk")
+        return passed("ledger", f"{np.count_nonzero(known)} pages: the ledger agrees with the walk")
     page = int(bad[0])
     return failed("ledger", f"{ledger._what(page)}: the walk sees {owner_name(int(expected[page]))}, the ledger"
                             f" {owner_name(int(ledger.owner[page]))} ({len(bad)} pages disagree)")

@@ -20,7 +20,7 @@ during the step (`ledger.dirty`), never the whole pool:
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -34,21 +34,35 @@ INCREMENTAL_NAMES = ("lost_page", "free_list", "tree", "conservation", "row_layo
 
 
 def check_step(ledger: OwnershipLedger, stack: Any, running: Iterable[Any]) -> list[CheckResult]:
-    """Every incremental check, in `INCREMENTAL_NAMES` order; clears the step's dirty rows."""
+    """Every incremental check, in `INCREMENTAL_NAMES` order, passes with their numbers; clears
+    the step's dirty rows."""
+    return _run(ledger, stack, running, quiet=False)
+
+
+def step_failure(ledger: OwnershipLedger, stack: Any, running: Iterable[Any]) -> Optional[CheckResult]:
+    """The first check of `check_step` that fails (the same checks, in the same order), or None
+    when all pass; the passes are not written up. Clears the step's dirty rows."""
+    failures = _run(ledger, stack, running, quiet=True)
+    return failures[0] if failures else None
+
+
+def _run(ledger: OwnershipLedger, stack: Any, running: Iterable[Any], quiet: bool) -> list[CheckResult]:
+    """The results in `INCREMENTAL_NAMES` order; `quiet`: the failures only. A check that passes
+    may answer None when `quiet` (nothing to write up)."""
     ledger.settle()  # pages handed out and never claimed are LOOSE (lost) from here on
-    running = list(running)
-    reqs = [r for r in running if not r.kv_freed and r.__class__ is not InFlightSlot]
-    num_flying = sum(1 for r in running if isinstance(r, InFlightSlot)) if len(reqs) < len(running) else 0
-    held = _Held.of(reqs, ledger.page_size)
-    results = [_lost_pages(ledger), _free_count(ledger, stack), _tree_count(ledger, stack),
-               _held(ledger, held, num_flying), *_written_rows(ledger, stack, held)]
+    held = _Held.of(running, ledger.page_size)
+    results = [_lost_pages(ledger, quiet), _free_count(ledger, stack, quiet), _tree_count(ledger, stack, quiet),
+               _held(ledger, held, quiet), *_written_rows(ledger, stack, held, quiet)]
     if stack.tree_cache.host_tier() is not None:
         results.append(host_tier_step_check(stack.tree_cache))
     ledger.dirty = []
+    if quiet:
+        return [result for result in results if result is not None and not result.ok]
     return results
 
 
-_ALLOCATED, _TREE_LEN = attrgetter("kv_allocated_len"), attrgetter("last_matched_prefix_len")
+_ROW, _ALLOCATED = attrgetter("req_pool_idx"), attrgetter("kv_allocated_len")
+_TREE_LEN = attrgetter("last_matched_prefix_len")
 
 
 class _Held(NamedTuple):
@@ -59,21 +73,40 @@ class _Held(NamedTuple):
     allocated: np.ndarray
     tree_len: np.ndarray
     pages: np.ndarray
+    all_rows: bool  # every request holds a row (no chunked request between chunks)
+    num_in_flight: int  # decode slots in flight (overlap), held by no request
 
     @classmethod
-    def of(cls, reqs: list, page_size: int) -> "_Held":
+    def of(cls, running: Iterable[Any], page_size: int) -> "_Held":
+        running = running if isinstance(running, list) else list(running)
+        reqs = [r for r in running if not r.kv_freed and r.__class__ is not InFlightSlot]
+        num_flying = sum(1 for r in running if isinstance(r, InFlightSlot)) if len(reqs) < len(running) else 0
         n = len(reqs)
-        rows = np.array([-1 if r.req_pool_idx is None else r.req_pool_idx for r in reqs], dtype=np.int64)
+        try:
+            rows, all_rows = np.fromiter(map(_ROW, reqs), np.int64, n), True
+        except TypeError:  # a row is None: a chunked request between chunks
+            rows = np.array([-1 if r.req_pool_idx is None else r.req_pool_idx for r in reqs], dtype=np.int64)
+            all_rows = False
         allocated = np.fromiter(map(_ALLOCATED, reqs), np.int64, n)
         tree_len = np.fromiter(map(_TREE_LEN, reqs), np.int64, n)
-        pages = -(-allocated // page_size) - tree_len // page_size
-        return cls(reqs, rows, allocated, tree_len, pages)
+        pages = allocated - tree_len if page_size == 1 else -(-allocated // page_size) - tree_len // page_size
+        return cls(reqs, rows, allocated, tree_len, pages, all_rows, num_flying)
+
+    def index_of(self, rows: np.ndarray, num_rows: int) -> np.ndarray:
+        """The running request holding each of `rows` (its index here), -1 for none."""
+        index = np.full(num_rows, -1, dtype=np.int64)
+        if self.all_rows:
+            index[self.rows] = np.arange(len(self.rows))
+        else:
+            with_rows = self.rows >= 0
+            index[self.rows[with_rows]] = with_rows.nonzero()[0]
+        return index.take(rows)
 
 
-def _lost_pages(ledger: OwnershipLedger) -> CheckResult:
+def _lost_pages(ledger: OwnershipLedger, quiet: bool) -> Optional[CheckResult]:
     loose = ledger.counts[LOOSE]
     if not loose:
-        return passed("lost_page", "every page out of the allocator has an owner")
+        return None if quiet else passed("lost_page", "every page out of the allocator has an owner")
     pages = np.flatnonzero(ledger.owner == LOOSE)  # O(pool), only on the way to a failure
     what = ", ".join(ledger._what(int(p)) for p in pages[:3])
     return failed("lost_page", f"memory leak detected: {loose} pages are out of the allocator but owned by nobody"
@@ -81,64 +114,96 @@ def _lost_pages(ledger: OwnershipLedger) -> CheckResult:
                   slots=tuple(int(p) for p in pages[:8]))
 
 
-def _free_count(ledger: OwnershipLedger, stack: Any) -> CheckResult:
+def _free_count(ledger: OwnershipLedger, stack: Any, quiet: bool) -> Optional[CheckResult]:
     alloc = stack.allocator
     free, avail = ledger.counts[FREE], alloc.available_size() // alloc.page_size
+    if free == avail and quiet:
+        return None
     detail = f"ledger {free} free pages, allocator {avail}"
     return passed("free_list", detail) if free == avail else failed("free_list", detail + " (a duplicate or a lost free)")
 
 
-def _tree_count(ledger: OwnershipLedger, stack: Any) -> CheckResult:
+def _tree_count(ledger: OwnershipLedger, stack: Any, quiet: bool) -> Optional[CheckResult]:
     tree, ps = stack.tree_cache, ledger.page_size
     total, evictable, protected = tree.total_size(), tree.evictable_size(), tree.tree_protected_size()
     owned = ledger.counts[TREE] * ps
-    detail = f"ledger {owned} tree tokens, tree total {total} (evictable {evictable} + protected {protected})"
     if hasattr(tree, "all_values_flatten"):
         ok = owned == total and evictable + protected == total
     else:
         ok = owned == 0
+    if ok and quiet:
+        return None
+    detail = f"ledger {owned} tree tokens, tree total {total} (evictable {evictable} + protected {protected})"
     return passed("tree", detail) if ok else failed("tree", detail)
 
 
-def _held(ledger: OwnershipLedger, held: _Held, num_in_flight: int) -> CheckResult:
+def _held(ledger: OwnershipLedger, held: _Held, quiet: bool) -> Optional[CheckResult]:
     """Conservation, request by request: each row owns the pages its request holds, and the rows
     of no running request own nothing (counted: the sum over all rows matches)."""
-    has_row = held.rows >= 0
-    owned = ledger.row_pages[held.rows[has_row]]
-    bad = np.flatnonzero(owned != held.pages[has_row])
+    if held.all_rows:
+        rows, pages, carried_held = held.rows, held.pages, 0
+    else:
+        has_row = held.rows >= 0
+        rows, pages, carried_held = held.rows[has_row], held.pages[has_row], int(held.pages[~has_row].sum())
+    owned = ledger.row_pages.take(rows)
+    bad = (owned != pages).nonzero()[0]
     if len(bad):
-        i = int(np.flatnonzero(has_row)[bad[0]])
+        i = int(bad[0]) if held.all_rows else int(np.flatnonzero(held.rows >= 0)[bad[0]])
         req = held.reqs[i]
         return failed("conservation", f"memory leak detected: request {req.rid} (row {req.req_pool_idx}) holds"
                                       f" {int(held.pages[i])} pages [{req.last_matched_prefix_len},"
                                       f" {req.kv_allocated_len}) but owns {int(owned[bad[0]])} in the ledger", str(req.rid))
-    total = int(ledger.row_pages.sum())
-    if total != int(owned.sum()):
+    total, owned_total = int(ledger.row_pages.sum()), int(owned.sum())
+    if total != owned_total:
         return failed("conservation", f"memory leak detected: request rows own {total} pages, running requests"
-                                      f" hold {int(owned.sum())}")
-    carried, expected = ledger.counts[CARRIED], int(held.pages[~has_row].sum())
-    if carried != expected:
+                                      f" hold {owned_total}")
+    carried = ledger.counts[CARRIED]
+    if carried != carried_held:
         return failed("conservation", f"memory leak detected: {carried} carried pages, but requests between chunks"
-                                      f" hold {expected}")
-    if ledger.counts[IN_FLIGHT] != num_in_flight:
+                                      f" hold {carried_held}")
+    if ledger.counts[IN_FLIGHT] != held.num_in_flight:
         return failed("conservation", f"memory leak detected: the ledger has {ledger.counts[IN_FLIGHT]} pages of"
-                                      f" decode slots in flight, the batches in flight hold {num_in_flight}")
+                                      f" decode slots in flight, the batches in flight hold {held.num_in_flight}")
+    if quiet:
+        return None
     return passed("conservation", f"{len(held.reqs)} running requests own {total} pages (+ {carried} carried,"
-                                  f" {num_in_flight} in flight)")
+                                  f" {held.num_in_flight} in flight)")
 
 
-def _written_rows(ledger: OwnershipLedger, stack: Any, held: _Held) -> list[CheckResult]:
-    """row_layout, slot_range, page_sharing over the row positions written this step."""
+def _written_rows(ledger: OwnershipLedger, stack: Any, held: _Held, quiet: bool) -> list[Optional[CheckResult]]:
+    """row_layout, slot_range, page_sharing over the row positions written this step.
+
+    One clipped gather of the slots' owners (`OwnershipLedger.owners_of`) serves two checks: a
+    slot outside the pool reads PADDING or OUTSIDE, never the tree or a row, so when every
+    owner is as expected the range holds too; otherwise the range is tested first, as the
+    other two index pages by these slots."""
     entries = _gather(ledger, stack, held)
     if entries is None:
+        if quiet:
+            return [None, None, None]
         return [passed(name, "no row written this step") for name in ("row_layout", "slot_range", "page_sharing")]
     rids, slots, spans = entries
     ps = ledger.page_size
-    in_range = _range(ledger, rids, slots, spans)
-    if not in_range.ok:  # the other two index pages by these slots
+    pages = slots // ps if ps > 1 else slots
+    found = ledger.owners_of(pages)
+    expected = spans.expected_owner()
+    bad = (found != expected).nonzero()[0]
+    layout = _layout(ps, rids, slots, spans, quiet)
+    if not len(bad):
+        if quiet:
+            return [layout, None, None]
+        return [layout, passed("slot_range", _range_detail(ledger, slots)),
+                passed("page_sharing", f"{len(slots)} written positions owned by the tree or their request")]
+    in_range = _range(ledger, slots, spans)
+    if not in_range.ok:
         return [passed("row_layout", "not checked: a slot is out of range"), in_range,
                 passed("page_sharing", "not checked: a slot is out of range")]
-    return [_layout(ps, rids, slots, spans), in_range, _sharing(ledger, rids, slots, spans)]
+    i = int(bad[0])
+    sharing = failed("page_sharing", f"row {spans.row_at(i)} position {spans.pos_at(i)}: {ledger._what(int(pages[i]))}"
+                                     f" is owned by {owner_name(int(found[i]))}, expected"
+                                     f" {owner_name(int(expected[i]))}",
+                     positions=(spans.pos_at(i),), slots=(int(slots[i]),))
+    return [layout, in_range, sharing]
 
 
 class _Spans:
@@ -148,8 +213,9 @@ class _Spans:
 
     def __init__(self, rows: np.ndarray, starts: np.ndarray, lens: np.ndarray, tree_len: np.ndarray):
         self.rows, self.starts, self.lens, self.tree_len = rows, starts, lens, tree_len
-        self.offsets = np.cumsum(lens) - lens
-        self.total = int(self.offsets[-1] + lens[-1])
+        ends = lens.cumsum()
+        self.offsets = ends - lens
+        self.total = int(ends[-1])
 
     def span(self, i: int) -> int:
         return int(np.searchsorted(self.offsets, i, side="right")) - 1
@@ -163,7 +229,7 @@ class _Spans:
 
     def pos(self) -> np.ndarray:
         pos = np.arange(self.total, dtype=np.int64)
-        pos -= np.repeat(self.offsets - self.starts, self.lens)
+        pos -= (self.offsets - self.starts).repeat(self.lens)
         return pos
 
     def first(self) -> np.ndarray:
@@ -173,12 +239,14 @@ class _Spans:
 
     def expected_owner(self) -> np.ndarray:
         """Per entry: TREE below the request's tree part, else its row (two runs per span)."""
-        below = np.clip(self.tree_len - self.starts, 0, self.lens)
+        if not np.count_nonzero(self.tree_len > self.starts):
+            return self.rows.repeat(self.lens)
+        below = np.maximum(np.minimum(self.tree_len - self.starts, self.lens), 0)
         values = np.empty(2 * len(self.rows), dtype=np.int64)
         values[0::2], values[1::2] = TREE, self.rows
         runs = np.empty(2 * len(self.rows), dtype=np.int64)
         runs[0::2], runs[1::2] = below, self.lens - below
-        return np.repeat(values, runs)
+        return values.repeat(runs)
 
 
 def _gather(ledger: OwnershipLedger, stack: Any, held: _Held):
@@ -188,44 +256,33 @@ def _gather(ledger: OwnershipLedger, stack: Any, held: _Held):
     dirty = ledger.dirty
     if not dirty:
         return None
-    if len(dirty) == 1:  # one entry names each row once
-        rows, starts, ends = dirty[0]
+    rows, starts, ends = dirty[0] if len(dirty) == 1 else _merged(ledger, dirty)  # one entry names each row once
+    if len(rows) == len(held.rows) and not np.count_nonzero(rows != held.rows):  # every running request's row, in order
+        req, allocated, tree_len = None, held.allocated, held.tree_len
     else:
-        rows = np.concatenate([d[0] for d in dirty])
-        starts = np.concatenate([d[1] for d in dirty])
-        ends = np.concatenate([d[2] for d in dirty])
-        lo = np.full(ledger.num_rows, np.iinfo(np.int64).max)
-        hi = np.zeros(ledger.num_rows, dtype=np.int64)
-        np.minimum.at(lo, rows, starts)
-        np.maximum.at(hi, rows, ends)
-        touched = np.zeros(ledger.num_rows, dtype=bool)
-        touched[rows] = True
-        rows = np.flatnonzero(touched)
-        starts, ends = lo[rows], hi[rows]
-    index = np.full(ledger.num_rows, -1, dtype=np.int64)  # row -> running request
-    with_rows = held.rows >= 0
-    index[held.rows[with_rows]] = np.flatnonzero(with_rows)
-    req = index[rows]
-    live = req >= 0
-    if not live.all():
-        rows, starts, ends, req = rows[live], starts[live], ends[live], req[live]
+        req = held.index_of(rows, ledger.num_rows)
+        live = req >= 0
+        if np.count_nonzero(live) < len(live):
+            rows, starts, ends, req = rows[live], starts[live], ends[live], req[live]
+        allocated, tree_len = held.allocated[req], held.tree_len[req]
     starts = np.maximum(starts - 1, 0)
-    ends = np.minimum(ends, held.allocated[req])
+    ends = np.minimum(ends, allocated)
     keep = ends > starts
-    if not keep.all():
-        rows, starts, ends, req = rows[keep], starts[keep], ends[keep], req[keep]
+    if np.count_nonzero(keep) < len(keep):
+        req = keep.nonzero()[0] if req is None else req[keep]
+        rows, starts, ends, tree_len = rows[keep], starts[keep], ends[keep], tree_len[keep]
     if not len(rows):
         return None
     lens = ends - starts
-    spans = _Spans(rows, starts, lens, held.tree_len[req])
+    spans = _Spans(rows, starts, lens, tree_len)
     table = stack.req_to_token_pool.req_to_token
-    if table.device.type == "cpu":
-        host = table.numpy()
+    host = ledger.host_view(table)
+    if host is not None:
         if len(rows) <= 8:  # a few long spans (prefill): row slices
             parts = [host[r, a:b] for r, a, b in zip(rows.tolist(), starts.tolist(), ends.tolist())]
             slots = np.concatenate(parts) if len(parts) > 1 else parts[0]
         else:  # slots keep the table's dtype: compared and used as indices as is
-            flat = np.repeat(rows * host.shape[1] + starts - spans.offsets, lens)
+            flat = (rows * host.shape[1] + starts - spans.offsets).repeat(lens)
             flat += np.arange(spans.total, dtype=np.int64)
             slots = host.reshape(-1).take(flat)
     else:
@@ -234,16 +291,41 @@ def _gather(ledger: OwnershipLedger, stack: Any, held: _Held):
     return _Rids(held.reqs, req), slots, spans
 
 
-def _layout(ps: int, rids, slots, spans: _Spans) -> CheckResult:
+def _merged(ledger: OwnershipLedger, dirty: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The step's dirty entries as one span per row (rows ascending): the lowest start and the
+    highest end written."""
+    if sum(len(entry[0]) for entry in dirty) <= 32:  # a few rows (a prefill step): a dict beats the scatters
+        bounds: dict[int, tuple[int, int]] = {}
+        for entry in dirty:
+            for row, start, end in zip(*(part.tolist() for part in entry)):
+                seen = bounds.get(row)
+                bounds[row] = (start, end) if seen is None else (min(seen[0], start), max(seen[1], end))
+        rows = sorted(bounds)
+        return (np.array(rows, dtype=np.int64), np.array([bounds[r][0] for r in rows], dtype=np.int64),
+                np.array([bounds[r][1] for r in rows], dtype=np.int64))
+    rows = np.concatenate([d[0] for d in dirty])
+    starts = np.concatenate([d[1] for d in dirty])
+    ends = np.concatenate([d[2] for d in dirty])
+    lo = np.full(ledger.num_rows, np.iinfo(np.int64).max)
+    hi = np.zeros(ledger.num_rows, dtype=np.int64)
+    np.minimum.at(lo, rows, starts)
+    np.maximum.at(hi, rows, ends)
+    touched = np.zeros(ledger.num_rows, dtype=bool)
+    touched[rows] = True
+    rows = touched.nonzero()[0]
+    return rows, lo[rows], hi[rows]
+
+
+def _layout(ps: int, rids, slots, spans: _Spans, quiet: bool) -> Optional[CheckResult]:
     if ps == 1:
-        return passed("row_layout", f"{len(slots)} written positions (page size 1)")
+        return None if quiet else passed("row_layout", f"{len(slots)} written positions (page size 1)")
     pos, first = spans.pos(), spans.first()
     bad_offset = slots % ps != pos % ps
     bad_run = np.zeros(len(slots), dtype=bool)
     bad_run[1:] = ~first[1:] & (pos[1:] % ps != 0) & (slots[1:] != slots[:-1] + 1)
     bad = np.flatnonzero(bad_offset | bad_run)
     if not len(bad):
-        return passed("row_layout", f"{len(slots)} written positions at offset t % {ps}")
+        return None if quiet else passed("row_layout", f"{len(slots)} written positions at offset t % {ps}")
     i = int(bad[0])
     rid = rids[spans.span(i)]
     t, slot = int(pos[i]), int(slots[i])
@@ -256,36 +338,27 @@ def _layout(ps: int, rids, slots, spans: _Spans) -> CheckResult:
 
 
 class _Rids:
-    """The request id of each gathered span, looked up only when a check fails."""
+    """The request id of each gathered span, looked up only when a check fails. `index` None:
+    span k is request k."""
 
-    def __init__(self, reqs: list, index: np.ndarray):
+    def __init__(self, reqs: list, index: Optional[np.ndarray]):
         self.reqs, self.index = reqs, index
 
     def __getitem__(self, i: int) -> str:
-        return str(self.reqs[int(self.index[i])].rid)
+        return str(self.reqs[i if self.index is None else int(self.index[i])].rid)
 
 
-def _range(ledger: OwnershipLedger, rids, slots, spans: _Spans) -> CheckResult:
+def _range_detail(ledger: OwnershipLedger, slots: np.ndarray) -> str:
     ps = ledger.page_size
-    if len(slots) and slots.min() >= ps and slots.max() < (ledger.num_pages + 1) * ps:
-        return passed("slot_range", f"{len(slots)} written slots in [{ps}, {(ledger.num_pages + 1) * ps})")
+    return f"{len(slots)} written slots in [{ps}, {(ledger.num_pages + 1) * ps})"
+
+
+def _range(ledger: OwnershipLedger, slots: np.ndarray, spans: _Spans) -> CheckResult:
+    ps = ledger.page_size
     bad = np.flatnonzero((slots < ps) | (slots >= (ledger.num_pages + 1) * ps))
     if not len(bad):
-        return passed("slot_range", f"{len(slots)} written slots in [{ps}, {(ledger.num_pages + 1) * ps})")
+        return passed("slot_range", _range_detail(ledger, slots))
     i = int(bad[0])
     return failed("slot_range", f"written slot {int(slots[i])} (position {spans.pos_at(i)}) is outside"
                                 f" [{ps}, {(ledger.num_pages + 1) * ps})", positions=(spans.pos_at(i),),
                   slots=(int(slots[i]),))
-
-
-def _sharing(ledger: OwnershipLedger, rids, slots, spans: _Spans) -> CheckResult:
-    pages = slots // ledger.page_size if ledger.page_size > 1 else slots
-    found = ledger.owner.take(pages)
-    expected = spans.expected_owner()
-    bad = np.flatnonzero(found != expected)
-    if not len(bad):
-        return passed("page_sharing", f"{len(slots)} written positions owned by the tree or their request")
-    i = int(bad[0])
-    return failed("page_sharing", f"row {spans.row_at(i)} position {spans.pos_at(i)}: {ledger._what(int(pages[i]))}"
-                                  f" is owned by {owner_name(int(found[i]))}, expected {owner_name(int(expected[i]))}",
-                  positions=(spans.pos_at(i),), slots=(int(slots[i]),))

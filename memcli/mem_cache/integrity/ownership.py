@@ -40,9 +40,10 @@ import torch
 
 from memcli.errors import IntegrityError
 
-FREE, LOOSE, TREE, CARRIED, PADDING, IN_FLIGHT = -1, -2, -3, -4, -5, -6
+FREE, LOOSE, TREE, CARRIED, PADDING, IN_FLIGHT, OUTSIDE = -1, -2, -3, -4, -5, -6, -7
 _NAMES = {FREE: "free", LOOSE: "nobody (allocated, unclaimed)", TREE: "the tree", CARRIED: "a chunked request (carried)",
-          PADDING: "padding (page 0)", IN_FLIGHT: "a decode slot in flight (overlap)"}
+          PADDING: "padding (page 0)", IN_FLIGHT: "a decode slot in flight (overlap)",
+          OUTSIDE: "nobody (outside the pool)"}
 MAX_DIRTY = 4096  # dirty row ranges kept per step before they are merged per row
 
 
@@ -70,9 +71,11 @@ def owner_name(owner: int) -> str:
 def _host(values: Any) -> np.ndarray:
     """A 1-D int64 numpy copy of slot or page ids (tensor, list or array)."""
     if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu":
+        if not values.is_cpu:
             values = values.cpu()
-        values = values.numpy().reshape(-1)  # slot ids never require grad
+        values = values.numpy()  # slot ids never require grad
+        if values.ndim != 1:
+            values = values.reshape(-1)
         return values if values.dtype == np.int64 else values.astype(np.int64)  # read at once, never kept
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
@@ -85,20 +88,26 @@ class OwnershipLedger:
         self.page_size = page_size
         self.num_rows = num_rows
         self.req_to_token = req_to_token
-        self.owner = np.empty(num_pages + 1, dtype=np.int32)
+        # Owners of pages 0..num_pages, and one guard entry (OUTSIDE) past the last page: a
+        # clipped gather (`owners_of`) reads PADDING or OUTSIDE for any page outside the pool,
+        # so comparing owners also tests the range.
+        self._owners = np.empty(num_pages + 2, dtype=np.int32)
+        self.owner = self._owners[: num_pages + 1]
         self.row_pages = np.zeros(num_rows, dtype=np.int64)  # pages each request row owns
         self.row_len = np.zeros(num_rows, dtype=np.int64)  # slots written in each row
-        self._stamp = np.zeros(num_pages + 1, dtype=np.int32)  # scratch for duplicate detection
-        self._iota = np.arange(1, num_pages + 2, dtype=np.int32)  # 1, 2, ...: sliced, never allocated
+        # Marks for duplicate detection, one per position of a call (`_set_if_distinct`): below
+        # every owner and state; sliced, grown to the longest call.
+        self._marks = np.arange(-8, -8 - 4096, -1, dtype=np.int32)
         self.dirty: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (rows, starts, ends) written
         self.step: Optional[int] = None  # the step running now (set by the checker), named in errors
         self._handed: Optional[np.ndarray] = None  # pages handed out, FREE until claimed (`hand_out`)
+        self._host_table: Optional[tuple] = None  # (request table, its numpy view or None): `host_view`
         self.reset()
 
     def reset(self) -> None:
         """Every page free (page 0 padding), no row owns anything."""
-        self.owner.fill(FREE)
-        self.owner[0] = PADDING
+        self._owners.fill(FREE)
+        self._owners[0], self._owners[-1] = PADDING, OUTSIDE
         self.row_pages.fill(0)
         self.row_len.fill(0)
         self.counts = {FREE: self.num_pages, LOOSE: 0, TREE: 0, CARRIED: 0, IN_FLIGHT: 0}
@@ -126,25 +135,49 @@ class OwnershipLedger:
             return slots
         return np.unique(slots // self.page_size)
 
+    def host_view(self, table: torch.Tensor) -> Optional[np.ndarray]:
+        """A numpy view of `table` (the request table) when it lives on the CPU, else None;
+        made once per table."""
+        if self._host_table is None or self._host_table[0] is not table:
+            self._host_table = (table, table.numpy() if table.device.type == "cpu" else None)
+        return self._host_table[1]
+
+    def owners_of(self, pages: np.ndarray) -> np.ndarray:
+        """The owner of each page; PADDING (below 1) or OUTSIDE (past the last page) outside the
+        pool, a state no transition starts from."""
+        return self._owners.take(pages, mode="clip")
+
     def _check_range(self, pages: np.ndarray, op: str) -> None:
         if len(pages) and (pages.min() < 0 or pages.max() > self.num_pages):
             bad = int(pages[(pages < 0) | (pages > self.num_pages)][0])
             raise self.error("slot_range", f"{op}: page {bad} is outside the pool (valid pages 1..{self.num_pages})")
 
-    def _check_distinct(self, pages: np.ndarray, op: str) -> None:
-        """Raise when a page occurs twice in one operation (O(len), no sort)."""
+    def _set_if_distinct(self, pages: np.ndarray, value: Any, undo: Any) -> Optional[int]:
+        """`owner[pages] = value` when no page occurs twice in `pages` (in range), and None; else
+        `owner[pages] = undo` (what they held) and the index of the first page given twice.
+        O(len), no sort: each position writes its own mark into the owner entries, and a page
+        given twice reads back the mark of its later position (the same cache lines the
+        transition touches, no scratch array)."""
         n = len(pages)
-        if n < 2:
-            return
-        if n <= 16:  # a set beats the scratch array's four passes here
-            if len(set(pages.tolist())) == n:
-                return
-        index = self._iota[:n]
-        self._stamp[pages] = index
-        twice = self._stamp[pages] != index
-        if twice.any():
-            raise self.error("double_free", f"{op}: {self._what(int(pages[np.flatnonzero(twice)[0]]))} given twice in"
-                                            " one call")
+        if n <= 48 and len(set(pages.tolist())) == n:  # a set beats the marks' three passes here
+            self.owner[pages] = value
+            return None
+        if n > self.num_pages + 1:  # more positions than pages: one is given twice
+            _, first, times = np.unique(pages, return_index=True, return_counts=True)
+            return int(first[times > 1].min())
+        if n > len(self._marks):
+            self._marks = np.arange(-8, -8 - max(n, 2 * len(self._marks)), -1, dtype=np.int32)
+        marks = self._marks[:n]
+        self.owner[pages] = marks
+        twice = self.owner.take(pages) != marks
+        if not np.count_nonzero(twice):
+            self.owner[pages] = value
+            return None
+        self.owner[pages] = undo
+        return int(twice.nonzero()[0][0])
+
+    def _given_twice(self, pages: np.ndarray, i: int, op: str) -> "OwnershipError":
+        return self.error("double_free", f"{op}: {self._what(int(pages[i]))} given twice in one call")
 
     def error(self, check: str, message: str) -> "OwnershipError":
         where = f"step {self.step}: " if self.step is not None else ""
@@ -155,6 +188,20 @@ class OwnershipLedger:
             return f"slot {page}"
         return f"page {page} (slots {page * self.page_size}..{page * self.page_size + self.page_size - 1})"
 
+    def _refused(self, pages: np.ndarray, found: np.ndarray, bad: np.ndarray, op: str, expected: Any,
+                 distinct: bool) -> IntegrityError:
+        """The error for a transition some of whose pages were not owned as `expected` (a state,
+        or one row per page): the first of a page outside the pool, a page given twice (unless
+        the caller knows the pages distinct), a page of another owner."""
+        self._check_range(pages, op)
+        if not distinct:
+            twice = self._set_if_distinct(pages, found, found)
+            if twice is not None:
+                return self._given_twice(pages, twice, op)
+        if isinstance(expected, np.ndarray):
+            expected = f"request row {int(expected[np.flatnonzero(bad)[0]])}"
+        return self._unexpected(pages, found, bad, op, expected)
+
     def _unexpected(self, pages: np.ndarray, found: np.ndarray, bad: np.ndarray, op: str, expected: str) -> IntegrityError:
         i = int(np.flatnonzero(bad)[0])
         page, owner = int(pages[i]), int(found[i])
@@ -162,26 +209,33 @@ class OwnershipLedger:
         return self.error(check, f"{check} in {op}: {self._what(page)} is owned by {owner_name(owner)}, expected"
                               f" {expected} ({int(bad.sum())} of {len(pages)} pages affected)")
 
-    def _transition(self, pages: np.ndarray, src: int, dst: int, op: str, distinct: bool = False,
-                    check_range: bool = False) -> None:
-        """Pages owned by `src` (a state or a row) now belong to `dst`; raises otherwise.
-        `distinct`: the caller knows no page occurs twice (skips that check, and the range
-        check unless `check_range`)."""
+    def _transition(self, pages: np.ndarray, src: int, dst: int, op: str, distinct: bool = False) -> None:
+        """Pages owned by `src` (a state or a row) now belong to `dst`; raises, changing nothing,
+        otherwise: a page outside the pool, a page given twice, a page of another owner.
+        `distinct`: the caller knows no page occurs twice (skips that test)."""
         if self._handed is not None:
             self.settle()
-        if not len(pages):
+        n = len(pages)
+        if n == 1 and 0 < pages[0] <= self.num_pages and self.owner[pages[0]] == src:
+            self.owner[pages[0]] = dst  # one page (a decode slot in flight, a small free): no array work
+        elif not n:
             return
-        if not distinct or check_range:
-            self._check_range(pages, op)
-        if not distinct:
-            self._check_distinct(pages, op)
-        found = self.owner[pages]
+        else:
+            self._transition_all(pages, src, dst, op, distinct)
+        self._count(src, -n)
+        self._count(dst, n)
+
+    def _transition_all(self, pages: np.ndarray, src: int, dst: int, op: str, distinct: bool) -> None:
+        found = self.owners_of(pages)  # one gather tests the range and the owner
         bad = found != src
-        if bad.any():
-            raise self._unexpected(pages, found, bad, op, owner_name(src))
-        self.owner[pages] = dst
-        self._count(src, -len(pages))
-        self._count(dst, len(pages))
+        if np.count_nonzero(bad):
+            raise self._refused(pages, found, bad, op, owner_name(src), distinct)
+        if distinct:
+            self.owner[pages] = dst
+        else:
+            twice = self._set_if_distinct(pages, dst, src)
+            if twice is not None:
+                raise self._given_twice(pages, twice, op)
 
     def _count(self, owner: int, n: int) -> None:
         if owner >= 0:
@@ -200,7 +254,8 @@ class OwnershipLedger:
         """The allocator hands out `pages` to a caller that claims them at once (`claim_rows`,
         through `extended` / `decoded`): the FREE -> LOOSE step is folded into the claim. Until
         then the pages stay FREE here; anything else that reads the ledger first settles them."""
-        self.settle()
+        if self._handed is not None:
+            self.settle()
         self._handed = _host(pages).copy()  # the ring positions are rewritten by later frees
 
     def settle(self) -> None:
@@ -214,16 +269,16 @@ class OwnershipLedger:
         `release` and `give_back` in one transition. `owner` is a state (LOOSE for a plain
         allocator free, TREE, IN_FLIGHT), a row, or one row per page (an array).
         `sorted_pages`: `pages` are sorted, so a page given twice sits beside itself (checked
-        so, without the scratch array)."""
+        by comparing neighbours, not with the marks)."""
         pages = _host(pages)
         if sorted_pages and len(pages) > 1:
-            twice = np.flatnonzero(pages[1:] == pages[:-1])
+            twice = (pages[1:] == pages[:-1]).nonzero()[0]
             if len(twice):
-                raise self.error("double_free", f"{op}: {self._what(int(pages[twice[0]]))} given twice in one call")
+                raise self._given_twice(pages, int(twice[0]), op)
         if isinstance(owner, np.ndarray):
             self._transition_each(pages, owner, FREE, op, sorted_pages)
         else:
-            self._transition(pages, int(owner), FREE, op, sorted_pages, check_range=True)
+            self._transition(pages, int(owner), FREE, op, sorted_pages)
 
     def give_back(self, pages: Any, op: str = "free") -> None:
         """The allocator puts `pages` (page ids) back: LOOSE -> FREE. A page still owned by a row or
@@ -251,22 +306,24 @@ class OwnershipLedger:
             self.settle()
         if not len(pages):
             return
-        self._check_range(pages, op)
-        if not distinct:
-            self._check_distinct(pages, op)
-        found = self.owner[pages]
+        found = self.owners_of(pages)  # one gather tests the range and the owner
         bad = found != rows
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise self._unexpected(pages, found, bad, op, f"request row {int(rows[i])}")
-        self.owner[pages] = dst
+        if np.count_nonzero(bad):
+            raise self._refused(pages, found, bad, op, rows, distinct)
+        if distinct:
+            self.owner[pages] = dst
+        else:
+            twice = self._set_if_distinct(pages, dst, rows)
+            if twice is not None:
+                raise self._given_twice(pages, twice, op)
         self.row_pages -= np.bincount(rows, minlength=self.num_rows)
         self._count(dst, len(pages))
 
-    def claim_rows(self, slots: Any, rows: np.ndarray, op: str) -> None:
+    def claim_rows(self, slots: Any, rows: np.ndarray, op: str, lens: Optional[np.ndarray] = None) -> None:
         """Slot `slots[i]` was written into row `rows[i]`: its page is claimed by that row, from
         LOOSE (a new page) or CARRIED (a chunk's partial page), or is already the row's own (the
-        row's partial last page). `slots` come request after request, in row order.
+        row's partial last page). `slots` come request after request, in row order. With `lens`,
+        `rows` has one entry per request, whose `lens[k]` slots come next.
 
         After `hand_out`, the new pages are FREE here: when they are exactly the pages handed
         out, in order, they pass FREE -> row in one step; otherwise the hand-out is settled
@@ -279,14 +336,15 @@ class OwnershipLedger:
                 self.settle()
             return
         pages = slots // self.page_size if self.page_size > 1 else slots
-        if handed is not None and len(pages) == len(handed) and (pages == handed).all():
+        if handed is not None and len(pages) == len(handed) and not np.count_nonzero(pages != handed):
             # Every slot is a new page, exactly as handed out (one slot per page, distinct, in
             # range: the free list's): FREE -> row in one gather, one scatter.
-            if (self.owner[pages] == FREE).all():
-                self.owner[pages] = rows
+            if not np.count_nonzero(self.owner.take(pages) != FREE):
+                self._assign(pages, rows, lens)
                 self.counts[FREE] -= len(pages)
-                self.row_pages += np.bincount(rows, minlength=self.num_rows)
                 return
+        if lens is not None:
+            rows = rows.repeat(lens)
         if self.page_size > 1:  # one entry per run of slots on one page
             first = np.ones(len(pages), dtype=bool)
             first[1:] = (pages[1:] != pages[:-1]) | (rows[1:] != rows[:-1])
@@ -313,10 +371,29 @@ class OwnershipLedger:
         self.counts[CARRIED] -= int(carried.sum())
         self.row_pages += np.bincount(rows[new], minlength=self.num_rows)
 
+    def _assign(self, pages: np.ndarray, rows: np.ndarray, lens: Optional[np.ndarray]) -> None:
+        """Page `pages[i]` now belongs to row `rows[i]` (with `lens`: runs of `lens[k]` pages to
+        `rows[k]`), whoever owned it; the rows' counts grow."""
+        if lens is None:
+            self.owner[pages] = rows
+            self.row_pages += np.bincount(rows, minlength=self.num_rows)
+        elif len(rows) <= 8:  # a few requests (a prefill batch): one slice each, no per-page row array
+            start = 0
+            for row, n in zip(rows.tolist(), lens.tolist()):
+                self.owner[pages[start : start + n]] = row
+                self.row_pages[row] += n
+                start += n
+        else:
+            self.owner[pages] = rows.repeat(lens)
+            np.add.at(self.row_pages, rows, lens)
+
     def wrote(self, row: int, start: int, end: int) -> None:
         """Row `row` positions [start, end) were written (checked at the end of the step)."""
         if end > start:
-            self.wrote_rows(np.array([row]), np.array([start]), np.array([end]))
+            span = np.array([[row], [start], [end]], dtype=np.int64)  # one array: rows, starts, ends are its rows
+            self.dirty.append((span[0], span[1], span[2]))
+            if end > self.row_len[row]:
+                self.row_len[row] = end
 
     def wrote_rows(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
         self.dirty.append((rows, starts, ends))
@@ -342,10 +419,13 @@ class OwnershipLedger:
                 pages = self.pages_of(prefix_tensors[i])
                 self._transition(pages[self.owner[pages] == CARRIED], CARRIED, int(row_ids[i]), op)
             self._handed = handed
-        self.claim_rows(out_cache_loc, np.repeat(row_ids, seq - prefix), op)
+        self.claim_rows(out_cache_loc, row_ids, op, lens=seq - prefix)
         # A new row's prefix was copied from the tree: its last page is checked with the new part
         # (the copy's alignment); the rest of it, O(prefix), is left to the full walks.
-        self.wrote_rows(row_ids, np.where(fresh, prefix - prefix % self.page_size - self.page_size, prefix).clip(0), seq)
+        starts = prefix
+        if np.count_nonzero(fresh):
+            starts = np.maximum(np.where(fresh, prefix - prefix % self.page_size - self.page_size, prefix), 0)
+        self.wrote_rows(row_ids, starts, seq)
 
     def decoded(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
         """`alloc_for_decode` wrote one slot per row at column `seq_lens` (the old lengths)."""

@@ -162,3 +162,63 @@ def test_policy_rejects_unknown_modes():
         CheckPolicy("sometimes")
     with pytest.raises(ValueError, match="walk_every"):
         CheckPolicy("none", walk_every=0)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_check_step_and_step_failure_judge_alike(page_size, monkeypatch):
+    """`check_step` (every result, the passes written up) and `step_failure` (what the checker
+    calls: the first failure only) agree at every step."""
+    from memcli.mem_cache.integrity import checker as checker_module, incremental
+
+    seen = []
+
+    def both(ledger, stack, running):
+        dirty = list(ledger.dirty)
+        results = incremental.check_step(ledger, stack, running)
+        ledger.dirty = dirty
+        failure = incremental.step_failure(ledger, stack, running)
+        first = next((r for r in results if not r.ok), None)
+        assert [r.name for r in results] == list(incremental.INCREMENTAL_NAMES)
+        assert (failure is None) == (first is None)
+        assert first is None or (failure.name, failure.detail) == (first.name, first.detail)
+        seen.append(results)
+        return failure
+
+    monkeypatch.setattr(checker_module, "step_failure", both)
+    stack, sched = scheduler(page_size=page_size, retract_every=3)
+    sched.run(max_steps=5000)
+    assert sched.is_done() and len(seen) == sched.step_count
+    assert all(r.ok and r.detail for results in seen for r in results)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("fault", ["past the pool", "page 0", "another request's page"])
+def test_a_bad_slot_written_into_a_row_is_caught_at_its_step(page_size, fault, monkeypatch):
+    """A decode write of a slot outside the pool (slot_range) or of another running request's
+    page (page_sharing): caught by the check of the step that wrote it."""
+    stack, sched = scheduler(page_size=page_size, loop="normal")
+    planted = []
+    alloc_for_decode = common.alloc_for_decode
+
+    def bad_slot(pool, allocator, tree_cache, **kw):
+        out = alloc_for_decode(pool, allocator, tree_cache, **kw)
+        rows = kw["req_pool_indices"]
+        row, col = int(rows[0]), int(kw["seq_lens_cpu"][0])
+        # Another request's page goes at the start of a page (mid-page, row_layout sees it first).
+        page_start = fault != "another request's page" or col % page_size == 0
+        if sched.step_count >= 8 and not planted and len(rows) >= 2 and page_start:
+            if fault == "past the pool":
+                slot = allocator.size + page_size * 3 + col % page_size
+            elif fault == "page 0":
+                slot = col % page_size
+            else:
+                slot = int(pool.req_to_token[int(rows[1]), int(kw["seq_lens_cpu"][1])])
+                slot -= slot % page_size  # the right offset (0): only the owner is wrong
+            pool.req_to_token[row, col] = slot
+            planted.append(sched.step_count)
+        return out
+
+    monkeypatch.setattr(common, "alloc_for_decode", bad_slot)
+    err = failing_step(sched)
+    assert planted and err.step == planted[0]
+    assert err.check == ("page_sharing" if fault == "another request's page" else "slot_range")

@@ -1,0 +1,156 @@
+"""The ownership ledger on its own: transitions, the range and duplicate tests folded into them,
+and the state left unchanged when a transition is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memcli.mem_cache.integrity import OwnershipError
+from memcli.mem_cache.integrity.ownership import FREE, LOOSE, OUTSIDE, PADDING, TREE, OwnershipLedger
+
+NUM_PAGES = 512
+
+
+def claimed(n: int, rows: list[int], page_size: int = 1) -> tuple[OwnershipLedger, np.ndarray]:
+    """A ledger whose pages 1..n are owned by `rows` (equal shares, in order)."""
+    ledger = OwnershipLedger(NUM_PAGES, page_size, num_rows=8)
+    pages = np.arange(1, n + 1, dtype=np.int64)
+    ledger.take(pages)
+    ledger.claim_rows(pages * page_size, np.repeat(np.array(rows, dtype=np.int64), n // len(rows)), "test")
+    return ledger, pages
+
+
+def state(ledger: OwnershipLedger):
+    return ledger.owner.copy(), ledger.row_pages.copy(), dict(ledger.counts)
+
+
+def assert_same(ledger: OwnershipLedger, before) -> None:
+    owner, row_pages, counts = before
+    assert np.array_equal(ledger.owner, owner) and np.array_equal(ledger.row_pages, row_pages)
+    assert ledger.counts == counts
+
+
+def test_a_page_lives_free_row_tree_free():
+    ledger, pages = claimed(40, [2, 5])
+    assert ledger.counts[LOOSE] == 0 and ledger.row_pages[2] == ledger.row_pages[5] == 20
+    ledger.move(pages[:20], 2, TREE, "cache_unfinished_req")
+    ledger.free_from(pages[20:], 5, "cache_finished_req")
+    assert ledger.counts[TREE] == 20 and not ledger.row_pages.any()
+    ledger.free_from(pages[:20], TREE, "evict")
+    assert ledger.counts == {FREE: NUM_PAGES, LOOSE: 0, TREE: 0, -4: 0, -6: 0}
+    assert (ledger.owner[1:] == FREE).all() and ledger.owner[0] == PADDING
+
+
+def test_owners_outside_the_pool_read_padding_or_outside():
+    ledger = OwnershipLedger(NUM_PAGES, 1, num_rows=8)
+    found = ledger.owners_of(np.array([-7, 0, 3, NUM_PAGES, NUM_PAGES + 1, 10**12]))
+    assert found.tolist() == [PADDING, PADDING, FREE, FREE, OUTSIDE, OUTSIDE]
+
+
+@pytest.mark.parametrize("n", [6, 30, 200])  # a set below 49 pages, the owner marks above
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_page_given_twice_in_one_call_is_refused_and_nothing_changes(n, where):
+    ledger, pages = claimed(n, [3])
+    before = state(ledger)
+    dup = 0 if where == "first" else n - 1
+    twice = np.concatenate([pages[: n // 2], pages[dup : dup + 1], pages[n // 2 :]])
+    with pytest.raises(OwnershipError) as info:
+        ledger.move(twice, 3, TREE, "cache_finished_req")
+    assert info.value.check == "double_free" and f"slot {int(pages[dup])} given twice" in str(info.value)
+    assert_same(ledger, before)
+    with pytest.raises(OwnershipError, match="given twice"):
+        ledger.free_from(twice, 3, "cache_finished_req")
+    assert_same(ledger, before)
+    with pytest.raises(OwnershipError, match="given twice"):  # one row per page
+        ledger.free_from(twice, np.full(len(twice), 3, dtype=np.int64), "free_row_pages")
+    assert_same(ledger, before)
+
+
+@pytest.mark.parametrize("bad", [-1, NUM_PAGES + 1, 10**9])
+@pytest.mark.parametrize("n", [4, 100])
+def test_a_page_outside_the_pool_is_refused_as_slot_range(bad, n):
+    ledger, pages = claimed(n, [1])
+    before = state(ledger)
+    with pytest.raises(OwnershipError) as info:
+        ledger.move(np.append(pages, bad), 1, TREE, "cache_finished_req")
+    assert info.value.check == "slot_range" and f"page {bad} is outside the pool" in str(info.value)
+    assert_same(ledger, before)
+    with pytest.raises(OwnershipError, match="outside the pool"):
+        ledger.free_from(np.append(pages, bad), np.ones(n + 1, dtype=np.int64), "free_row_pages")
+    assert_same(ledger, before)
+
+
+def test_a_range_error_comes_before_a_duplicate_and_a_duplicate_before_an_owner():
+    ledger, pages = claimed(100, [1])
+    ledger.move(pages[50:], 1, TREE, "cache_unfinished_req")  # pages 51.. now the tree's
+    mixed = np.concatenate([pages[:10], pages[60:61], pages[:1], [NUM_PAGES + 3]])
+    with pytest.raises(OwnershipError, match="slot_range"):
+        ledger.move(mixed, 1, TREE, "test")
+    with pytest.raises(OwnershipError, match="given twice"):
+        ledger.move(mixed[:-1], 1, TREE, "test")
+    with pytest.raises(OwnershipError) as info:
+        ledger.move(mixed[:-2], 1, TREE, "test")
+    assert info.value.check == "owned_twice" and f"slot {int(pages[60])} is owned by the tree" in str(info.value)
+
+
+def test_page_zero_is_padding_not_out_of_range():
+    ledger, pages = claimed(4, [0])
+    with pytest.raises(OwnershipError) as info:
+        ledger.free_from(np.array([0]), LOOSE, "allocator.free")
+    assert info.value.check == "double_free" and "owned by padding" in str(info.value)
+
+
+@pytest.mark.parametrize("num_reqs", [3, 12])  # one slice per request, or one array of rows
+def test_a_fused_claim_by_runs_equals_the_claim_by_slot(num_reqs):
+    rng = np.random.default_rng(num_reqs)
+    lens = rng.integers(0, 9, num_reqs)
+    rows = rng.permutation(8)[:num_reqs] if num_reqs <= 8 else rng.integers(0, 8, num_reqs)  # rows repeat above 8
+    pages = rng.permutation(np.arange(1, NUM_PAGES + 1))[: int(lens.sum())]
+    by_runs, by_slot = (OwnershipLedger(NUM_PAGES, 1, num_rows=8) for _ in range(2))
+    for ledger in (by_runs, by_slot):
+        ledger.hand_out(pages)
+    by_runs.claim_rows(pages, rows, "alloc_for_extend", lens=lens)
+    by_slot.claim_rows(pages, np.repeat(rows, lens), "alloc_for_extend")
+    assert_same(by_runs, state(by_slot))
+    assert by_runs.counts[FREE] == NUM_PAGES - len(pages) and by_runs.counts[LOOSE] == 0
+    assert int(by_runs.row_pages.sum()) == len(pages)
+
+
+def test_a_claim_of_a_page_not_handed_out_is_refused():
+    """A kernel that writes a page it was not given: the hand-out is settled, the claim judged alone."""
+    ledger = OwnershipLedger(NUM_PAGES, 1, num_rows=8)
+    ledger.hand_out(np.arange(1, 5))
+    with pytest.raises(OwnershipError) as info:
+        ledger.claim_rows(np.array([1, 2, 3, 9]), np.array([0]), "alloc_for_extend", lens=np.array([4]))
+    assert "slot 9 is owned by free" in str(info.value)
+    assert ledger.counts[LOOSE] == 4 and not ledger.row_pages.any()
+
+
+@pytest.mark.parametrize("page,check", [(3, "owned_twice"), (0, "owned_twice"), (-2, "slot_range"),
+                                        (NUM_PAGES + 1, "slot_range")])
+def test_one_page_takes_the_same_tests(page, check):
+    ledger, pages = claimed(4, [1])
+    ledger.move(pages[2:3], 1, TREE, "cache_unfinished_req")  # page 3 now the tree's
+    before = state(ledger)
+    with pytest.raises(OwnershipError) as info:
+        ledger.move(np.array([page]), 1, TREE, "decode slot in flight")
+    assert info.value.check == check
+    assert_same(ledger, before)
+    ledger.move(np.array([2]), 1, TREE, "decode slot in flight")
+    assert ledger.owner[2] == TREE and ledger.row_pages[1] == 2 and ledger.counts[TREE] == 2
+
+
+def test_duplicates_in_calls_longer_than_the_marks_and_than_the_pool():
+    ledger = OwnershipLedger(6000, 1, num_rows=2)
+    pages = np.arange(1, 6001, dtype=np.int64)
+    ledger.take(pages)
+    ledger.claim_rows(pages, np.zeros(6000, dtype=np.int64), "test")
+    before = state(ledger)
+    for twice in (np.concatenate([pages[:5000], pages[4321:4322]]),  # past the first marks: they grow
+                  np.concatenate([pages, pages[17:18]])):  # more positions than pages
+        with pytest.raises(OwnershipError, match=f"slot {int(twice[-1])} given twice"):
+            ledger.move(twice, 0, TREE, "cache_finished_req")
+        assert_same(ledger, before)
+    ledger.move(pages[:5000], 0, TREE, "cache_finished_req")
+    assert ledger.counts[TREE] == 5000 and ledger.row_pages[0] == 1000
