@@ -260,16 +260,10 @@ class HiRadixCache(RadixCache):
         caller frees those duplicates). Evicted nodes on the path take their slots from
         `value` again (recomputed KV). Counts a hit on every device node passed and on the
         new leaf, which may start backups (see the module docstring)."""
-        if self.disable:
+        prepared = self._insert_input(key, value)
+        if prepared is None:
             return 0
-        tokens = key.token_ids
-        if value is None:
-            value = torch.as_tensor(tokens, dtype=torch.int64, device=self.device)
-        if value.shape[0] != len(tokens):
-            raise ValueError(f"insert: key has {len(tokens)} tokens but value has {value.shape[0]} slots")
-        aligned = len(tokens) - len(tokens) % self.page_size
-        if aligned == 0:
-            return 0
+        tokens, value, aligned = prepared
         if value.dtype != torch.int64 or value.device != self.device:
             value = value.to(self.device, torch.int64)
         now = self._begin()

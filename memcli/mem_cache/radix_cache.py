@@ -206,6 +206,20 @@ class RadixCache(BasePrefixCache):
         self._touched(node)
         return MatchResult(self._cat(values), node)
 
+    def _insert_input(self, key: RadixKey, value: Optional[torch.Tensor]):
+        """(tokens, slots, page-aligned length) of an insert, or None when nothing is inserted
+        (the cache is disabled, or the key holds no whole page). `value=None` stores the token
+        ids as slots (tests). Raises ValueError when key and value differ in length."""
+        if self.disable:
+            return None
+        tokens = key.token_ids
+        if value is None:
+            value = torch.as_tensor(tokens, dtype=torch.int64, device=self.device)
+        if value.shape[0] != len(tokens):
+            raise ValueError(f"insert: key has {len(tokens)} tokens but value has {value.shape[0]} slots")
+        aligned = len(tokens) - len(tokens) % self.page_size
+        return None if aligned == 0 else (tokens, value, aligned)
+
     def insert(self, key: RadixKey, value: Optional[torch.Tensor] = None, chunked: bool = False) -> int:
         """See `BasePrefixCache.insert`. `value=None` stores the token ids as slots (tests).
         `chunked` (a non-final prefill chunk) changes nothing here (see `HiRadixCache`).
@@ -214,16 +228,10 @@ class RadixCache(BasePrefixCache):
         caller's arrays when it covers at least half of them, else stores compact copies,
         so the tree never keeps more than twice its own size alive.
         """
-        if self.disable:
+        prepared = self._insert_input(key, value)
+        if prepared is None:
             return 0
-        tokens = key.token_ids
-        if value is None:
-            value = torch.as_tensor(tokens, dtype=torch.int64, device=self.device)
-        if value.shape[0] != len(tokens):
-            raise ValueError(f"insert: key has {len(tokens)} tokens but value has {value.shape[0]} slots")
-        aligned = len(tokens) - len(tokens) % self.page_size
-        if aligned == 0:
-            return 0
+        tokens, value, aligned = prepared
         now = self._begin()
         node, prefix_len, _ = self._walk(tokens[:aligned], key.extra_key, count_hit=False)
         if prefix_len < aligned:
