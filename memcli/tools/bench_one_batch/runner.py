@@ -40,6 +40,14 @@ from memcli.timing import wall_time
 VOCAB_SIZE = 10_000
 
 
+def case_tokens(case: Case, seed: int) -> np.ndarray:
+    """The token ids of every request of `case` (prompt, then outputs), from `seed`. Each row
+    starts with a distinct token, so requests share no prefix."""
+    tokens = np.random.default_rng(seed).integers(0, VOCAB_SIZE, (case.batch_size, case.seq_len), dtype=np.int64)
+    tokens[:, 0] = np.arange(case.batch_size)
+    return tokens
+
+
 class DecodeSnapshot(NamedTuple):
     """What a decode step changes: the free list, the batch's lengths, each request's slots."""
 
@@ -63,8 +71,7 @@ class CaseRunner:
         # SGLang's bench runs output_len - 1 decode steps (its prefill samples the first token).
         minus_one = stack.config.behaviour.bench_decode_steps == "output_len_minus_1"
         self.decode_steps = max(case.output_len - minus_one, 0)
-        tokens = np.random.default_rng(seed).integers(0, VOCAB_SIZE, (case.batch_size, case.seq_len), dtype=np.int64)
-        tokens[:, 0] = np.arange(case.batch_size)  # a distinct first token: requests share no prefix
+        tokens = case_tokens(case, seed)
         self.prompts = tokens[:, : case.input_len]
         self.outputs = tokens[:, case.input_len :]
         self.batch: Optional[ScheduleBatch] = None

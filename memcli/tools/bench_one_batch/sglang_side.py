@@ -30,7 +30,7 @@ from memcli.reference.loader import Reference
 from memcli.reference.standins import ModelConfig, NoSpeculation
 from memcli.tools.bench_one_batch.cases import Case
 from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_steps, measure
-from memcli.tools.bench_one_batch.runner import VOCAB_SIZE
+from memcli.tools.bench_one_batch.runner import VOCAB_SIZE, case_tokens
 
 NAME = "sglang-0.5.5"
 
@@ -84,10 +84,8 @@ class SglangCase:
             self.tree_cache = ref.ChunkCache(self.pool, self.allocator, ps)
         minus_one = config.behaviour.bench_decode_steps == "output_len_minus_1"
         self.decode_steps = max(case.output_len - minus_one, 0)
-        # The prompts of `runner.CaseRunner` (same seed, same distinct first tokens).
-        tokens = np.random.default_rng(seed).integers(0, VOCAB_SIZE, (case.batch_size, case.seq_len), dtype=np.int64)
-        tokens[:, 0] = np.arange(case.batch_size)
-        self.prompts = tokens[:, : case.input_len]
+        # The prompts of `runner.CaseRunner`: the same tokens for the same case and seed.
+        self.prompts = case_tokens(case, seed)[:, : case.input_len]
         self.batch: Any = None
         self._before_prefill: Any = None
         self._rows_before_prefill: list[int] = []
