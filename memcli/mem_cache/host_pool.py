@@ -83,8 +83,9 @@ class HostKVPool:
         if materialized:
             shape = (size, num_layers, num_kv_heads, head_dim)
             pin = pin_memory and torch.cuda.is_available()
-            self.k_buffer = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)
-            self.v_buffer = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)
+            # Never read before a backup writes it: no need to spend seconds zeroing gigabytes.
+            self.k_buffer = torch.empty(shape, dtype=self.dtype, pin_memory=pin)
+            self.v_buffer = torch.empty(shape, dtype=self.dtype, pin_memory=pin)
             self.pinned = pin
         else:
             self.k_buffer = self.v_buffer = None
