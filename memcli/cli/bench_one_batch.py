@@ -90,6 +90,9 @@ def bench_one_batch(
         return
     _check_result_file(result_file)
     comparison = _comparison(compare, cfg)
+    if comparison is not None:
+        for line in comparison.slow_start_notes(cases):
+            print(f"note: {line}", file=sys.stderr)
     say = lines(wanted(progress))
     result = run_bench_one_batch(cfg, cases, options, progress=_progress(say) if say else None, comparison=comparison)
     if result_file is not None:

@@ -46,6 +46,10 @@ class Comparison(Protocol):
         """The phases `prefill_memory`, `decode_memory` (when the case decodes) and `free`."""
         ...
 
+    def slow_start_notes(self, cases: list[Case]) -> list[str]:
+        """Lines to print before the run when these cases will be slow to start on its side."""
+        ...
+
 # Share of the free device memory the K/V sources of the store may take.
 SOURCE_MEMORY_SHARE = 0.9
 

@@ -34,6 +34,32 @@ from memcli.tools.bench_one_batch.runner import VOCAB_SIZE, case_tokens
 
 NAME = "sglang-0.5.5"
 
+# SGLang's paged `alloc_extend_kernel` takes the next power of two of the batch's new tokens
+# as a block size (a constexpr): from this size on, its first compile is slow (minutes in
+# ptxas at 524,288 on an H200 host), and on a CPU its interpreted calls take tenths of seconds.
+SLOW_EXTEND_BLOCK = 65536
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def slow_start_notes(cases: list[Case], device_type: str) -> list[str]:
+    """What to expect from SGLang's side before it runs: its paged extend kernel, sized to the
+    largest batch (a user who sees minutes of silence should know it is not hung)."""
+    paged = [c for c in cases if c.page_size > 1]
+    if not paged:
+        return []
+    block = max(_next_power_of_2(c.batch_size * (c.input_len - c.prefix_len)) for c in paged)
+    if device_type == "cuda":
+        if block < SLOW_EXTEND_BLOCK:
+            return []
+        return [f"SGLang's alloc_extend_kernel is compiled for a block of {block:,} tokens (the next power of two"
+                " of a batch's new tokens, per page size); at this size its first compile can take minutes, after"
+                " which Triton's cache (~/.triton/cache, TRITON_CACHE_DIR) keeps it"]
+    return ["SGLang's paged kernels run in Triton's interpreter without CUDA: each of its paged extends takes"
+            " milliseconds to seconds (fewer --repeat, or page size 1, for a quick comparison)"]
+
 
 class SglangComparison:
     """A `run.Comparison`: SGLang's memory path for each case, on the device its kernels use."""
@@ -45,6 +71,10 @@ class SglangComparison:
             raise MemcliError(f"--compare {NAME}: SGLang's pools live on {ref.device}, memcli's on {device.type}",
                               hint="run both on the same device (runtime.device)")
         self.ref = ref
+        self.device_type = device.type
+
+    def slow_start_notes(self, cases: list[Case]) -> list[str]:
+        return slow_start_notes(cases, self.device_type)
 
     def run_case(self, case: Case, config: Config, options) -> dict[str, PhaseTiming]:
         runner = SglangCase(self.ref, case, config, seed=options.seed)

@@ -152,3 +152,18 @@ def test_compare_prints_a_speedup_per_phase():
     for row in rows:
         assert row["reference"]["rounds"] == 2 and row["memcli"]["rounds"] == 2
         assert row["speedup"] == pytest.approx(row["reference"]["median_us"] / row["memcli"]["median_us"])
+
+
+def test_slow_start_notes_name_sglangs_large_extend_block():
+    """A paged case whose batch extends by 393,216 tokens makes SGLang compile a 524,288-token
+    block: the user is told before minutes of silence; small or page-1 cases say nothing."""
+    from memcli.tools.bench_one_batch.sglang_side import slow_start_notes
+
+    big = Case(batch_size=256, input_len=1536, output_len=4, prefix_len=0, page_size=16)
+    small = Case(batch_size=32, input_len=1536, output_len=4, prefix_len=1024, page_size=16)
+    page1 = Case(batch_size=256, input_len=1536, output_len=4, prefix_len=0, page_size=1)
+    notes = slow_start_notes([small, big], "cuda")
+    assert len(notes) == 1 and "524,288" in notes[0]
+    assert slow_start_notes([small, page1], "cuda") == []  # 16,384-token block: compiles in seconds
+    assert slow_start_notes([page1], "cpu") == []
+    assert "interpreter" in slow_start_notes([small], "cpu")[0]
