@@ -10,8 +10,8 @@ Runs, one after another in this order, each as its own `memcli` process:
 2. the 24-point study (pool 1M, 2M, 4M, 8M tokens x lru, lfu, fifo x page size 1, 16; the
    policy sweep adds the 8 Belady points, 32 replays in all) serially (`--jobs 1`), in two
    processes (`--jobs 2`) and on a local 2-CPU Ray runtime (`--ray --jobs 2`): wall time of the
-   whole command and peak memory of its process tree (the sum of the resident sets of the
-   process and all its descendants, sampled every 0.2 s);
+   whole command and peak memory of its process tree (the sums of the resident sets and of the
+   proportional sets of the process and all its descendants, sampled every 0.2 s);
 3. checks that the three studies give the same numbers for every point (wall times aside).
 
 Prints one table and writes OUT_DIR/measure.json. `uptime` is printed before and after: other
@@ -34,8 +34,25 @@ STUDY = ["--sweep", "memory.max_total_tokens=1000000,2000000,4194304,8388608",
 TIMING = ("wall_time_s",)
 
 
-def tree_rss_kib(root: int) -> int:
-    """Resident memory of `root` and every descendant, in KiB (from /proc)."""
+def _pss_kib(pid: int) -> int:
+    """Proportional set size of one process in KiB: its private pages, plus each shared page
+    divided by the number of processes mapping it (0 when /proc cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def tree_memory_kib(root: int) -> tuple[int, int]:
+    """(resident set, proportional set) of `root` and every descendant summed, in KiB.
+
+    The resident sets count a page shared by several processes of the tree (libraries mapped
+    by every worker, Ray's shared-memory object store) once per process; the proportional
+    sets add up to the physical memory the tree holds."""
     children: dict[int, list[int]] = {}
     rss: dict[int, int] = {}
     for entry in os.listdir("/proc"):
@@ -51,12 +68,14 @@ def tree_rss_kib(root: int) -> int:
         pid = int(entry)
         children.setdefault(int(fields[1]), []).append(pid)
         rss[pid] = pages * os.sysconf("SC_PAGE_SIZE") // 1024
-    total, stack = 0, [root]
+    total_rss = total_pss = 0
+    stack = [root]
     while stack:
         pid = stack.pop()
-        total += rss.get(pid, 0)
+        total_rss += rss.get(pid, 0)
+        total_pss += _pss_kib(pid)
         stack.extend(children.get(pid, []))
-    return total
+    return total_rss, total_pss
 
 
 def run(args: list[str], out_json: Path) -> dict:
@@ -64,12 +83,13 @@ def run(args: list[str], out_json: Path) -> dict:
     start = time.perf_counter()
     with open(out_json, "w") as out:
         proc = subprocess.Popen(["memcli", *args, "--json"], stdout=out, stderr=subprocess.PIPE, text=True)
-        peak = [0]
+        peak = [0, 0]  # resident, proportional
         done = threading.Event()
 
         def sample() -> None:
             while not done.is_set():
-                peak[0] = max(peak[0], tree_rss_kib(proc.pid))
+                rss, pss = tree_memory_kib(proc.pid)
+                peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
                 done.wait(0.2)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -81,7 +101,7 @@ def run(args: list[str], out_json: Path) -> dict:
     if proc.returncode != 0:
         sys.exit(f"memcli {' '.join(args)} failed ({proc.returncode}): {err[-2000:]}")
     return {"args": args, "wall_s": round(wall, 2), "peak_rss_mib": round(peak[0] / 1024, 1),
-            "doc": json.loads(out_json.read_text())}
+            "peak_pss_mib": round(peak[1] / 1024, 1), "doc": json.loads(out_json.read_text())}
 
 
 def points(doc: dict) -> list[dict]:
@@ -107,7 +127,7 @@ def main() -> None:
     for name, extra in () if opts.no_replays else (("lru", []), ("belady", ["--set", "cache.eviction_policy=belady"])):
         r = run([*base, *extra], opts.out / f"{name}.json")
         results[name] = {"wall_s": r["wall_s"], "replay_wall_s": r["doc"]["summary"]["wall_time_s"],
-                         "peak_rss_mib": r["peak_rss_mib"], "hit_rate": r["doc"]["hit_rate"]}
+                         "peak_rss_mib": r["peak_rss_mib"], "peak_pss_mib": r["peak_pss_mib"], "hit_rate": r["doc"]["hit_rate"]}
         print(name, results[name], flush=True)
     known = {"serial": ["--jobs", "1"], "jobs2": ["--jobs", "2"], "ray": ["--ray", "--jobs", "2"]}
     modes = [(name, known[name]) for name in opts.modes.split(",")]
@@ -116,6 +136,7 @@ def main() -> None:
         r = run([*base, *STUDY, *extra], opts.out / f"study_{name}.json")
         docs[name] = r["doc"]
         results[f"study_{name}"] = {"wall_s": r["wall_s"], "peak_rss_mib": r["peak_rss_mib"],
+                                    "peak_pss_mib": r["peak_pss_mib"],
                                     "points": len(r["doc"]["points"])}
         print(name, results[f"study_{name}"], flush=True)
     first = next(iter(docs))
@@ -126,16 +147,16 @@ def main() -> None:
         results["belady_vs_lru"] = round(results["belady"]["replay_wall_s"] / results["lru"]["replay_wall_s"], 3)
     results["after"] = uptime()
     (opts.out / "measure.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(f"{'run':<14}{'wall s':>10}{'vs ' + first:>11}{'peak MiB':>10}  identical")
+    print(f"{'run':<14}{'wall s':>10}{'vs ' + first:>11}{'RSS MiB':>10}{'PSS MiB':>10}  identical")
     for name in docs:
         s = results[f"study_{name}"]
         print(f"{'study ' + name:<14}{s['wall_s']:>10.1f}{s['vs_' + first]:>11.3f}{s['peak_rss_mib']:>10.0f}"
-              f"  {s['identical_to_' + first]}")
+              f"{s['peak_pss_mib']:>10.0f}  {s['identical_to_' + first]}")
     if not opts.no_replays:
         for name in ("lru", "belady"):
             s = results[name]
             print(f"{'replay ' + name:<14}{s['replay_wall_s']:>10.1f}{'':>11}{s['peak_rss_mib']:>10.0f}"
-                  f"  hit rate {s['hit_rate']:.4f}")
+                  f"{s['peak_pss_mib']:>10.0f}  hit rate {s['hit_rate']:.4f}")
         print(f"belady / lru replay time: {results['belady_vs_lru']}")
     print("after:", results["after"])
 
