@@ -40,7 +40,7 @@ from memcli.mem_cache.clock import LogicalClock
 from memcli.mem_cache.hiradix_cache import HiRadixCache as MemcliHiRadix
 from memcli.mem_cache.host_pool import HostKVPool
 from memcli.reference.loader import Reference, load_reference
-from memcli.reference.ops import Divergence, Op, _compare, _in_tree
+from memcli.reference.ops import Divergence, Op, _compare, _in_tree, record_frees
 from memcli.stack import radix_semantics
 
 OBSERVED = ("result", "tree", "free_list", "host_free_list", "sizes")
@@ -59,14 +59,7 @@ class _Side:
     locks: dict = field(default_factory=dict)  # op index -> locks held through that match (both sides)
 
     def record_frees(self) -> None:
-        real_free = self.allocator.free
-
-        def free(indices, *args, **kwargs):
-            if indices.numel():
-                self.freed.append(indices.reshape(-1).tolist())
-            return real_free(indices, *args, **kwargs)
-
-        self.allocator.free = free
+        record_frees(self.allocator, self.freed)
 
     def observe(self) -> dict:
         tree = self.tree

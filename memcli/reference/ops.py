@@ -35,6 +35,19 @@ from memcli.mem_cache.radix_cache import RadixCache as MemcliRadixCache
 from memcli.reference.loader import Reference, load_reference
 from memcli.stack import radix_semantics
 
+
+def record_frees(allocator: Any, freed: list) -> None:
+    """Wrap `allocator.free` so that every non-empty free appends its slots (a list) to `freed`."""
+    real_free = allocator.free
+
+    def free(indices, *args, **kwargs):
+        if indices.numel():
+            freed.append(indices.reshape(-1).tolist())
+        return real_free(indices, *args, **kwargs)
+
+    allocator.free = free
+
+
 OBSERVED = ("result", "tree", "free_list", "sizes", "leaf_order")
 
 
@@ -75,14 +88,7 @@ class _Side:
     handles: dict = field(default_factory=dict)  # op index -> node
 
     def record_frees(self) -> None:
-        real_free = self.allocator.free
-
-        def free(indices, *args, **kwargs):
-            if indices.numel():
-                self.freed.append(indices.reshape(-1).tolist())
-            return real_free(indices, *args, **kwargs)
-
-        self.allocator.free = free
+        record_frees(self.allocator, self.freed)
 
     def observe_state(self) -> dict:
         return {"tree": _shape(self.root), "free_list": self.free_list(), "sizes": self.sizes(),
