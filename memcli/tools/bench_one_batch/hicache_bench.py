@@ -11,8 +11,8 @@ from the real allocator of a hiradix stack with a materialized KV pool) is
 and, in the same round, a plain copy of the same bytes between one contiguous device tensor
 and one pinned host tensor, each way (`copy_(non_blocking=True)`): the bandwidth the link
 gives. GB/s are bytes (K and V of every layer, 1 GB = 1e9 bytes) over the median time of a
-call from an idle device on a GPU (CUDA events), over the median wall time on a CPU (both sides are host memory
-there: the figures measure memory copies, not a link). Each figure is the median of the
+call from an idle device on a GPU (CUDA events), over the median wall time on a CPU (both
+sides are host memory there: the figures measure memory copies, not a link). Each figure is the median of the
 round medians.
 """
 
@@ -46,7 +46,6 @@ class TransferCase:
     tokens: int
     num_bytes: int
     us: dict[str, float]  # phase -> median over rounds of the per-round median (idle-start latency on a GPU)
-    latency_us: dict[str, float]  # phase -> the same for the latency (host included)
     host_runs: int  # runs of consecutive host slots the backup wrote
 
     def gbps(self, phase: str) -> float:
@@ -62,7 +61,7 @@ class TransferCase:
         return {
             "batch_size": c.batch_size, "input_len": c.input_len, "page_size": c.page_size, "tokens": self.tokens,
             "bytes": self.num_bytes, "host_runs": self.host_runs,
-            "phases": {p: {"us": round(self.us[p], 3), "latency_us": round(self.latency_us[p], 3),
+            "phases": {p: {"us": round(self.us[p], 3), "latency_us": round(self.us[p], 3),
                            "gbps": round(self.gbps(p), 3)} for p in PHASES},
             "backup_share_of_plain_d2h": round(self.share("backup", "plain_d2h"), 4),
             "load_back_share_of_plain_h2d": round(self.share("load_back", "plain_h2d"), 4),
@@ -108,7 +107,7 @@ def run_transfer_bench(config: Config, cases: Sequence[Case], repeat: int, warmu
     batches), and pinning costs seconds, while a copy of megabytes or more is barely touched
     by host noise. The case's pinned memory is handed back to the system before the next."""
     device = resolve_device(config)
-    samples: dict[Case, list[tuple[dict, dict, int]]] = {case: [] for case in cases}
+    samples: dict[Case, list[tuple[dict, int]]] = {case: [] for case in cases}
     pinned = False
     with torch_threads(device):
         for case in cases:
@@ -125,10 +124,9 @@ def run_transfer_bench(config: Config, cases: Sequence[Case], repeat: int, warmu
     for case in cases:
         rows = samples[case]
         us = {p: statistics.median(r[0][p] for r in rows) for p in PHASES}
-        lat = {p: statistics.median(r[1][p] for r in rows) for p in PHASES}
         tokens = case.batch_size * align_up(case.input_len, case.page_size)
         bpt = config.model.bytes_per_token
-        results.append(TransferCase(case, tokens, tokens * bpt, us, lat, rows[-1][2]))
+        results.append(TransferCase(case, tokens, tokens * bpt, us, rows[-1][1]))
     timing = "idle-start latency (cuda-events)" if device.type == "cuda" else "wall-clock (cpu)"
     return TransferBench(replace(config, cache={"kind": "hiradix"}), _describe(device), pinned, timing, rounds,
                          results)
@@ -156,7 +154,7 @@ def _release_device_memory(device: torch.device) -> None:
 
 
 def _time_case(stack, host: HostKVPool, case: Case, device: torch.device, repeat: int,
-               warmup: int) -> tuple[dict, dict, int]:
+               warmup: int) -> tuple[dict, int]:
     kv = stack.kv_pool
     per_req = align_up(case.input_len, case.page_size)
     slots = [stack.allocator.alloc(per_req) for _ in range(case.batch_size)]
@@ -193,8 +191,7 @@ def _time_case(stack, host: HostKVPool, case: Case, device: torch.device, repeat
     runs = len(_runs(host_slots))
     stack.allocator.free(device_slots)
     host.free(host_slots)
-    us = {name: t.median_us for name, t in timings.items()}
-    return us, {name: t.median_us for name, t in timings.items()}, runs
+    return {name: t.median_us for name, t in timings.items()}, runs
 
 
 def _check_copy(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
