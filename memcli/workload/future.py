@@ -255,22 +255,31 @@ def _seed(extra_key: Optional[str]) -> int:
     return int.from_bytes(hashlib.blake2b(extra_key.encode(), digest_size=8).digest(), "little")
 
 
-_POWERS = np.ones(1, dtype=np.uint64)
+_POWER_TABLES: dict[int, np.ndarray] = {}
+
+
+def _power_table(base: int, n: int) -> np.ndarray:
+    """base**i mod 2**64 for i < n (at least), kept per base and doubled as longer paths come."""
+    table = _POWER_TABLES.get(base)
+    if table is None or len(table) < n:
+        size = max(n, 2 * (0 if table is None else len(table)), 1)
+        table = np.empty(size, dtype=np.uint64)
+        value = 1
+        for i in range(size):  # once per process, up to the longest path seen
+            table[i] = value
+            value = value * base & _MASK
+        _POWER_TABLES[base] = table
+    return table
 
 
 def _powers(n: int) -> np.ndarray:
     """BASE**i mod 2**64 for i < n (at least)."""
-    global _POWERS
-    if len(_POWERS) < n:
-        size = max(n, 2 * len(_POWERS))
-        out = np.empty(size, dtype=np.uint64)
-        out[0] = 1
-        value = 1
-        for i in range(1, size):  # once per process, up to the longest path seen
-            value = value * _BASE & _MASK
-            out[i] = value
-        _POWERS = out
-    return _POWERS
+    return _power_table(_BASE, n)
+
+
+def _inverse_powers(n: int) -> np.ndarray:
+    """BASE**-i mod 2**64 for i < n (at least)."""
+    return _power_table(_BASE_INV, n)
 
 
 def _prefix_hashes(tokens: np.ndarray, seed: int) -> np.ndarray:
@@ -284,22 +293,6 @@ def _prefix_hashes(tokens: np.ndarray, seed: int) -> np.ndarray:
     if seed:
         out += np.uint64(seed) * powers[1:n + 1]
     return out
-
-
-_INVERSE = np.ones(1, dtype=np.uint64)
-
-
-def _inverse_powers(n: int) -> np.ndarray:
-    global _INVERSE
-    if len(_INVERSE) < n:
-        size = max(n, 2 * len(_INVERSE))
-        out = np.empty(size, dtype=np.uint64)
-        value = 1
-        for i in range(size):
-            out[i] = value
-            value = value * _BASE_INV & _MASK
-        _INVERSE = out
-    return _INVERSE
 
 
 def _mix(hashes: np.ndarray, ends: np.ndarray) -> np.ndarray:
