@@ -247,6 +247,8 @@ class BaseAllocator:
         self._in_use_pages = state.in_use_pages
         if self.ledger is not None and state.ledger is not None:
             self.ledger.restore(state.ledger)
+        if self.decode_graphs is not None:  # the next decode step starts from the restored free list
+            self.decode_graphs.place(self._head, self._num_free)
 
     def alloc_extend_write(self, req_to_token: torch.Tensor, rows: list[int], prefix_lens_cpu: torch.Tensor,
                            seq_lens_cpu: torch.Tensor, prefixes: list[torch.Tensor], num_pages: int,

@@ -11,8 +11,9 @@ an allocation for the output. `DecodeGraphs` captures the whole step once per ba
   hands in other tensors (a new batch, a filter, a merge, a restore);
 * free list: its head and length live on the device (`state`, one packed int64) and the
   step advances them; the allocator keeps its host copy for the capacity check (the step's
-  page count is known on the host before the replay). When anything else moved the head (an
-  extend, a free, a restore), one fill sets the device copy before the next replay;
+  page count is known on the host before the replay). When an extend or a free moved the
+  head, one fill sets the device copy before the next replay; a restore (`place`) sets it
+  at once, so the step after it is one launch, as in a steady decode loop;
 * output: the slots land in a static buffer, valid until the next step of that batch size.
 
 So a steady decode step is one graph launch. Replays give exactly the slots of the eager
@@ -67,11 +68,16 @@ class DecodeGraphs:
         if req_pool_indices is not g.rows_source or req_pool_indices._version != g.rows_version:
             g.rows.copy_(req_pool_indices)
             g.rows_source, g.rows_version = req_pool_indices, req_pool_indices._version
-        if self._on_device != (head, num_free):
-            self.state.fill_(kernels.pack_free_state(head, num_free))
+        self.place(head, num_free)
         g.graph.replay()
         self._on_device = None  # until `advanced` says where the replay left it
         return g.out, g.seq
+
+    def place(self, head: int, num_free: int) -> None:
+        """Make the device copy of the free list (`head`, `num_free`), unless it holds it."""
+        if self._on_device != (head, num_free):
+            self.state.fill_(kernels.pack_free_state(head, num_free))
+            self._on_device = (head, num_free)
 
     def advanced(self, head: int, num_free: int) -> None:
         """The host's copy of the free list after the replay (what the device now holds)."""

@@ -79,3 +79,57 @@ def test_a_replay_with_graphs_is_the_replay_without(page_size):
             doc.get(section, {}).pop(key, None)
         docs[mode] = doc
     assert docs["true"] == docs["false"]
+
+
+class _PlacedGraphs:
+    """Records where the allocator tells the device copy of its free list to be."""
+
+    req_to_token = None
+
+    def __init__(self):
+        self.placed = []
+
+    def place(self, head, num_free):
+        self.placed.append((head, num_free))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_restore_places_the_free_list_for_the_next_replay(page_size):
+    """After a restore the device copy is set at once (untimed setup in the bench), so the
+    decode step that follows is the graph launch alone, as in a steady decode loop."""
+    stack = build_stack(replace(load_config(None, ["runtime.device=cpu"]), memory={"page_size": page_size}))
+    allocator = stack.allocator
+    state = allocator.backup_state()
+    allocator.alloc(3 * page_size)
+    graphs = allocator.decode_graphs = _PlacedGraphs()
+    allocator.restore_state(state)
+    assert graphs.placed == [(allocator._head, allocator._num_free)]
+    assert allocator._num_free == allocator.num_pages
+
+
+def _restored_steps(mode: str, page_size: int, repeats: int):
+    """The bench's decode phase: the same step `repeats` times from one snapshot."""
+    cfg = load_config(None, ["runtime.device=cuda", f"runtime.decode_graph={mode}"])
+    stack = build_stack(replace(cfg, memory={"page_size": page_size}))
+    runner = CaseRunner(stack, Case(5, 33, 3, 0, page_size))
+    runner.start()
+    runner.prefill()
+    runner.decode_step()
+    snap = runner.snapshot_decode()
+    outs = []
+    for _ in range(repeats):
+        runner.restore_decode(snap)
+        runner.decode_memory()
+        # Column 34 is the step's slot (the prompt took 33, the first decode step one).
+        rows = [r.req_pool_idx for r in runner.reqs]
+        outs.append(stack.req_to_token_pool.req_to_token[rows, : 33 + 2].cpu())
+    return outs, stack.allocator.decode_graphs
+
+
+@cuda
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_replays_after_a_restore_give_the_eager_slots(page_size):
+    on, graphs = _restored_steps("true", page_size, 4)
+    off, _ = _restored_steps("false", page_size, 4)
+    assert graphs is not None and graphs.captures == 1
+    assert all(torch.equal(a, on[0]) for a in on) and all(torch.equal(a, b) for a, b in zip(on, off))
