@@ -9,6 +9,9 @@ returns the median of the timed calls in microseconds. On a GPU each call is tim
   host has issued all of it, so the events see only the GPU's execution of the call (a
   sample whose spin ran out first is taken again behind a longer one).
 
+Python's cyclic garbage collector is paused while a phase is timed (as `timeit` does): a
+collection would land on whichever call happened to allocate past its threshold.
+
 `count_syncs(fn)` counts host-device synchronisations with CUDA's sync debug mode (None on
 a CPU, where there is no device).
 """
@@ -16,6 +19,7 @@ a CPU, where there is no device).
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import time
 import warnings
@@ -50,19 +54,32 @@ def time_call(fn: Callable[[], object], device: torch.device, repeat: int = 20, 
     unless `device_time` is False (a call that synchronises waits for the spin ahead of it,
     so its device time cannot be taken: each try would only wait longer).
     """
-    for _ in range(warmup):
-        setup()
-        fn()
     cuda = device.type == "cuda"
-    samples = [_sample(fn, setup, device, cuda, spin_us=0.0) for _ in range(repeat)]
-    median = statistics.median(samples)
-    device_us = None
-    if cuda and device_time and _spin_cycles_per_us(device) is not None:
-        # The spin outlasts the host's part of the call: twice the latency, plus a margin.
-        spin_us = 2 * median + 100.0
-        device_us = statistics.median(_queued_sample(fn, setup, device, spin_us) for _ in range(repeat))
+    with gc_paused():
+        for _ in range(warmup):
+            setup()
+            fn()
+        samples = [_sample(fn, setup, device, cuda, spin_us=0.0) for _ in range(repeat)]
+        median = statistics.median(samples)
+        device_us = None
+        if cuda and device_time and _spin_cycles_per_us(device) is not None:
+            # The spin outlasts the host's part of the call: twice the latency, plus a margin.
+            spin_us = 2 * median + 100.0
+            device_us = statistics.median(_queued_sample(fn, setup, device, spin_us) for _ in range(repeat))
     method = "cuda-events" if cuda else "wall-clock (cpu)"
     return Timing(median, min(samples), len(samples), method, device_us)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside (reference counting still frees as usual)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _sample(fn, setup, device: torch.device, cuda: bool, spin_us: float) -> float:

@@ -26,6 +26,20 @@ def test_time_call_on_a_cpu_runs_setup_before_every_call():
     assert wall_time(lambda: None, CPU) >= 0
 
 
+def test_the_garbage_collector_is_paused_while_timing_and_restored_after():
+    import gc
+
+    seen = []
+    time_call(lambda: seen.append(gc.isenabled()), CPU, repeat=3, warmup=1)
+    assert seen == [False] * 4 and gc.isenabled()
+    gc.disable()
+    try:  # a caller that had paused it keeps it paused
+        time_call(lambda: None, CPU, repeat=1, warmup=0)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 @pytest.mark.gpu
 def test_gpu_sync_count_and_device_time():
     cuda = torch.device("cuda")

@@ -117,17 +117,17 @@ class BaseAllocator:
                       claimed: bool) -> DecodeWrite:
         """The decode step after the capacity check: one launch, or one graph replay."""
         graphs = self.decode_graphs
-        if graphs is not None and req_to_token is graphs.req_to_token:
-            out, seq_after = graphs.step(seq_lens, req_pool_indices, self._head, self._num_free)
-        else:
+        if graphs is None or req_to_token is not graphs.req_to_token:
             # The first `num_pages` free entries are the ones the step may take.
             out = kernels.alloc_decode_write(seq_lens, req_pool_indices, req_to_token, self._buf, self.page_size,
                                              backend=self.backend, validate=self.debug, free_start=self._head,
                                              num_free=num_pages)
-            seq_after = None
+            self._advance(num_pages, claimed)
+            self._commit_alloc(num_pages)
+            return DecodeWrite(out, None)
+        out, seq_after = graphs.step(seq_lens, req_pool_indices, self._head, self._num_free)
         self._advance(num_pages, claimed)
-        if graphs is not None and seq_after is not None:
-            graphs.advanced(self._head, self._num_free)
+        graphs.advanced(self._head, self._num_free)
         self._commit_alloc(num_pages)
         return DecodeWrite(out, seq_after)
 
@@ -397,8 +397,8 @@ class TokenToKVPoolAllocator(BaseAllocator):
     def alloc_decode_write(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token,
                            num_pages: int | None = None, claimed: bool = False) -> DecodeWrite | None:
         """Allocate one slot per request and write it at column `seq_lens` (one kernel)."""
-        bs = seq_lens.numel()
-        if not self._ensure(bs):
+        bs = seq_lens.shape[0]
+        if bs > self._num_free and not self._ensure(bs):  # the check inline: a steady step has the pages
             return None
         return self._decode_write(seq_lens, req_pool_indices, req_to_token, bs, claimed)
 
@@ -501,7 +501,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         opens) may be passed when the caller already counted them."""
         if num_pages is None:
             num_pages = decode_new_pages(seq_lens_cpu, self.page_size)
-        if not self._ensure(num_pages):
+        if num_pages > self._num_free and not self._ensure(num_pages):
             return None
         return self._decode_write(seq_lens, req_pool_indices, req_to_token, num_pages, claimed)
 

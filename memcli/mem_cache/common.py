@@ -118,7 +118,7 @@ def extend_need(plan: "ExtendPlan", tree_cache, page_size: int) -> int:
 
 def decode_need(tree_cache, num_reqs: int, num_pages: int, page_size: int) -> int:
     """Free tokens to have before a decode allocation: the exact pages, or SGLang's estimate."""
-    if tree_cache.evict_rule.page_per_request and page_size > 1:
+    if page_size > 1 and tree_cache.evict_rule.page_per_request:
         return num_reqs * page_size
     return num_pages * page_size
 
@@ -197,19 +197,23 @@ def alloc_for_decode(req_to_token_pool, allocator, tree_cache, *, seq_lens: torc
     replay (`decode_graph`), else `seq_lens + 1`; the caller keeps its host lengths itself.
     Raises `OutOfMemoryError` when the pages are not free.
     """
-    assert_same_page_size(allocator, tree_cache)
-    need = decode_need(tree_cache, seq_lens_cpu.shape[0], num_pages, allocator.page_size)
-    evict_if_needed(tree_cache, allocator, need)
-    ledger = getattr(allocator, "ledger", None)
-    kw = {} if ledger is None else {"claimed": True}  # hand-out and claim in one ledger transition
-    written = allocator.alloc_decode_write(seq_lens, seq_lens_cpu, req_pool_indices,
-                                           req_to_token_pool.req_to_token, num_pages=num_pages, **kw)
+    # The steady step is one graph launch; its host work is kept to plain comparisons.
+    page_size = allocator.page_size
+    if page_size != tree_cache.page_size:
+        assert_same_page_size(allocator, tree_cache)
+    need = decode_need(tree_cache, seq_lens_cpu.shape[0], num_pages, page_size)
+    if need > allocator.available_size():
+        evict_if_needed(tree_cache, allocator, need)
+    ledger = allocator.ledger
+    # With a ledger, the hand-out and the claim are one transition.
+    written = allocator.alloc_decode_write(seq_lens, seq_lens_cpu, req_pool_indices, req_to_token_pool.req_to_token,
+                                           num_pages, ledger is not None)
     if written is None:
-        raise out_of_memory("decode", tree_cache, allocator, num_pages * allocator.page_size)
+        raise out_of_memory("decode", tree_cache, allocator, num_pages * page_size)
     if ledger is not None:
         ledger.decoded(req_pool_indices, seq_lens_cpu, written.out)
-    after = written.seq_lens_after if written.seq_lens_after is not None else seq_lens + 1
-    return DecodeAllocation(written.out, after)
+    after = written.seq_lens_after
+    return DecodeAllocation(written.out, after if after is not None else seq_lens + 1)
 
 
 def check_decode_mem(allocator, tree_cache, num_pages: int) -> bool:

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from memcli.report.envelope import envelope
 from memcli.tools.bench_one_batch.phases import UNSTABLE_SPREAD, PhaseTiming
-from memcli.tools.bench_one_batch.results import BenchResult, CaseResult, KVStoreFigures, speedup
+from memcli.tools.bench_one_batch.results import BenchResult, CaseResult, KVStoreFigures, paired_speedup, speedup
 
 
 def fmt_us(us: Optional[float]) -> str:
@@ -187,9 +187,10 @@ def reference_table(result: BenchResult) -> Table:
     ref = result.reference
     table = Table(title=f"memcli vs {ref.name}: the memory path, same cases, same rounds (medians of round medians)",
                   title_justify="left", caption=f"speedup = {ref.name} median / memcli median (above 1: memcli is"
-                  " faster); spread as in the case tables", caption_justify="left")
+                  " faster); per round = the median of the same ratio taken round by round, which a slow spell of"
+                  " the machine hits on both sides alike; spread as in the case tables", caption_justify="left")
     for name, justify in (("case", "left"), ("phase", "left"), ("memcli", "right"), ("spread", "right"),
-                          (ref.name, "right"), ("spread ", "right"), ("speedup", "right")):
+                          (ref.name, "right"), ("spread ", "right"), ("speedup", "right"), ("per round", "right")):
         table.add_column(name, justify=justify)
     last = None
     for case, name, mine, theirs in ref.rows(result.cases):
@@ -197,9 +198,9 @@ def reference_table(result: BenchResult) -> Table:
         if case is not last and last is not None:
             table.add_section()
         last = case
-        ratio = speedup(mine, theirs)
+        ratios = ["-" if r is None else f"{r:,.2f}x" for r in (speedup(mine, theirs), paired_speedup(mine, theirs))]
         table.add_row(label, PHASE_LABELS[name], fmt_us(mine.median_us), fmt_spread(mine), fmt_us(theirs.median_us),
-                      fmt_spread(theirs), "-" if ratio is None else f"{ratio:,.2f}x")
+                      fmt_spread(theirs), *ratios)
     return table
 
 

@@ -205,12 +205,23 @@ class ReferenceResult:
     def to_dict(self, cases: Sequence[CaseResult]) -> dict[str, Any]:
         return {"name": self.name, "rows": [
             {"case": case.case.label, "phase": name, "memcli": mine.to_dict(), "reference": ref.to_dict(),
-             "speedup": speedup(mine, ref)} for case, name, mine, ref in self.rows(cases)]}
+             "speedup": speedup(mine, ref), "paired_speedup": paired_speedup(mine, ref)}
+            for case, name, mine, ref in self.rows(cases)]}
 
 
 def speedup(mine: PhaseTiming, reference: PhaseTiming) -> Optional[float]:
     """The reference's median over memcli's (above 1: memcli is faster)."""
     return reference.median_us / mine.median_us if mine.median_us > 0 else None
+
+
+def paired_speedup(mine: PhaseTiming, reference: PhaseTiming) -> Optional[float]:
+    """The median over rounds of the reference's round median over memcli's in the same round
+    (None without matching rounds). The two sides of a round run seconds apart, so a slow
+    spell of the machine divides out of each round's ratio."""
+    pairs = [ref / own for own, ref in zip(mine.round_medians, reference.round_medians) if own > 0]
+    if not pairs or len(mine.round_medians) != len(reference.round_medians):
+        return None
+    return statistics.median(pairs)
 
 
 @dataclass(frozen=True)

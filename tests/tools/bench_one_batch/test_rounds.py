@@ -42,6 +42,18 @@ def test_rounds_combine_to_the_median_of_round_medians():
     assert combine_rounds([timing(5.0, 4.0)]).spread == 1.0
 
 
+def test_the_paired_speedup_divides_a_slow_spell_out_round_by_round():
+    """Round 2 ran in a slow spell that doubled both sides: the ratio of the medians moves,
+    the median of the per-round ratios does not."""
+    from memcli.tools.bench_one_batch.results import paired_speedup, speedup
+
+    mine = combine_rounds([timing(10.0, 9.0), timing(20.0, 9.0), timing(20.0, 9.0)])
+    ref = combine_rounds([timing(40.0, 9.0), timing(80.0, 9.0), timing(44.0, 9.0)])
+    assert speedup(mine, ref) == pytest.approx(44.0 / 20.0)
+    assert paired_speedup(mine, ref) == pytest.approx(4.0)  # the ratios 4, 4, 2.2
+    assert paired_speedup(mine, combine_rounds([timing(40.0, 9.0)])) is None  # rounds that do not pair
+
+
 def _small_config(page_size: int = 1):
     cfg = load_config(None, ["runtime.device=cpu"])
     return replace(cfg, memory={"page_size": page_size})
@@ -152,6 +164,8 @@ def test_compare_prints_a_speedup_per_phase():
     for row in rows:
         assert row["reference"]["rounds"] == 2 and row["memcli"]["rounds"] == 2
         assert row["speedup"] == pytest.approx(row["reference"]["median_us"] / row["memcli"]["median_us"])
+        pairs = [r / m for m, r in zip(row["memcli"]["round_medians_us"], row["reference"]["round_medians_us"])]
+        assert row["paired_speedup"] == pytest.approx(sum(pairs) / 2)  # the median of two ratios
 
 
 def test_slow_start_notes_name_sglangs_large_extend_block():
