@@ -13,12 +13,69 @@ import torch
 from typer.testing import CliRunner
 
 from memcli.cli.app import app
+from memcli import kernels
 from memcli.config import load_config, replace
 from memcli.errors import ConfigError
+from memcli.mem_cache.decode_graph import DecodeGraphs, _Graph
 from memcli.stack import build_stack
 from memcli.tools.bench_one_batch.cases import Case
 from memcli.tools.bench_one_batch.runner import CaseRunner
 from tests.tools.replay.helpers import CONVERSATION
+
+class CpuReplayGraphs(DecodeGraphs):
+    """`DecodeGraphs` whose "graph" replays the torch reference of the captured step on the
+    CPU, over the same static buffers: the bookkeeping around the replay (the device copy of
+    the free list, the lengths kept in place, the rows copied when they change) runs as on a GPU."""
+
+    def _capture(self, bs):
+        seq, rows = torch.zeros(bs, dtype=torch.int64), torch.zeros(bs, dtype=torch.int64)
+        out = torch.empty(bs, dtype=torch.int64)
+
+        class Replay:
+            def replay(_):
+                kernels.alloc_decode_step(seq, rows, self.req_to_token, self.free_pages, self.state, self.page_size,
+                                          self.ring, out=out, backend="torch", validate=False)
+
+        g = self._graphs[bs] = _Graph(Replay(), seq, rows, out)
+        self.captures += 1
+        return g
+
+
+def _cpu_decoded_rows(graphs: bool, page_size: int, steps: int = 12):
+    """Decode steps with a free, a filter and a restore between them; every slot written."""
+    stack = build_stack(replace(load_config(None, ["runtime.device=cpu"]), memory={"page_size": page_size}))
+    allocator = stack.allocator
+    if graphs:
+        allocator.decode_graphs = CpuReplayGraphs(allocator._buf, stack.req_to_token_pool.req_to_token, page_size,
+                                                  ring=page_size == 1)
+    runner = CaseRunner(stack, Case(6, 29, steps, 0, page_size))
+    runner.start()
+    runner.batch.prepare_for_extend()
+    outs = []
+    for i in range(steps):
+        if i == 3:  # a free between steps moves the head on the host
+            allocator.free(allocator.alloc(page_size))
+        if i == 5:  # new rows: a request leaves the batch
+            runner.batch.filter_batch([0, 2, 3, 4, 5])
+        if i == 7:  # the bench's restore: the same step twice from one snapshot
+            snap = runner.snapshot_decode()
+            runner.batch.prepare_for_decode()
+            runner.restore_decode(snap)
+        runner.batch.prepare_for_decode()
+        outs.append(runner.batch.out_cache_loc.clone())
+    table = stack.req_to_token_pool.req_to_token
+    rows = torch.stack([table[r.req_pool_idx, : 29 + steps] for r in runner.reqs])
+    return outs, rows, runner.batch.seq_lens.clone(), allocator.decode_graphs
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_replay_bookkeeping_gives_the_eager_slots_on_a_cpu(page_size):
+    on, rows_on, seq_on, graphs = _cpu_decoded_rows(True, page_size)
+    off, rows_off, seq_off, _ = _cpu_decoded_rows(False, page_size)
+    assert graphs.captures == 2  # six requests, then five
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
+    assert torch.equal(rows_on, rows_off) and torch.equal(seq_on, seq_off)
+
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
