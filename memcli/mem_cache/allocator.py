@@ -125,11 +125,10 @@ class BaseAllocator:
             self._advance(num_pages, claimed)
             self._commit_alloc(num_pages)
             return DecodeWrite(out, None)
-        out, seq_after = graphs.step(seq_lens, req_pool_indices, self._head, self._num_free)
+        before = (self._head, self._num_free)
         self._advance(num_pages, claimed)
-        graphs.advanced(self._head, self._num_free)
         self._commit_alloc(num_pages)
-        return DecodeWrite(out, seq_after)
+        return DecodeWrite(*graphs.step(seq_lens, req_pool_indices, before, (self._head, self._num_free)))
 
     # -- common API -----------------------------------------------------------------------
     def clear(self) -> None:

@@ -11,7 +11,8 @@ an allocation for the output. `DecodeGraphs` captures the whole step once per ba
   hands in other tensors (a new batch, a filter, a merge, a restore);
 * free list: its head and length live on the device (`state`, one packed int64) and the
   step advances them; the allocator keeps its host copy for the capacity check (the step's
-  page count is known on the host before the replay). When an extend or a free moved the
+  page count is known on the host before the replay) and moves it before the replay, so
+  that nothing is left to do on the host once the replay is launched. When an extend or a free moved the
   head, one fill sets the device copy before the next replay; a restore (`place`) sets it
   at once, so the step after it is one launch, as in a steady decode loop;
 * output: the slots land in a static buffer, valid until the next step of that batch size.
@@ -57,20 +58,21 @@ class DecodeGraphs:
         self._graphs: dict[int, _Graph] = {}
         self.captures = 0
 
-    def step(self, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, head: int,
-             num_free: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the step for this batch from the free list at (`head`, `num_free`); returns
-        (slots, lengths after the step). The caller checked the capacity and advances its
-        host copy of the free list by the pages the step opens, then calls `advanced`."""
+    def step(self, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, before: tuple[int, int],
+             after: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the step for this batch from the free list at `before` (head, length);
+        returns (slots, lengths after the step). The caller checked the capacity and already
+        moved its host copy of the free list to `after`, where the replay leaves the device's."""
         g = self._graphs.get(seq_lens.shape[0]) or self._capture(seq_lens.shape[0])
         if seq_lens is not g.seq:
             g.seq.copy_(seq_lens)
         if req_pool_indices is not g.rows_source or req_pool_indices._version != g.rows_version:
             g.rows.copy_(req_pool_indices)
             g.rows_source, g.rows_version = req_pool_indices, req_pool_indices._version
-        self.place(head, num_free)
+        if self._on_device != before:
+            self.state.fill_(kernels.pack_free_state(*before))
+        self._on_device = after
         g.graph.replay()
-        self._on_device = None  # until `advanced` says where the replay left it
         return g.out, g.seq
 
     def place(self, head: int, num_free: int) -> None:
@@ -78,10 +80,6 @@ class DecodeGraphs:
         if self._on_device != (head, num_free):
             self.state.fill_(kernels.pack_free_state(head, num_free))
             self._on_device = (head, num_free)
-
-    def advanced(self, head: int, num_free: int) -> None:
-        """The host's copy of the free list after the replay (what the device now holds)."""
-        self._on_device = (head, num_free)
 
     def _capture(self, bs: int) -> _Graph:
         device = self.free_pages.device
