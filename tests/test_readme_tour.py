@@ -41,7 +41,7 @@ def command_of(args: list[str]) -> str:
 def run_line(line: str) -> tuple[int, str]:
     args = shlex.split(line)[1:]
     command = command_of(args)
-    if command == "reference diff":
+    if command == "reference diff" or "--compare" in args:
         from memcli.reference import unavailable_reason
 
         if unavailable_reason() is not None:
