@@ -38,12 +38,13 @@ class AllocatorState(NamedTuple):
     ledger: object = None  # the ownership ledger's state, when one is attached
 
 
-class DecodeWrite(NamedTuple):
-    """A decode step's slots, and the lengths after it when the step computed them (a graph
-    replay increments them on the device; None: the caller adds one)."""
+class DecodeAllocation(NamedTuple):
+    """What a decode step's memory path hands back to the batch: the new slots, and the
+    device lengths after the step (the old ones plus one: computed by the graph replay in its
+    own buffer, else a new tensor)."""
 
-    out: torch.Tensor
-    seq_lens_after: torch.Tensor | None
+    out_cache_loc: torch.Tensor
+    seq_lens: torch.Tensor
 
 
 class BaseAllocator:
@@ -114,7 +115,7 @@ class BaseAllocator:
         return self._head_view(n)
 
     def _decode_write(self, seq_lens, req_pool_indices, req_to_token, num_pages: int,
-                      claimed: bool) -> DecodeWrite:
+                      claimed: bool) -> DecodeAllocation:
         """The decode step after the capacity check: one launch, or one graph replay."""
         graphs = self.decode_graphs
         if graphs is None or req_to_token is not graphs.req_to_token:
@@ -124,11 +125,11 @@ class BaseAllocator:
                                              num_free=num_pages)
             self._advance(num_pages, claimed)
             self._commit_alloc(num_pages)
-            return DecodeWrite(out, None)
+            return DecodeAllocation(out, seq_lens + 1)
         before = (self._head, self._num_free)
         self._advance(num_pages, claimed)
         self._commit_alloc(num_pages)
-        return DecodeWrite(*graphs.step(seq_lens, req_pool_indices, before, (self._head, self._num_free)))
+        return graphs.step(seq_lens, req_pool_indices, before, (self._head, self._num_free))
 
     # -- common API -----------------------------------------------------------------------
     def clear(self) -> None:
@@ -394,9 +395,9 @@ class TokenToKVPoolAllocator(BaseAllocator):
         return self.alloc(seq_lens.numel())
 
     def alloc_decode_write(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token,
-                           num_pages: int | None = None, claimed: bool = False) -> DecodeWrite | None:
+                           num_pages: int | None = None, claimed: bool = False) -> DecodeAllocation | None:
         """Allocate one slot per request and write it at column `seq_lens` (one kernel)."""
-        bs = seq_lens.shape[0]
+        bs = seq_lens.numel()
         if bs > self._num_free and not self._ensure(bs):  # the check inline: a steady step has the pages
             return None
         return self._decode_write(seq_lens, req_pool_indices, req_to_token, bs, claimed)
@@ -494,7 +495,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         return out
 
     def alloc_decode_write(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token,
-                           num_pages: int | None = None, claimed: bool = False) -> DecodeWrite | None:
+                           num_pages: int | None = None, claimed: bool = False) -> DecodeAllocation | None:
         """Fused decode step: `seq_lens` are the lengths before the new token, whose slot is
         written at column `seq_lens` of each request row. `num_pages` (the pages this step
         opens) may be passed when the caller already counted them."""

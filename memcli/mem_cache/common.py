@@ -32,6 +32,7 @@ import torch
 
 from memcli.errors import IntegrityError, OutOfMemoryError, RequestSlotsExhausted
 from memcli.mem_cache import pages
+from memcli.mem_cache.allocator import DecodeAllocation
 from memcli.mem_cache.chunk_cache import free_row_pages
 from memcli.mem_cache.integrity.ownership import IN_FLIGHT
 from memcli.mem_cache.null_cache import NullCache
@@ -179,14 +180,6 @@ def _rows_for(pool, req_rows: list) -> tuple[list[int], list[int]]:
     return rows, new_rows
 
 
-class DecodeAllocation(NamedTuple):
-    """What a decode step's memory path hands back to the batch: the new slots, and the
-    device lengths after the step (the old ones plus one)."""
-
-    out_cache_loc: torch.Tensor
-    seq_lens: torch.Tensor
-
-
 def alloc_for_decode(req_to_token_pool, allocator, tree_cache, *, seq_lens: torch.Tensor,
                      seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor, num_pages: int) -> DecodeAllocation:
     """One slot per request written at column `seq_lens` (the old lengths).
@@ -211,9 +204,8 @@ def alloc_for_decode(req_to_token_pool, allocator, tree_cache, *, seq_lens: torc
     if written is None:
         raise out_of_memory("decode", tree_cache, allocator, num_pages * page_size)
     if ledger is not None:
-        ledger.decoded(req_pool_indices, seq_lens_cpu, written.out)
-    after = written.seq_lens_after
-    return DecodeAllocation(written.out, after if after is not None else seq_lens + 1)
+        ledger.decoded(req_pool_indices, seq_lens_cpu, written.out_cache_loc)
+    return written
 
 
 def check_decode_mem(allocator, tree_cache, num_pages: int) -> bool:

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from memcli import kernels
+from memcli.mem_cache.allocator import DecodeAllocation
 
 # Graphs kept at once: one per batch size seen, each a few small buffers and one tiny graph,
 # so every batch size a scheduler can run (its request rows) fits; beyond this the oldest goes.
@@ -43,6 +44,10 @@ class _Graph:
     out: torch.Tensor
     rows_source: Optional[torch.Tensor] = None  # the tensor `rows` was last copied from
     rows_version: int = -1
+
+    def __post_init__(self):
+        # The step's hand-off: its buffers are static, so it is the same object every step.
+        self.result = DecodeAllocation(self.out, self.seq)
 
 
 class DecodeGraphs:
@@ -59,11 +64,13 @@ class DecodeGraphs:
         self.captures = 0
 
     def step(self, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, before: tuple[int, int],
-             after: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+             after: tuple[int, int]) -> DecodeAllocation:
         """Replay the step for this batch from the free list at `before` (head, length);
-        returns (slots, lengths after the step). The caller checked the capacity and already
-        moved its host copy of the free list to `after`, where the replay leaves the device's."""
-        g = self._graphs.get(seq_lens.shape[0]) or self._capture(seq_lens.shape[0])
+        returns the slots and the lengths after the step, in this batch size's buffers (valid
+        until its next step). The caller checked the capacity and already moved its host copy
+        of the free list to `after`, where the replay leaves the device's."""
+        bs = seq_lens.numel()
+        g = self._graphs.get(bs) or self._capture(bs)
         if seq_lens is not g.seq:
             g.seq.copy_(seq_lens)
         if req_pool_indices is not g.rows_source or req_pool_indices._version != g.rows_version:
@@ -73,7 +80,7 @@ class DecodeGraphs:
             self.state.fill_(kernels.pack_free_state(*before))
         self._on_device = after
         g.graph.replay()
-        return g.out, g.seq
+        return g.result
 
     def place(self, head: int, num_free: int) -> None:
         """Make the device copy of the free list (`head`, `num_free`), unless it holds it."""

@@ -103,12 +103,12 @@ class ScheduleBatch:
         the offset of the decode steps taken since.
         """
         if page_size == 1:
-            return self.seq_lens_cpu.shape[0]
+            return self.seq_lens_cpu.numel()
         hist = self._page_hist
         if hist is None or hist.lengths is not self.seq_lens_cpu or hist.page_size != page_size:
-            counts = np.bincount(self.seq_lens_cpu.numpy() % page_size, minlength=page_size)
+            counts = np.bincount(self.seq_lens_cpu.numpy() % page_size, minlength=page_size).tolist()
             hist = self._page_hist = _PageHistogram(self.seq_lens_cpu, page_size, counts)
-        return int(hist.counts[-hist.steps % page_size])
+        return hist.counts[-hist.steps % page_size]
 
     def filter_batch(self, keep_indices: list[int] | None = None) -> None:
         """Keep the unfinished requests (or exactly `keep_indices`). Frees nothing."""
@@ -204,5 +204,5 @@ class _PageHistogram:
 
     __slots__ = ("lengths", "page_size", "counts", "steps")
 
-    def __init__(self, lengths: torch.Tensor, page_size: int, counts: np.ndarray):
+    def __init__(self, lengths: torch.Tensor, page_size: int, counts: list[int]):
         self.lengths, self.page_size, self.counts, self.steps = lengths, page_size, counts, 0

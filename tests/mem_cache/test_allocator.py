@@ -230,7 +230,7 @@ def test_paged_alloc_decode_write(backend):
     before = req_to_token.clone()
     seq = i64([6, 8, 11])
     out, after = allocator.alloc_decode_write(seq, seq.clone(), i64([0, 2, 3]), req_to_token)
-    assert after is None  # eager path: the caller adds one
+    assert after.tolist() == [7, 9, 12] and seq.tolist() == [6, 8, 11]  # eager path: new lengths, old ones kept
     assert out.tolist() == [10, 32, 31]
     assert req_to_token[0, 6] == 10 and req_to_token[2, 8] == 32 and req_to_token[3, 11] == 31
     changed = (req_to_token != before).nonzero().tolist()
@@ -238,7 +238,7 @@ def test_paged_alloc_decode_write(backend):
     assert free_list(allocator) == []
     # Lengths 7 and 9 stay on their pages; length 12 would open one and none is left.
     seq = i64([7, 9])
-    assert allocator.alloc_decode_write(seq, seq.clone(), i64([0, 2]), req_to_token).out.tolist() == [11, 33]
+    assert allocator.alloc_decode_write(seq, seq.clone(), i64([0, 2]), req_to_token).out_cache_loc.tolist() == [11, 33]
     assert req_to_token[0, 7] == 11 and req_to_token[2, 9] == 33
     assert allocator.alloc_decode_write(i64([12]), i64([12]), i64([3]), req_to_token) is None
     assert req_to_token[3, 12] == 0
@@ -264,7 +264,7 @@ def test_token_alloc_decode_write(backend):
     assert free_list(allocator) == [5, 6, 2]
     req_to_token = torch.zeros((3, 8), dtype=torch.int32)
     seq = i64([3, 0, 5])
-    out = allocator.alloc_decode_write(seq, seq.clone(), i64([2, 0, 1]), req_to_token).out
+    out = allocator.alloc_decode_write(seq, seq.clone(), i64([2, 0, 1]), req_to_token).out_cache_loc
     assert out.tolist() == [5, 6, 2]
     assert req_to_token[2, 3] == 5 and req_to_token[0, 0] == 6 and req_to_token[1, 5] == 2
     assert int(req_to_token.count_nonzero()) == 3
@@ -618,7 +618,7 @@ def test_token_fused_allocations_read_across_the_ring_wrap(backend):
     allocator.free(i64([2, 3]))  # free list 4, 2, 3: the last two sit at the buffer's start
     table = torch.zeros(3, 8, dtype=torch.int32)
     seq = i64([0, 5])
-    assert allocator.alloc_decode_write(seq, seq.clone(), i64([0, 2]), table).out.tolist() == [4, 2]
+    assert allocator.alloc_decode_write(seq, seq.clone(), i64([0, 2]), table).out_cache_loc.tolist() == [4, 2]
     got = allocator.alloc_extend_write(table, [1], i64([0]), i64([1]), [i64([])], num_pages=1)
     assert got.out_cache_loc.tolist() == [3] and table[1, 0] == 3 and table[0, 0] == 4 and table[2, 5] == 2
     assert free_list(allocator) == [] and allocator.check_integrity().ok
@@ -641,12 +641,12 @@ def test_debug_mode_allocates_with_an_empty_paged_free_list(backend):
     got = allocator.alloc_extend_write(table, [0], i64([0]), i64([6]), [i64([])], num_pages=2)
     assert got.out_cache_loc.tolist() == [4, 5, 6, 7, 8, 9] and allocator.num_free_pages == 0
     seq = i64([6])  # the new token stays on its page: no page needed from the empty list
-    assert allocator.alloc_decode_write(seq, seq.clone(), i64([0]), table).out.tolist() == [10]
+    assert allocator.alloc_decode_write(seq, seq.clone(), i64([0]), table).out_cache_loc.tolist() == [10]
 
 
 def test_a_miscounted_allocation_reads_minus_one_not_a_second_page():
     allocator = paged(16)  # free pages 1..4
     table = torch.zeros(1, 16, dtype=torch.int32)
     seq = i64([0])  # opens a page, but the caller says none
-    out = allocator.alloc_decode_write(seq, seq.clone(), i64([0]), table, num_pages=0).out
+    out = allocator.alloc_decode_write(seq, seq.clone(), i64([0]), table, num_pages=0).out_cache_loc
     assert out.tolist() == [-4] and free_list(allocator) == [1, 2, 3, 4]

@@ -191,7 +191,7 @@ class Harness:
         before = self.req_to_token.clone()
         written = self.allocator.alloc_decode_write(seq, seq.clone(), i64([r.row for r in batch]),
                                                     self.req_to_token)
-        out = None if written is None else written.out
+        out = None if written is None else written.out_cache_loc
         expected = self.decode_expected(batch)
         if expected is None:
             assert torch.equal(self.req_to_token, before)
