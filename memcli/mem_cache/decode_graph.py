@@ -12,10 +12,11 @@ an allocation for the output. `DecodeGraphs` captures the whole step once per ba
 * free list: its head and length live on the device (`state`, one packed int64) and the
   step advances them; the allocator keeps its host copy for the capacity check (the step's
   page count is known on the host before the replay) and moves it before the replay, so
-  that nothing is left to do on the host once the replay is launched. When an extend or a free moved the
-  head, one fill sets the device copy before the next replay; a restore (`place`) sets it
-  at once, so the step after it is one launch, as in a steady decode loop;
-* output: the slots land in a static buffer, valid until the next step of that batch size.
+  nothing is left to do on the host once the replay is launched. When an extend or a free
+  moved the head, one fill sets the device copy before the next replay; a restore (`place`)
+  sets it at once, so the step after it is one launch, as in a steady decode loop;
+* output: the slots land in a static buffer, valid until the next step of that batch size,
+  handed back as one `DecodeAllocation` built at the capture.
 
 So a steady decode step is one graph launch. Replays give exactly the slots of the eager
 path (tested on a GPU).
