@@ -873,7 +873,8 @@ def alloc_extend_write_torch(
         last_index = torch.from_numpy(np.where(pre > 0, np.cumsum(pre) - 1, total_prefix)).to(device)
         out = alloc_extend_torch(prefix_lens, seq_lens, prefix_flat[last_index], head, page_size,
                                  extend_num_tokens)
-    write_cache_indices_torch(req_to_token, rows_t, prefix_lens, seq_lens, out, prefix_flat[:total_prefix])
+    write_cache_indices_torch(req_to_token, rows_t, prefix_lens, seq_lens, out, prefix_flat[:total_prefix],
+                              validate=validate)
     return ExtendWrite(out, rows_t, prefix_lens, seq_lens)
 
 

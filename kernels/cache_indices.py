@@ -116,11 +116,14 @@ def write_cache_indices_torch(
     seq_lens: torch.Tensor,
     out_cache_loc: torch.Tensor,
     prefix_flat: torch.Tensor,
+    validate: bool = True,
 ) -> None:
-    """Torch reference of ``write_cache_indices``; see :func:`write_cache_indices`."""
-    _check_write_cache_indices(
-        req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc, prefix_flat
-    )
+    """Torch reference of ``write_cache_indices``; see :func:`write_cache_indices`.
+    ``validate=False``: the caller built the inputs itself (``alloc_extend_write``)."""
+    if validate:
+        _check_write_cache_indices(
+            req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc, prefix_flat
+        )
     bs = req_pool_indices.shape[0]
     if bs == 0:
         return
@@ -142,7 +145,8 @@ def _write_rows_cpu(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_c
     pre_off = new_off = 0
     for row, pre, seq in zip(req_pool_indices.tolist(), prefix_lens.tolist(), seq_lens.tolist()):
         dest = req_to_token[row]
-        dest[:pre] = prefix_flat[pre_off : pre_off + pre]
+        if pre:  # an empty slice copy still costs a dispatch
+            dest[:pre] = prefix_flat[pre_off : pre_off + pre]
         dest[pre:seq] = out_cache_loc[new_off : new_off + seq - pre]
         pre_off += pre
         new_off += seq - pre
