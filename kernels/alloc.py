@@ -858,16 +858,20 @@ def alloc_extend_write_torch(
     rows_t = torch.as_tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
     if extend_num_tokens is None:
         extend_num_tokens = int(seq_lens_cpu.sum() - prefix_lens_cpu.sum())
-    prefix_flat = torch.cat([*prefixes, free_pages.new_full((1,), -1)])
-    total_prefix = prefix_flat.shape[0] - 1
     pre = prefix_lens_cpu.numpy()
     if page_size == 1:
+        # No last slot to look up: the prefixes alone, without the paged path's sentinel.
+        prefix_flat = prefixes[0] if len(prefixes) == 1 else torch.cat([*prefixes, free_pages[:0]])
+        total_prefix = prefix_flat.shape[0]
         new_pages = extend_num_tokens
     else:
+        prefix_flat = torch.cat([*prefixes, free_pages.new_full((1,), -1)])
+        total_prefix = prefix_flat.shape[0] - 1
         new_pages = int((cdiv(seq_lens_cpu.numpy(), page_size) - cdiv(pre, page_size)).sum())
     head = _ring_slice(free_pages, free_start, min(new_pages, num_free))  # past num_free: page -1
     if page_size == 1:
-        out = torch.cat([head, head.new_full((extend_num_tokens - head.shape[0],), -1)])
+        missing = extend_num_tokens - head.shape[0]
+        out = torch.cat([head, head.new_full((missing,), -1)]) if missing else head.clone()
     else:
         # last_loc: the slot before each request's new tokens, -1 (the sentinel) without a prefix.
         last_index = torch.from_numpy(np.where(pre > 0, np.cumsum(pre) - 1, total_prefix)).to(device)

@@ -244,3 +244,20 @@ def test_ring_arguments_out_of_range_are_rejected(backend):
         alloc_extend_write(t, [0], cpu([0]), cpu([1]), [one[:0]], ring, 1, backend=backend, num_free=5)
     with pytest.raises(ValueError, match="free_start must be a non-negative int"):
         alloc_decode_write(one, one, t, ring, 1, backend=backend, free_start=-1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_page_size_one_edges(backend):
+    """An empty batch; one request whose prefix is handed through as it is; and a free list
+    shorter than the batch's new tokens (the tokens past it get slot -1, unvalidated)."""
+    t = table(2, 6)
+    empty = alloc_extend_write(t, [], cpu([]), cpu([]), [], torch.tensor([5], device=DEVICE), 1, backend=backend)
+    assert empty.out_cache_loc.numel() == 0
+    prefix = torch.tensor([21, 22], device=DEVICE)
+    got = alloc_extend_write(t, [1], cpu([2]), cpu([4]), [prefix], torch.tensor([7, 8], device=DEVICE), 1,
+                             backend=backend)
+    assert got.out_cache_loc.tolist() == [7, 8] and t[1, :4].tolist() == [21, 22, 7, 8]
+    fn = alloc_extend_write_triton if backend == "triton" else alloc_extend_write_torch
+    short = fn(table(1, 6), [0], cpu([0]), cpu([3]), [torch.empty(0, dtype=torch.int64, device=DEVICE)],
+               torch.tensor([4, 5, 6], device=DEVICE), 1, validate=False, num_free=2)
+    assert short.out_cache_loc.tolist() == [4, 5, -1]
