@@ -167,6 +167,15 @@ def alloc_extend_torch(
     device, bs = prefix_lens.device, prefix_lens.shape[0]
     if bs == 0 or extend_num_tokens == 0:
         return torch.empty(extend_num_tokens, dtype=torch.int64, device=device)
+    if device.type == "cpu":
+        return _alloc_extend_rows_cpu(prefix_lens, seq_lens, last_loc, free_pages, page_size, extend_num_tokens)
+    return _alloc_extend_tokens(prefix_lens, seq_lens, last_loc, free_pages, page_size, extend_num_tokens)
+
+
+def _alloc_extend_tokens(prefix_lens, seq_lens, last_loc, free_pages, page_size: int,
+                         extend_num_tokens: int) -> torch.Tensor:
+    """``alloc_extend_torch`` as passes over every token, with no host sync (any device)."""
+    device, bs = prefix_lens.device, prefix_lens.shape[0]
     out_start, page_start = _extend_offsets(prefix_lens, seq_lens, page_size)
     req = torch.repeat_interleave(
         torch.arange(bs, device=device), seq_lens - prefix_lens, output_size=extend_num_tokens
@@ -178,6 +187,38 @@ def alloc_extend_torch(
     page_idx = page_start[req] + pos // page_size - first_new_page
     page = _gather_or_minus_one(free_pages, page_idx)
     return torch.where(on_new_page, page * page_size + pos % page_size, last_loc[req] + 1 + k)
+
+
+def _alloc_extend_rows_cpu(prefix_lens, seq_lens, last_loc, free_pages, page_size: int,
+                           extend_num_tokens: int) -> torch.Tensor:
+    """``alloc_extend_torch`` request by request, on a CPU, where reading the lengths costs
+    nothing. A request's new tokens are the rest of its last prefix page (the slots after
+    ``last_loc``), then a run of its new pages laid out slot by slot; with every new page
+    expanded once, that run is one slice. So two slice copies per request replace a dozen
+    passes over every token. Pages past the free list read as page -1, as in the vectorised
+    path; tokens past ``extend_num_tokens`` are not written."""
+    ps = page_size
+    pre, seq, last = prefix_lens.tolist(), seq_lens.tolist(), last_loc.tolist()
+    new_pages = [-(-s // ps) + p // -ps for p, s in zip(pre, seq)]  # cdiv(seq) - cdiv(pre)
+    total = sum(new_pages)
+    pages = free_pages[:total]
+    if pages.shape[0] < total:
+        pages = torch.cat([pages, pages.new_full((total - pages.shape[0],), -1)])
+    expanded = (pages[:, None] * ps + torch.arange(ps, dtype=pages.dtype)).reshape(-1)
+    out = torch.full((extend_num_tokens,), -1, dtype=torch.int64)
+    off = page_off = 0
+    for p, s, loc, taken in zip(pre, seq, last, new_pages):
+        if off >= extend_num_tokens:
+            break
+        n = min(s - p, extend_num_tokens - off)
+        part1 = min(n, -(p // -ps) * ps - p)  # the rest of the prefix's last page
+        if part1:
+            out[off : off + part1] = torch.arange(loc + 1, loc + 1 + part1)
+        if n > part1:
+            out[off + part1 : off + n] = expanded[page_off * ps : page_off * ps + n - part1]
+        off += n
+        page_off += taken
+    return out
 
 
 def _gather_or_minus_one(values: torch.Tensor, idx: torch.Tensor, start: int = 0,

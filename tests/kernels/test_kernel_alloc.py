@@ -174,6 +174,22 @@ def test_alloc_extend_random_matches_reference_and_spec(page_size):
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_alloc_extend_by_request_on_a_cpu_matches_the_pass_per_token(page_size):
+    """The CPU path of the torch reference (two slice copies per request) against its path for
+    other devices (passes over every token), short free lists included."""
+    from memcli.kernels.alloc import _alloc_extend_rows_cpu, _alloc_extend_tokens
+
+    gen = torch.Generator().manual_seed(900 + page_size)
+    for bs in (1, 4, 11):
+        case = random_extend_case(gen, bs, page_size, max_prefix_len=90, max_extend_len=70, device="cpu")
+        n = int((case.seq_lens - case.prefix_lens).sum())
+        for short in (0, 1, 3):  # pages missing from the free list read as page -1
+            free = case.free_pages[: max(case.free_pages.shape[0] - short, 0)]
+            args = (case.prefix_lens, case.seq_lens, case.last_loc, free, page_size, n)
+            assert torch.equal(_alloc_extend_rows_cpu(*args), _alloc_extend_tokens(*args))
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_alloc_decode_random_matches_reference_and_spec(page_size):
     gen = torch.Generator().manual_seed(2000 + page_size)
     for bs in (1, 5, 64):
