@@ -77,6 +77,7 @@ class DecodeGraphs:
         if req_pool_indices is not g.rows_source or req_pool_indices._version != g.rows_version:
             g.rows.copy_(req_pool_indices)
             g.rows_source, g.rows_version = req_pool_indices, req_pool_indices._version
+        # `place(*before)` inline: the call alone is about 0.2 µs of a 1.7 µs host path.
         if self._on_device != before:
             self.state.fill_(kernels.pack_free_state(*before))
         self._on_device = after

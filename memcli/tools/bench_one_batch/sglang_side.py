@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+import triton
 
 from memcli.config import Config
 from memcli.errors import MemcliError
@@ -40,17 +41,13 @@ NAME = "sglang-0.5.5"
 SLOW_EXTEND_BLOCK = 65536
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def slow_start_notes(cases: list[Case], device_type: str) -> list[str]:
     """What to expect from SGLang's side before it runs: its paged extend kernel, sized to the
     largest batch (a user who sees minutes of silence should know it is not hung)."""
     paged = [c for c in cases if c.page_size > 1]
     if not paged:
         return []
-    block = max(_next_power_of_2(c.batch_size * (c.input_len - c.prefix_len)) for c in paged)
+    block = max(triton.next_power_of_2(c.batch_size * (c.input_len - c.prefix_len)) for c in paged)
     if device_type == "cuda":
         if block < SLOW_EXTEND_BLOCK:
             return []
