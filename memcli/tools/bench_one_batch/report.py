@@ -43,6 +43,10 @@ def fmt_spread(t: PhaseTiming) -> str:
     return f"{t.spread:.2f}x" + (" !" if t.unstable else "")
 
 
+def fmt_ratio(ratio: Optional[float]) -> str:
+    return "-" if ratio is None else f"{ratio:,.2f}x"
+
+
 def bench_document(result: BenchResult, ignored_keys: list[str]) -> dict:
     """The --json document: the envelope (with the config the cases ran with), then the cases."""
     return envelope("bench-one-batch", {**result.to_dict(), "ignored_keys": ignored_keys}, result.config)
@@ -86,6 +90,10 @@ def case_table(r: CaseResult) -> Table:
     if "decode_memory" in r.phases:
         _row(table, "decode memory path", r.phases["decode_memory"],
              fmt_rate(_per_s(c.batch_size, r.phases["decode_memory"]), "tok/s"))
+    over = r.decode_over_floor()
+    if over is not None:
+        _row(table, "launch floor (one-kernel graph replay)", r.phases["launch_floor"],
+             f"decode path {fmt_ratio(over['ratio'])} ({fmt_ratio(over['per_round'])} per round)")
     _row(table, f"free on finish ({_plural(c.batch_size, 'request')})", r.phases["free"], "")
     _kv_rows(table, r)
     return table
@@ -198,21 +206,23 @@ def reference_table(result: BenchResult) -> Table:
         if case is not last and last is not None:
             table.add_section()
         last = case
-        ratios = ["-" if r is None else f"{r:,.2f}x" for r in (speedup(mine, theirs), paired_speedup(mine, theirs))]
+        ratios = [fmt_ratio(r) for r in (speedup(mine, theirs), paired_speedup(mine, theirs))]
         table.add_row(label, PHASE_LABELS[name], fmt_us(mine.median_us), fmt_spread(mine), fmt_us(theirs.median_us),
                       fmt_spread(theirs), *ratios)
     return table
 
 
 def floor_line(result: BenchResult) -> Optional[str]:
-    """The launch floor, and the decode memory path of every case against it."""
+    """The launch floor, and the decode memory path of every case against the floor timed
+    beside it (median of the per-round ratios)."""
     floor = result.floor
     if floor is None:
         return None
-    ratios = [f"{r.case.batch_size}/{r.case.page_size}: {r.phases['decode_memory'].median_us / floor.median_us:.2f}x"
-              for r in result.cases if "decode_memory" in r.phases and floor.median_us > 0]
+    ratios = [f"{r.case.batch_size}/{r.case.page_size}: {fmt_ratio(over['per_round'])}"
+              for r in result.cases if (over := r.decode_over_floor()) is not None]
     return (f"launch floor (replay of a one-kernel CUDA graph): {fmt_us(floor.median_us)} (spread {fmt_spread(floor)});"
-            f" decode memory path / floor by batch size/page size: {', '.join(ratios) or '-'}")
+            f" decode memory path / floor, per round, by batch size/page size: {', '.join(ratios) or '-'}")
+
 
 
 def render(result: BenchResult, console) -> None:

@@ -36,6 +36,7 @@ PHASES = {
     "kv_store_prefill": "KV store of the prefill's new tokens, every layer",
     "copy_prefill": "plain device copy of as many bytes, K into V then V into K (bandwidth baseline)",
     "kv_store_decode": "KV store of one decode step, every layer",
+    "launch_floor": "launch floor: replay of a one-kernel CUDA graph, timed just before each decode memory path",
 }
 
 
@@ -126,6 +127,14 @@ class CaseResult:
     def overall_throughput(self) -> float:
         return _per_second(self.case.batch_size * self.case.seq_len, self.total_latency)
 
+    def decode_over_floor(self) -> Optional[dict[str, Optional[float]]]:
+        """The decode memory path over the launch floor timed beside it (a GPU's cases):
+        `ratio` of the medians, and `per_round`, the median of the rounds' ratios."""
+        memory, floor = self.phases.get("decode_memory"), self.phases.get("launch_floor")
+        if memory is None or floor is None or floor.median_us <= 0:
+            return None
+        return {"ratio": memory.median_us / floor.median_us, "per_round": paired_ratio(memory, floor)}
+
     def syncs(self) -> dict[str, Optional[int]]:
         """Host-device syncs per call of each phase (None on a CPU)."""
         return {name: self.phases[name].syncs for name in PHASES if name in self.phases}
@@ -147,6 +156,7 @@ class CaseResult:
             "kv_tokens_needed": c.kv_tokens_needed,
             "prefill_memory_us": self.phases["prefill_memory"].median_us,
             "decode_memory_us": _median_us(self.phases.get("decode_memory")),
+            "decode_over_floor": self.decode_over_floor(),
             "free_us": self.phases["free"].median_us,
             "device_us": {name: self.phases[name].device_us for name in PHASES if name in self.phases},
             "syncs": self.syncs(),
@@ -218,8 +228,14 @@ def paired_speedup(mine: PhaseTiming, reference: PhaseTiming) -> Optional[float]
     """The median over rounds of the reference's round median over memcli's in the same round
     (None without matching rounds). The two sides of a round run seconds apart, so a slow
     spell of the machine divides out of each round's ratio."""
-    pairs = [ref / own for own, ref in zip(mine.round_medians, reference.round_medians) if own > 0]
-    if not pairs or len(mine.round_medians) != len(reference.round_medians):
+    return paired_ratio(reference, mine)
+
+
+def paired_ratio(numerator: PhaseTiming, denominator: PhaseTiming) -> Optional[float]:
+    """The median over rounds of `numerator`'s round median over `denominator`'s (None when
+    the rounds do not pair)."""
+    pairs = [a / b for a, b in zip(numerator.round_medians, denominator.round_medians) if b > 0]
+    if not pairs or len(numerator.round_medians) != len(denominator.round_medians):
         return None
     return statistics.median(pairs)
 

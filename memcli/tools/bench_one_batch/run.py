@@ -6,7 +6,9 @@ page size (the config's, with the chosen tree cache), and runs each case with `r
 1. prefill: `prepare_for_extend` + KV store, then the memory path alone (`alloc_for_extend`),
    then the KV store alone and a plain device copy of the same bytes;
 2. `output_len` decode steps, each timed as `prepare_for_decode` + KV store and as the memory
-   path alone (`alloc_for_decode`), from the same state;
+   path alone (`alloc_for_decode`), from the same state; on a GPU the launch floor (one
+   graph replay of one tiny kernel) is timed just before each memory path, so the ratio of
+   the two is taken under the same state of the machine;
 3. finish: every request released (one free), then the idle stack is checked.
 
 Statistics: the whole set of cases runs `rounds` times, cases interleaved within each round
@@ -86,7 +88,7 @@ def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOpt
     device = resolve_device(config)
     rounds: dict[Case, list[CaseResult]] = {case: [] for case in cases}
     floor = GraphFloor(device) if device.type == "cuda" else None
-    floor_rounds: list[PhaseTiming] = []
+    floor_rounds: list[PhaseTiming] = []  # per round: every case's launch floor, combined
     compared: dict[Case, list[dict[str, PhaseTiming]]] = {case: [] for case in cases}
     with torch_threads(device):
         for round_number in range(1, options.rounds + 1):
@@ -97,14 +99,16 @@ def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOpt
                     done += 1
                     if progress is not None:
                         progress(round_number, options.rounds, done, len(cases), case)
-                    rounds[case].append(run_case(stack, case, options))
+                    rounds[case].append(run_case(stack, case, options, floor))
                     if comparison is not None:
                         compared[case].append(comparison.run_case(case, cfg, options))
                 del stack
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            if floor is not None:
-                floor_rounds.append(floor.measure(options))
+            floors = [rounds[case][-1].phases["launch_floor"] for case in cases
+                      if "launch_floor" in rounds[case][-1].phases]
+            if floors:
+                floor_rounds.append(combine_steps(floors))
     results = [combine_case_rounds(rounds[case]) for case in cases]
     reference = None
     if comparison is not None:
@@ -119,7 +123,8 @@ def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOpt
 
 class GraphFloor:
     """The floor of any path that launches work: replaying a CUDA graph of one tiny kernel
-    (one add on one element), timed like every phase."""
+    (one add on one element). It is timed like a phase just before each decode step's memory
+    path, so the two figures of a round see the same state of the machine."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -130,8 +135,8 @@ class GraphFloor:
         with torch.cuda.graph(self.graph):
             self.x.add_(1)
 
-    def measure(self, options: BenchOptions) -> PhaseTiming:
-        return measure(self.graph.replay, self.device, repeat=options.repeat, warmup=options.warmup)
+    def replay(self) -> None:
+        self.graph.replay()
 
 
 def describe_device(device: torch.device) -> str:
@@ -140,8 +145,9 @@ def describe_device(device: torch.device) -> str:
     return "cpu (one torch thread)"
 
 
-def run_case(stack: MemoryStack, case: Case, options: BenchOptions) -> CaseResult:
-    """One case on `stack` (built with the case's page size); leaves the stack idle."""
+def run_case(stack: MemoryStack, case: Case, options: BenchOptions, floor: Optional[GraphFloor] = None) -> CaseResult:
+    """One case on `stack` (built with the case's page size); leaves the stack idle. With a
+    `floor`, the launch floor is timed beside the decode memory path (`launch_floor`)."""
     runner = CaseRunner(stack, case, seed=options.seed)
     timed = functools.partial(measure, device=stack.device, repeat=options.repeat, warmup=options.warmup)
     runner.start()
@@ -150,7 +156,7 @@ def run_case(stack: MemoryStack, case: Case, options: BenchOptions) -> CaseResul
         runner.alloc_kv_sources()
     phases, kv_prefill = _measure_prefill(runner, timed)
     allocated = stack.allocator.in_use_tokens - runner.in_use_before_prefill
-    steps, decode_allocated = _measure_decode(runner, timed)
+    steps, floors, decode_allocated = _measure_decode(runner, timed, floor)
     kv_decode = _measure_decode_store(runner, timed)
     runner.free_kv_sources()
     in_use = stack.allocator.in_use_tokens
@@ -158,6 +164,8 @@ def run_case(stack: MemoryStack, case: Case, options: BenchOptions) -> CaseResul
     if steps:
         phases["decode_step"] = combine_steps([s for s, _ in steps])
         phases["decode_memory"] = combine_steps([m for _, m in steps])
+    if floors:
+        phases["launch_floor"] = combine_steps(floors)
     for name, figures in (("kv_store_prefill", kv_prefill), ("kv_store_decode", kv_decode)):
         if figures is not None:
             phases[name] = figures.store
@@ -197,15 +205,19 @@ def _measure_prefill(runner: CaseRunner, timed) -> tuple[dict[str, PhaseTiming],
     return phases, kv
 
 
-def _measure_decode(runner: CaseRunner, timed) -> tuple[list[tuple[PhaseTiming, PhaseTiming]], int]:
-    """(step, memory path) timings of every decode step, each from the state before it."""
-    steps = []
+def _measure_decode(runner: CaseRunner, timed, floor: Optional[GraphFloor]
+                    ) -> tuple[list[tuple[PhaseTiming, PhaseTiming]], list[PhaseTiming], int]:
+    """(step, memory path) timings of every decode step, each from the state before it, and
+    with a `floor` the launch floor timed just before each step's memory path."""
+    steps, floors = [], []
     before = runner.allocator.in_use_tokens
     for _ in range(runner.decode_steps):
         restore = functools.partial(runner.restore_decode, runner.snapshot_decode())
+        if floor is not None:
+            floors.append(timed(floor.replay))
         memory = timed(runner.decode_memory, setup=restore)
         steps.append((timed(runner.decode_step, setup=restore), memory))
-    return steps, runner.allocator.in_use_tokens - before
+    return steps, floors, runner.allocator.in_use_tokens - before
 
 
 def _measure_decode_store(runner: CaseRunner, timed) -> Optional[KVStoreFigures]:

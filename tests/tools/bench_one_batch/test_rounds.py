@@ -85,6 +85,62 @@ def test_a_round_that_allocates_differently_is_an_error():
         combine_case_rounds([one, bad])
 
 
+class _CountingFloor:
+    """Stands in for `GraphFloor` on a CPU: the bench only calls `replay`."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def test_the_launch_floor_is_timed_beside_every_decode_step():
+    """With a floor, each decode step's memory path has the floor timed just before it: the
+    case carries `launch_floor` with as many samples as the memory path, and the decode path
+    over the floor, per round and as a ratio of medians."""
+    from memcli.tools.bench_one_batch.results import paired_ratio
+
+    cfg = _small_config()
+    floor = _CountingFloor()
+    case = Case(2, 24, 3, 0, 1)
+    options = BenchOptions(repeat=3, warmup=1)
+    rounds = [run_case(build_stack(cfg), case, options, floor) for _ in range(3)]
+    one = rounds[0]
+    steps = len(one.decode_step_us)
+    assert steps == 2  # the sglang-0.5.5 profile: output_len - 1 steps
+    assert one.phases["launch_floor"].samples == one.phases["decode_memory"].samples == steps * 3  # 3 calls a step
+    assert floor.replays >= 3 * steps * (1 + 3)  # three rounds of each step's warm-up and timed calls
+    combined = combine_case_rounds(rounds)
+    over = combined.decode_over_floor()
+    memory, launch = combined.phases["decode_memory"], combined.phases["launch_floor"]
+    assert over["ratio"] == pytest.approx(memory.median_us / launch.median_us)
+    assert over["per_round"] == pytest.approx(paired_ratio(memory, launch))
+    assert combined.to_dict()["decode_over_floor"] == over
+    assert run_case(build_stack(cfg), case, options).decode_over_floor() is None  # no floor: no ratio
+
+
+def test_the_paired_ratio_is_the_median_of_the_rounds_ratios():
+    from memcli.tools.bench_one_batch.results import paired_ratio
+
+    path = combine_rounds([timing(15.0, 9.0), timing(30.0, 9.0), timing(16.0, 9.0)])
+    floor = combine_rounds([timing(12.0, 9.0), timing(24.0, 9.0), timing(12.0, 9.0)])
+    assert paired_ratio(path, floor) == pytest.approx(1.25)  # ratios 1.25, 1.25, 1.33
+    assert paired_ratio(path, combine_rounds([timing(12.0, 9.0)])) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the launch floor is a CUDA graph")
+def test_a_gpu_run_times_the_floor_per_case_and_reports_it():
+    cfg = load_config(None, ["memory.kv_pool=indices"])
+    cases = [Case(4, 64, 3, 0, 1), Case(4, 64, 3, 0, 16)]
+    result = run_bench_one_batch(cfg, cases, BenchOptions(repeat=5, warmup=1, rounds=3))
+    for case in result.cases:
+        over = case.decode_over_floor()
+        assert over is not None and over["ratio"] > 0 and over["per_round"] > 0
+        assert case.phases["launch_floor"].rounds == 3
+    assert result.floor is not None and result.floor.rounds == 3
+
+
 def test_json_carries_rounds_spread_and_the_unstable_flag():
     result = runner.invoke(app, ["bench-one-batch", "--set", "runtime.device=cpu", "-b", "2", "--input-len", "32",
                                  "--output-len", "2", "--repeat", "2", "--warmup", "0", "--rounds", "3", "--json"])
