@@ -1,7 +1,8 @@
 """The one timing helper: CUDA events on a GPU, synchronized wall time on a CPU.
 
 `time_call(fn, setup=...)` runs `setup()` (untimed) before every call, warms up, then
-returns the median of the timed calls in microseconds. On a GPU each call is timed twice:
+returns the median of the timed calls in microseconds (`time_calls` does the same for
+several functions, their samples taken in turn). On a GPU each call is timed twice:
 
 * latency: the device is idle (synchronised) when the start event is recorded, so the time
   includes the host's work and launch latency, as a scheduler waiting on the call sees it;
@@ -24,7 +25,7 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -54,20 +55,43 @@ def time_call(fn: Callable[[], object], device: torch.device, repeat: int = 20, 
     unless `device_time` is False (a call that synchronises waits for the spin ahead of it,
     so its device time cannot be taken: each try would only wait longer).
     """
+    return time_calls([Call(fn, setup, device_time)], device, repeat=repeat, warmup=warmup)[0]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One function timed by `time_calls`: `setup` runs untimed before each call."""
+
+    fn: Callable[[], object]
+    setup: Callable[[], object] = _noop
+    device_time: bool = True
+
+
+def time_calls(calls: Sequence[Call], device: torch.device, repeat: int = 20, warmup: int = 3) -> list[Timing]:
+    """`time_call` of several functions at once, their samples taken in turn (a, b, a, b,
+    ...), so that every function's samples see the same spells of a noisy machine and the
+    ratio of two medians holds even where the medians themselves move."""
     cuda = device.type == "cuda"
     with gc_paused():
         for _ in range(warmup):
-            setup()
-            fn()
-        samples = [_sample(fn, setup, device, cuda, spin_us=0.0) for _ in range(repeat)]
-        median = statistics.median(samples)
-        device_us = None
-        if cuda and device_time and _spin_cycles_per_us(device) is not None:
-            # The spin outlasts the host's part of the call: twice the latency, plus a margin.
-            spin_us = 2 * median + 100.0
-            device_us = statistics.median(_queued_sample(fn, setup, device, spin_us) for _ in range(repeat))
+            for call in calls:
+                call.setup()
+                call.fn()
+        samples: list[list[float]] = [[] for _ in calls]
+        for _ in range(repeat):
+            for call, taken in zip(calls, samples):
+                taken.append(_sample(call.fn, call.setup, device, cuda, spin_us=0.0))
+        medians = [statistics.median(taken) for taken in samples]
+        queued: list[list[float]] = [[] for _ in calls]
+        if cuda and _spin_cycles_per_us(device) is not None:
+            for _ in range(repeat):
+                for call, median, taken in zip(calls, medians, queued):
+                    if call.device_time:
+                        # The spin outlasts the host's part of the call: twice the latency, plus a margin.
+                        taken.append(_queued_sample(call.fn, call.setup, device, 2 * median + 100.0))
     method = "cuda-events" if cuda else "wall-clock (cpu)"
-    return Timing(median, min(samples), len(samples), method, device_us)
+    return [Timing(median, min(taken), len(taken), method, statistics.median(dev) if dev else None)
+            for median, taken, dev in zip(medians, samples, queued)]
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from memcli.timing import count_syncs, is_sync_warning, time_call, wall_time
+from memcli.timing import Call, count_syncs, is_sync_warning, time_call, time_calls, wall_time
 
 CPU = torch.device("cpu")
 
@@ -24,6 +24,17 @@ def test_time_call_on_a_cpu_runs_setup_before_every_call():
     assert timing.device_us is None  # no device to queue on
     assert count_syncs(lambda: None, CPU) is None
     assert wall_time(lambda: None, CPU) >= 0
+
+
+def test_time_calls_takes_the_samples_in_turn():
+    """Warm-up and timed calls alternate between the functions, each after its own setup,
+    so a slow spell of the machine falls on both; each gets its own figures."""
+    order = []
+    a = Call(lambda: order.append("a"), setup=lambda: order.append("set a"))
+    b = Call(lambda: order.append("b"))
+    ta, tb = time_calls([a, b], CPU, repeat=3, warmup=1)
+    assert order == ["set a", "a", "b"] * 4
+    assert ta.samples == tb.samples == 3 and ta.device_us is None and tb.device_us is None
 
 
 def test_the_garbage_collector_is_paused_while_timing_and_restored_after():

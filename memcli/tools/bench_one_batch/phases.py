@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from memcli.timing import count_syncs, time_call, wall_time
+from memcli.timing import Call, count_syncs, time_calls, wall_time
 
 Fn = Callable[[], object]
 
@@ -77,16 +77,32 @@ def measure(fn: Fn, device: torch.device, repeat: int, warmup: int, setup: Fn = 
 
     `first_call_s`: the phase's first call was already made (and timed) by the caller.
     """
-    if first_call_s is None:
+    return _measure([(fn, setup, first_call_s)], device, repeat, warmup)[0]
+
+
+def measure_beside(fn: Fn, other: Fn, device: torch.device, repeat: int, warmup: int,
+                   setup: Fn = _noop) -> tuple[PhaseTiming, PhaseTiming]:
+    """`measure` of `fn` (after `setup`) and of `other` (which needs none), their timed calls
+    taken in turn: the two figures see the same state of the machine."""
+    mine, theirs = _measure([(fn, setup, None), (other, _noop, None)], device, repeat, warmup)
+    return mine, theirs
+
+
+def _measure(phases: Sequence[tuple[Fn, Fn, Optional[float]]], device: torch.device, repeat: int,
+             warmup: int) -> list[PhaseTiming]:
+    firsts, syncs = [], []
+    for fn, setup, first_call_s in phases:
+        if first_call_s is None:
+            setup()
+            first_call_s = wall_time(fn, device)
+        firsts.append(first_call_s)
         setup()
-        first_call_s = wall_time(fn, device)
-    setup()
-    syncs = count_syncs(fn, device)
+        syncs.append(count_syncs(fn, device))
     # A call that syncs waits for the spin ahead of it: its device time cannot be taken.
-    timing = time_call(fn, device, repeat=repeat, warmup=warmup, setup=setup, device_time=not syncs)
-    device_us = timing.device_us
-    return PhaseTiming(timing.median_us, timing.min_us, timing.samples, timing.method, first_call_s * 1e3, syncs,
-                       device_us)
+    calls = [Call(fn, setup, device_time=not n) for (fn, setup, _), n in zip(phases, syncs)]
+    timings = time_calls(calls, device, repeat=repeat, warmup=warmup)
+    return [PhaseTiming(t.median_us, t.min_us, t.samples, t.method, first * 1e3, n, t.device_us)
+            for t, first, n in zip(timings, firsts, syncs)]
 
 
 def combine_steps(steps: Sequence[PhaseTiming]) -> PhaseTiming:

@@ -36,7 +36,7 @@ PHASES = {
     "kv_store_prefill": "KV store of the prefill's new tokens, every layer",
     "copy_prefill": "plain device copy of as many bytes, K into V then V into K (bandwidth baseline)",
     "kv_store_decode": "KV store of one decode step, every layer",
-    "launch_floor": "launch floor: replay of a one-kernel CUDA graph, timed just before each decode memory path",
+    "launch_floor": "launch floor: replay of a one-kernel CUDA graph, timed in turn with the decode memory path",
 }
 
 

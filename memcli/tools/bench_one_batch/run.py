@@ -7,8 +7,8 @@ page size (the config's, with the chosen tree cache), and runs each case with `r
    then the KV store alone and a plain device copy of the same bytes;
 2. `output_len` decode steps, each timed as `prepare_for_decode` + KV store and as the memory
    path alone (`alloc_for_decode`), from the same state; on a GPU the launch floor (one
-   graph replay of one tiny kernel) is timed just before each memory path, so the ratio of
-   the two is taken under the same state of the machine;
+   graph replay of one tiny kernel) is timed call by call in turn with each memory path, so
+   the ratio of the two is taken under the same state of the machine;
 3. finish: every request released (one free), then the idle stack is checked.
 
 Statistics: the whole set of cases runs `rounds` times, cases interleaved within each round
@@ -27,7 +27,7 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 
 from memcli.tools.bench_one_batch.cases import Case, check_cases_fit
-from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_rounds, combine_steps, measure
+from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_rounds, combine_steps, measure, measure_beside
 from memcli.tools.bench_one_batch.results import (BenchResult, CaseResult, KVStoreFigures, ReferenceResult,
                                                   combine_case_rounds)
 from memcli.tools.bench_one_batch.runner import CaseRunner
@@ -123,8 +123,8 @@ def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOpt
 
 class GraphFloor:
     """The floor of any path that launches work: replaying a CUDA graph of one tiny kernel
-    (one add on one element). It is timed like a phase just before each decode step's memory
-    path, so the two figures of a round see the same state of the machine."""
+    (one add on one element). Its calls are timed in turn with each decode step's memory
+    path's, so the two figures see the same state of the machine."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -156,7 +156,7 @@ def run_case(stack: MemoryStack, case: Case, options: BenchOptions, floor: Optio
         runner.alloc_kv_sources()
     phases, kv_prefill = _measure_prefill(runner, timed)
     allocated = stack.allocator.in_use_tokens - runner.in_use_before_prefill
-    steps, floors, decode_allocated = _measure_decode(runner, timed, floor)
+    steps, floors, decode_allocated = _measure_decode(runner, timed, options, floor)
     kv_decode = _measure_decode_store(runner, timed)
     runner.free_kv_sources()
     in_use = stack.allocator.in_use_tokens
@@ -205,17 +205,20 @@ def _measure_prefill(runner: CaseRunner, timed) -> tuple[dict[str, PhaseTiming],
     return phases, kv
 
 
-def _measure_decode(runner: CaseRunner, timed, floor: Optional[GraphFloor]
+def _measure_decode(runner: CaseRunner, timed, options: BenchOptions, floor: Optional[GraphFloor]
                     ) -> tuple[list[tuple[PhaseTiming, PhaseTiming]], list[PhaseTiming], int]:
     """(step, memory path) timings of every decode step, each from the state before it, and
-    with a `floor` the launch floor timed just before each step's memory path."""
+    with a `floor` the launch floor timed call by call in turn with each step's memory path."""
     steps, floors = [], []
     before = runner.allocator.in_use_tokens
     for _ in range(runner.decode_steps):
         restore = functools.partial(runner.restore_decode, runner.snapshot_decode())
-        if floor is not None:
-            floors.append(timed(floor.replay))
-        memory = timed(runner.decode_memory, setup=restore)
+        if floor is None:
+            memory = timed(runner.decode_memory, setup=restore)
+        else:
+            memory, launch = measure_beside(runner.decode_memory, floor.replay, runner.device, options.repeat,
+                                            options.warmup, setup=restore)
+            floors.append(launch)
         steps.append((timed(runner.decode_step, setup=restore), memory))
     return steps, floors, runner.allocator.in_use_tokens - before
 
