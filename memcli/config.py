@@ -177,6 +177,10 @@ class SemanticsConfig:
     # hiradix: finished host copies are acknowledged (their nodes unlocked) only when a prefill
     # batch is tried (SGLang's check_hicache_events in get_new_batch_prefill), or every step.
     hicache_ack: Optional[Literal["prefill_attempt", "every_step"]] = None
+    # Request lengths: SGLang's limits (max_req_len = min(context, pool) - 1; a request's output
+    # is clipped to max_req_len - input - 1 at arrival, a prompt of max_req_len - 5 tokens or
+    # more is aborted), or none (a request fits when input + output fits a request row).
+    request_limits: Optional[Literal["max_req_len", "row"]] = None
 
     def resolved(self) -> "SemanticsConfig":
         """The same section with every behaviour set: the override where one is set, else the
@@ -213,6 +217,7 @@ PROFILE_CHOICES: dict[str, dict[str, str]] = {
     "event_loop": {"sglang-0.5.5": "overlap", "memcli": "normal"},
     "host_pool_floor": {"sglang-0.5.5": "above_device", "memcli": "any"},
     "hicache_ack": {"sglang-0.5.5": "prefill_attempt", "memcli": "every_step"},
+    "request_limits": {"sglang-0.5.5": "max_req_len", "memcli": "row"},
 }
 
 
@@ -248,6 +253,22 @@ class Config:
         return self.requested_total_tokens // self.page_size * self.page_size
 
     @property
+    def max_req_len(self) -> Optional[int]:
+        """SGLang's longest request, `min(context_len - 1, max_total_num_tokens - 1)`, under
+        `semantics.request_limits: max_req_len`; None under `row` (no such limit)."""
+        if self.behaviour.request_limits != "max_req_len":
+            return None
+        return min(self.memory.max_context_len, self.pool_size) - 1
+
+    def context_need(self, input_len: int, output_len: int) -> int:
+        """The shortest `memory.max_context_len` (and pool) that runs a request whole: under
+        SGLang's request limits, input + output two tokens under the context and the prompt
+        `REQ_INPUT_MARGIN` + 1 under max_req_len; else input + output (one request row)."""
+        if self.behaviour.request_limits == "max_req_len":
+            return max(input_len + output_len + 2, input_len + REQ_INPUT_MARGIN + 2)
+        return input_len + output_len
+
+    @property
     def req_to_token_cols(self) -> int:
         """Columns of req_to_token: the context plus a few spare positions."""
         return self.memory.max_context_len + 4
@@ -255,6 +276,9 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+
+# SGLang aborts a prompt of `max_req_len - REQ_INPUT_MARGIN` tokens or more (max_req_input_len).
+REQ_INPUT_MARGIN = 5
 
 SECTIONS = {f.name: f.type for f in fields(Config)}
 

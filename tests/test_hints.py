@@ -36,7 +36,8 @@ def test_replay_hint_holds_the_longest_request_not_the_first_too_long(tmp_path):
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
     small = [*CPU, "--set", "memory.max_context_len=2048", "--set", "memory.max_total_tokens=4096"]
     hint = hint_of(invoke("replay", trace, *small))
-    assert "--set memory.max_context_len=9050" in hint and "--limit 1" in hint  # request d, not b
+    # request d, not b; 9,000 + 50 and SGLang's two tokens (semantics.request_limits)
+    assert "--set memory.max_context_len=9052" in hint and "--limit 1" in hint
     followed = invoke("replay", trace, *small, *settings(hint), "--json")
     assert followed.exit_code == 0, followed.output
     assert json.loads(followed.stdout)["summary"]["finished"] == 4

@@ -76,15 +76,17 @@ def diff_document(result: StepDiff, config, args: argparse.Namespace) -> dict[st
         "trace": args.trace, "limit": args.limit, "arrivals": args.arrivals, "event_loop": result.event_loop,
         "steps": result.steps, "divergent": result.divergence is not None, "first_divergence": divergence,
         "reference_s": round(result.reference_s, 3), "memcli_s": round(result.memcli_s, 3),
+        "notes": list(result.notes),
     }, config)
 
 
 def render(result: StepDiff) -> str:
     times = f"{result.event_loop} loop; reference {result.reference_s:.2f} s, memcli {result.memcli_s:.2f} s"
+    notes = [f"note: {note}" for note in result.notes]
     if result.divergence is None:
-        return f"0 divergent steps in {result.steps} steps ({times})"
+        return "\n".join([*notes, f"0 divergent steps in {result.steps} steps ({times})"])
     sglang, memcli = result.divergence
-    lines = [f"first divergent step: {sglang.step} (fields: {', '.join(sglang.differing(memcli)) or 'done'})",
+    lines = [*notes, f"first divergent step: {sglang.step} (fields: {', '.join(sglang.differing(memcli)) or 'done'})",
              "  sglang:"] + [f"    {line}" for line in sglang.lines()]
     lines += ["  memcli:"] + [f"    {line}" for line in memcli.lines()]
     lines.append(f"{result.steps} steps run ({times})")

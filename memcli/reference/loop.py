@@ -16,9 +16,13 @@ object it drives is SGLang's own: `Req`, `ScheduleBatch` (`init_new`, `prepare_f
 (SGLang's default), chosen by `semantics.event_loop` through `reference_loop()`.
 
 What the loop leaves out (none of it is on by default in SGLang, or it needs a model):
-mixed chunked prefill, priority scheduling and preemption, HiCache,
+mixed chunked prefill, priority scheduling and preemption, HiCache's storage backends,
 LoRA, grammars, PD disaggregation, DP attention, speculative decoding, logprobs, and
-finishing on EOS or stop strings (a request finishes at its `max_new_tokens`).
+finishing on EOS or stop strings (a request finishes at its `max_new_tokens`). The host tier
+itself (`cache.kind hiradix`, --enable-hierarchical-cache) runs SGLang's `HiRadixCache` with
+the scheduler's three hooks (`check_hicache_events` before a prefill is formed, the
+`batch_is_full` rule on NO_TOKEN, `ready_to_load_host_cache` before `prepare_for_extend`);
+its cache controller is the synchronous stand-in (every copy done when issued).
 
 Settings from a memcli `Config`, as SGLang's server arguments and environment:
 
@@ -34,6 +38,8 @@ Settings from a memcli `Config`, as SGLang's server arguments and environment:
     scheduler.max_new_tokens_clip -> SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION (schedule_policy's
         module constant `CLIP_MAX_NEW_TOKENS`, set for the run)
     cache.kind radix/chunk, cache.eviction_policy lru/lfu -> RadixCache/ChunkCache
+    cache.kind hiradix, cache.host_ratio, cache.write_policy -> HiRadixCache with
+        --hicache-ratio, --hicache-write-policy (io backend "kernel", layout "layer_first")
 
 Time: the simulated clock advances by memcli's cost model (`memcli.sched.scheduler`), and an
 idle iteration with nothing waiting jumps to the next arrival, so that both schedulers see
@@ -59,6 +65,9 @@ from memcli.workload.spec import RequestSpec
 
 ARRIVALS = ("burst", "timestamp")
 
+# HiRadixCache.load_back_threshold in SGLang 0.5.5 (set in its constructor, not an argument).
+SGLANG_LOAD_BACK_THRESHOLD = 10
+
 
 class ReferenceLoop:
     """SGLang 0.5.5's scheduler loop (non-overlap) over a list of request specs.
@@ -80,7 +89,7 @@ class ReferenceLoop:
         ref.use_clock(self.clock)
         self._build_stack(config)
         sched = config.scheduler
-        self.policy = ref.schedule_policy.SchedulePolicy(sched.policy, self.tree_cache, False, False, False)
+        self.policy = ref.schedule_policy.SchedulePolicy(sched.policy, self.tree_cache, self.hierarchical, False, False)
         self.server_args = ref.get_global_server_args()
         self.max_prefill_tokens = sched.max_prefill_tokens
         self.chunked_prefill_size = sched.chunked_prefill_size
@@ -122,17 +131,20 @@ class ReferenceLoop:
                                                     config.memory.max_context_len + 4, ref.device,
                                                     enable_memory_saver=False)
         kind = config.cache.kind
-        if kind == "radix" and config.cache.eviction_policy == "belady":
+        if kind in ("radix", "hiradix") and config.cache.eviction_policy == "belady":
             raise MemcliError("cache.eviction_policy belady is a memcli extension: SGLang 0.5.5 has no such policy to"
                               " compare with", "use --set cache.eviction_policy=lru or lfu")
+        self.hierarchical = kind == "hiradix"
         if kind == "radix":
             self.tree_cache = ref.RadixCache(self.req_to_token_pool, self.allocator, ps,
                                              eviction_policy=config.cache.eviction_policy)
+        elif kind == "hiradix":
+            self.tree_cache = self._hiradix_cache(config)
         elif kind == "chunk":
             self.tree_cache = ref.ChunkCache(self.req_to_token_pool, self.allocator, ps)
         else:
             raise MemcliError(f"cache.kind {kind} has no SGLang scheduler counterpart",
-                              "use --set cache.kind=radix or cache.kind=chunk")
+                              "use --set cache.kind=radix, hiradix or chunk")
         real_evict = self.tree_cache.evict
 
         def evict(num_tokens: int, *args, **kwargs):
@@ -143,6 +155,27 @@ class ReferenceLoop:
 
         self.tree_cache.evict = evict
         self.size = size
+
+    def _hiradix_cache(self, config: Config) -> Any:
+        """SGLang's `HiRadixCache` (--enable-hierarchical-cache), its host pool sized by
+        `cache.host_ratio` (--hicache-ratio), with the synchronous cache controller of
+        `memcli.reference.standins`: every copy is finished when it is issued."""
+        cache = config.cache
+        if cache.host_size_gib is not None:
+            raise MemcliError("cache.host_size_gib sizes the host pool by the model's bytes per token, which SGLang's"
+                              " side of the diff (a one-layer pool) does not share",
+                              "size the host tier with cache.host_ratio (--set cache.host_size_gib=null)")
+        if cache.load_back_threshold != SGLANG_LOAD_BACK_THRESHOLD:
+            raise MemcliError(f"cache.load_back_threshold is {cache.load_back_threshold}; SGLang 0.5.5's HiRadixCache"
+                              f" fixes it at {SGLANG_LOAD_BACK_THRESHOLD}",
+                              f"use --set cache.load_back_threshold={SGLANG_LOAD_BACK_THRESHOLD}")
+        try:
+            return self.ref.hiradix_cache.HiRadixCache(
+                self.req_to_token_pool, self.allocator, None, config.page_size, cache.host_ratio, 0,
+                cache.write_policy, "kernel", "layer_first", False, eviction_policy=cache.eviction_policy)
+        except ValueError as exc:  # SGLang's own checks of the host pool's size
+            raise MemcliError(f"SGLang's HiRadixCache refuses this host tier: {exc}",
+                              "raise cache.host_ratio (the host pool must be larger than the device pool)") from exc
 
     def close(self) -> None:
         """Restore the radix module's clock (the loop installed its own)."""
@@ -249,6 +282,8 @@ class ReferenceLoop:
         if self.max_running_requests - running_bs <= 0 and self.chunked_req is None:
             running.batch_is_full = True
             return None
+        if self.hierarchical:
+            self.tree_cache.check_hicache_events()
         self.policy.calc_priority(self.waiting_queue)
         adder = self.ref.schedule_policy.PrefillAdder(
             self.config.page_size, self.tree_cache, self.allocator, running, self.new_token_ratio,
@@ -265,7 +300,9 @@ class ReferenceLoop:
             res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None, truncation_align_size=None)
             if res != self.ref.schedule_policy.AddReqResult.CONTINUE:
                 if res == self.ref.schedule_policy.AddReqResult.NO_TOKEN:
-                    running.batch_is_full = True
+                    # With a host tier, only when something can be served (what runs, or what was admitted).
+                    running.batch_is_full = (len(adder.can_run_list) > 0 or not running.is_empty()
+                                             if self.hierarchical else True)
                 break
         can_run_list = adder.can_run_list
         if not can_run_list:
@@ -280,6 +317,8 @@ class ReferenceLoop:
         batch = self.ref.ScheduleBatch.init_new(can_run_list, self.req_to_token_pool, self.allocator,
                                                 self.tree_cache, ModelConfig(), self.enable_overlap, NoSpeculation(),
                                                 chunked_req=self.chunked_req)
+        if self.hierarchical:
+            batch.hicache_consumer_index = self.tree_cache.ready_to_load_host_cache()
         batch.prepare_for_extend()
         batch.decoding_reqs = None
         return batch
@@ -386,6 +425,11 @@ class ReferenceLoop:
     def sizes(self) -> tuple[int, int, int]:
         """(available, evictable, protected) tokens."""
         return (self.allocator.available_size(), self.tree_cache.evictable_size(), self.tree_cache.protected_size())
+
+    def host_used(self) -> int:
+        """Used slots of the host tier (0 without one)."""
+        host = getattr(self.tree_cache, "token_to_kv_pool_host", None)
+        return host.size - host.available_size() if host is not None else 0
 
     def running_rids(self) -> list[str]:
         return [r.rid for r in self.running_batch.reqs if not r.finished()]

@@ -14,6 +14,7 @@ requests come from the scheduler's own event log.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Sequence
@@ -28,7 +29,7 @@ from memcli.stack import build_stack
 from memcli.workload.spec import RequestSpec
 
 COMPARED = ("kind", "rids", "extend_lens", "prefix_lens", "out_cache_loc", "evicted", "retracted", "finished",
-            "available", "evictable", "protected")
+            "available", "evictable", "protected", "host_used")
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class StepObservation:
     `rids`, `extend_lens`, `prefix_lens` are in batch order; `prefix_lens` is each request's
     cached prefix at this admission (a chunk's prefix includes its earlier chunks);
     `extend_lens` is empty for decode. `out_cache_loc` lists the slots written this step.
-    `evicted` is tokens the tree evicted during the step; sizes are in tokens after it.
+    `evicted` is tokens the tree evicted during the step; sizes are in tokens after it;
+    `host_used` is the host tier's used slots (0 without one).
     """
 
     step: int
@@ -58,6 +60,7 @@ class StepObservation:
     running: tuple[str, ...] = field(default=(), compare=False)
     chunked: Optional[str] = field(default=None, compare=False)
     new_token_ratio: float = field(default=0.0, compare=False)
+    host_used: int = 0
 
     def differing(self, other: "StepObservation") -> list[str]:
         """Names of the compared fields whose values differ."""
@@ -71,7 +74,8 @@ class StepObservation:
                 f"extend_lens={short(self.extend_lens)} prefix_lens={short(self.prefix_lens)}",
                 f"out_cache_loc={short(self.out_cache_loc)}",
                 f"evicted={self.evicted} retracted={list(self.retracted)} finished={list(self.finished)}",
-                f"available={self.available} evictable={self.evictable} protected={self.protected}",
+                f"available={self.available} evictable={self.evictable} protected={self.protected}"
+                f" host_used={self.host_used}",
                 f"clock_ms={self.clock_ms:.3f} new_token_ratio={self.new_token_ratio:.4f} chunked={self.chunked}",
                 f"running={short(self.running)} waiting={short(self.waiting)}"]
 
@@ -106,7 +110,8 @@ def observe_reference(loop: ReferenceLoop) -> StepObservation:
     chunked = loop.chunked_req.rid if loop.chunked_req is not None else None
     return StepObservation(loop.step_count - 1, loop.step_kind, *seen, loop.step_evicted, tuple(loop.step_retracted),
                            tuple(loop.step_finished), available, evictable, protected, loop.clock_ms,
-                           tuple(loop.waiting_rids()), tuple(loop.running_rids()), chunked, loop.new_token_ratio)
+                           tuple(loop.waiting_rids()), tuple(loop.running_rids()), chunked, loop.new_token_ratio,
+                           loop.host_used())
 
 
 class MemcliSide:
@@ -114,6 +119,10 @@ class MemcliSide:
 
     def __init__(self, config: Config, requests: Sequence[RequestSpec], arrivals: str, output_token_base: int):
         self.stack = build_stack(config)
+        if self.stack.host_pool is not None:
+            # SGLang's side runs a synchronous cache controller: copies take no time there, nor here.
+            controller = self.stack.tree_cache.controller
+            controller.bandwidth_gbps, controller.latency_us = math.inf, 0.0
         self.scheduler = sched = Scheduler(self.stack, config.scheduler, config.sim, config.page_size,
                                            output_token_base=output_token_base, record_events=True)
         for spec in requests:
@@ -164,7 +173,16 @@ class MemcliSide:
         return StepObservation(record.step, record.kind, *batch, self._evicted, retracted, finished,
                                record.available, record.evictable, record.protected, sched.clock_ms,
                                tuple(r.rid for r in sched.waiting), tuple(r.rid for r in sched.running.reqs),
-                               chunked, sched.new_token_ratio)
+                               chunked, sched.new_token_ratio, self._host_used())
+
+    def _host_used(self) -> int:
+        host = self.stack.host_pool
+        return host.used_size() if host is not None else 0
+
+
+HOST_COPIES_NOTE = ("host tier: every copy between the device and the host finishes when it is issued, on both sides"
+                    " (SGLang's cache controller runs as a synchronous stand-in): sim.host_bandwidth_gbps and"
+                    " sim.host_latency_us are not used")
 
 
 class StepDiff(NamedTuple):
@@ -175,6 +193,7 @@ class StepDiff(NamedTuple):
     reference_s: float  # wall time of the reference loop's steps
     memcli_s: float
     event_loop: str = "overlap"  # the loop compared (semantics.event_loop)
+    notes: tuple[str, ...] = ()  # how the run differs from the config as given
 
 
 def run_side_by_side(config: Config, requests: Sequence[RequestSpec], arrivals: str, output_token_base: int,
@@ -183,6 +202,7 @@ def run_side_by_side(config: Config, requests: Sequence[RequestSpec], arrivals: 
     scheduler together until both are done, one of them
     is done early (a divergence in `kind`), or their observations differ."""
     loop = reference_loop(config, requests, arrivals, output_token_base, ref=ref)
+    notes = (HOST_COPIES_NOTE,) if config.cache.kind == "hiradix" else ()
     try:
         mem = MemcliSide(config, requests, arrivals, output_token_base)
         steps, ref_s, mem_s = 0, 0.0, 0.0
@@ -194,8 +214,8 @@ def run_side_by_side(config: Config, requests: Sequence[RequestSpec], arrivals: 
             ref_s, mem_s = ref_s + middle - start, mem_s + time.perf_counter() - middle
             steps += 1
             if ref_obs != mem_obs or loop.is_done() != mem.is_done():
-                return StepDiff(steps, (ref_obs, mem_obs), ref_s, mem_s, config.behaviour.event_loop)
-        return StepDiff(steps, None, ref_s, mem_s, config.behaviour.event_loop)
+                return StepDiff(steps, (ref_obs, mem_obs), ref_s, mem_s, config.behaviour.event_loop, notes)
+        return StepDiff(steps, None, ref_s, mem_s, config.behaviour.event_loop, notes)
     finally:
         loop.close()
 

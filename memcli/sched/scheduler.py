@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 
+from memcli.config import REQ_INPUT_MARGIN
 from memcli.errors import OutOfMemoryError, RequestSlotsExhausted
 from memcli.mem_cache import common
 from memcli.mem_cache.integrity import CheckPolicy, IntegrityChecker
@@ -125,6 +126,7 @@ class Scheduler:
         self.defer_chunk_caching = behaviour.chunked_prefix == "deferred"
         self.align_chunks = behaviour.chunk_alignment == "page"
         self.gate = AdmissionGate(behaviour.admission_gate, self.max_running)
+        self.max_req_len = stack.config.max_req_len
         self.chunk_to_cache: Req | None = None  # a chunk that enters the tree next step (deferred)
         self.progress_guard = ProgressGuard()
         self.overlap = OverlapLoop(self) if behaviour.event_loop == "overlap" else None
@@ -220,10 +222,16 @@ class Scheduler:
         return kind, bs, new_tokens
 
     def _admit_arrivals(self) -> None:
+        limit = self.max_req_len
         while self.pending and self.pending[0].arrival_ms <= self.clock_ms:
             req = self.pending.popleft()
-            self.waiting.append(req)
             self._event("arrive", req.rid, req.input_len)
+            if limit is not None:  # SGLang's request limits (semantics.request_limits)
+                if req.input_len >= limit - REQ_INPUT_MARGIN:
+                    self._abort_waiting(req)
+                    continue
+                req.max_new_tokens = min(req.max_new_tokens, limit - req.input_len - 1)
+            self.waiting.append(req)
 
     def _cache_deferred_chunk(self, give_back_row: bool = True) -> None:
         """SGLang's start of a step: last step's chunk enters the tree, and the chunked request

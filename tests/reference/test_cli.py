@@ -61,3 +61,24 @@ def test_diff_prints_one_json_document(ref, capfd):
     assert doc["command"] == "reference diff" and doc["profile"] == "memcli"
     assert doc["divergent"] is True and doc["first_divergence"]["fields"]
     assert doc["first_divergence"]["sglang"]["step"] == doc["first_divergence"]["step"]
+
+
+HOST_TIER = ["--set", "cache.kind=hiradix", "--set", "memory.max_total_tokens=90000",
+             "--set", "memory.max_context_len=88000"]
+
+
+def test_diff_runs_the_host_tier_and_says_how_copies_are_timed(ref, capfd):
+    result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "6", *HOST_TIER, "--json"])
+    doc = json.loads(capfd.readouterr().out)
+    assert result.exit_code == 0, doc
+    assert doc["divergent"] is False and doc["config"]["cache"]["kind"] == "hiradix"
+    assert len(doc["notes"]) == 1 and "sim.host_bandwidth_gbps" in doc["notes"][0]
+
+
+def test_diff_refuses_host_tier_settings_sglang_cannot_share(ref, capfd):
+    for extra, named in ((["--set", "cache.host_size_gib=4"], "cache.host_size_gib"),
+                         (["--set", "cache.load_back_threshold=32"], "load_back_threshold=10")):
+        result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "2", *HOST_TIER, *extra])
+        err = capfd.readouterr().err
+        assert result.exit_code == 2, err
+        assert "error:" in err and named in err and "Traceback" not in err

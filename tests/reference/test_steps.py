@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import pytest
 
-from memcli.config import load_config
+from memcli.config import load_config, replace
 from memcli.reference.loop_overlap import reference_loop
 from memcli.reference.observe import observe_reference, run_side_by_side
 from memcli.workload.readers import read_trace
@@ -112,3 +112,30 @@ def test_memcli_matches_the_reference_step_by_step(ref, case, event_loop):
     config, requests, base = _load(case, event_loop)
     result = run_side_by_side(config, requests, case.arrivals, base, ref=ref)
     assert result.divergence is None, result.divergence
+
+
+# The host tier: SGLang's HiRadixCache (synchronous cache controller) against memcli's, on a
+# device pool small enough that finished prefixes are backed up, evicted to the host and
+# loaded back.
+HOST_TIER = Case("synthetic-hiradix-ps1", SYNTHETIC, 100, 8000, None, "burst",
+                 _settings(1, 9000, 8000, 2048, 32) + ("cache.kind=hiradix",))
+
+
+@pytest.mark.parametrize("write_policy", ("write_through", "write_back"))
+@pytest.mark.parametrize("event_loop", LOOPS)
+def test_memcli_matches_the_reference_with_a_host_tier(ref, monkeypatch, event_loop, write_policy):
+    config, requests, base = _load(HOST_TIER, event_loop)
+    config = replace(config, cache={"write_policy": write_policy})
+    loads = []
+    real_load = ref.hiradix_cache.HiRadixCache.init_load_back
+
+    def counted(self, last_node, host_hit_length, *args, **kwargs):
+        loaded = real_load(self, last_node, host_hit_length, *args, **kwargs)
+        loads.append(len(loaded[0]))
+        return loaded
+
+    monkeypatch.setattr(ref.hiradix_cache.HiRadixCache, "init_load_back", counted)
+    result = run_side_by_side(config, requests, HOST_TIER.arrivals, base, ref=ref)
+    assert result.divergence is None, result.divergence
+    assert sum(loads) > 0  # prefixes came back from the host tier
+    assert result.notes and "synchronous" in result.notes[0]

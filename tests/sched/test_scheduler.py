@@ -220,11 +220,10 @@ def test_random_workloads_keep_every_invariant(page_size, cache, pool_pages, req
     assert_all_free(stack)
 
 
-@pytest.mark.parametrize("profile", ["sglang-0.5.5", "memcli"])
-def test_a_request_that_can_never_fit_is_aborted_and_the_rest_runs(profile):
+def test_a_request_that_can_never_fit_is_aborted_and_the_rest_runs():
     """The head request's prompt and output exceed the pool: nothing could ever make room, so
     it is aborted (SGLang would wait forever), and the admission gate opens for the next."""
-    cfg, stack = small_stack(1, pool=256, rows=8, context=250, semantics__profile=profile)
+    cfg, stack = small_stack(1, pool=256, rows=8, context=250, semantics__profile="memcli")
     sched = make_scheduler(stack, cfg)
     sched.add_request(sched.new_req("big", tokens((0, 200)), 100))
     sched.add_request(sched.new_req("small", tokens((1000, 10)), 5))
@@ -232,3 +231,24 @@ def test_a_request_that_can_never_fit_is_aborted_and_the_rest_runs(profile):
     assert sched.is_done()
     assert [(r.rid, r.aborted) for r in sched.finished] == [("big", True), ("small", False)]
     assert_all_free(stack)
+
+
+def test_sglang_request_limits_clip_the_output_and_abort_long_prompts():
+    """Under SGLang's request limits (max_req_len = min(context, pool) - 1 = 249) the same
+    request runs with its output clipped to 249 - 200 - 1 = 48 tokens; a prompt of
+    max_req_len - 5 = 244 tokens or more is aborted on arrival, one token shorter runs."""
+    cfg, stack = small_stack(1, pool=256, rows=8, context=250, semantics__profile="sglang-0.5.5")
+    sched = make_scheduler(stack, cfg)
+    assert cfg.max_req_len == 249
+    sched.add_request(sched.new_req("big", tokens((0, 200)), 100))
+    sched.add_request(sched.new_req("long", tokens((300, 244)), 3))
+    sched.add_request(sched.new_req("edge", tokens((600, 243)), 3))
+    sched.run(max_steps=400)
+    assert sched.is_done()
+    done = {r.rid: r for r in sched.finished}
+    assert not done["big"].aborted and len(done["big"].output_ids) == 48
+    assert done["long"].aborted and not done["edge"].aborted
+    assert len(done["edge"].output_ids) == 3  # 249 - 243 - 1 = 5 allows all 3
+    assert_all_free(stack)
+    memcli_cfg, _ = small_stack(1, pool=256, rows=8, context=250, semantics__profile="memcli")
+    assert memcli_cfg.max_req_len is None

@@ -163,7 +163,7 @@ def bench_workload(config: Config) -> Workload:
     output = max(ps + 3, 8)
     specs = []
     for i, length in enumerate(BENCH_PROMPT_LENS):
-        room = min(context - output, pool // len(BENCH_PROMPT_LENS) - output - 1)
+        room = min(context - config.context_need(0, output), pool // len(BENCH_PROMPT_LENS) - output - 1)
         length = max(1, min(length, room))
         ids = np.arange(1 + 1000 * i, 1 + 1000 * i + length, dtype=np.int64)
         specs.append(RequestSpec.from_ids(f"bench{i}", ids, max(1, min(output, context - length)), arrival_ms=0.0))
@@ -183,10 +183,13 @@ def check_fits(workload: Workload, config: Config) -> None:
     context, pool = config.memory.max_context_len, config.pool_size
     for index, spec in enumerate(workload.requests):
         need = spec.input_len + spec.output_len
-        if need <= context and need < pool:
+        whole = config.context_need(spec.input_len, spec.output_len)  # SGLang's request limits add 2
+        if whole <= context and need < pool and whole <= pool:
             continue
-        limit = f"memory.max_context_len is {context}" if need > context else f"the pool holds {pool} tokens"
-        fit = 1 << (max(r.input_len + r.output_len for r in workload.requests) - 1).bit_length()
+        limit = (f"memory.max_context_len is {context}" if whole > context else f"the pool holds {pool} tokens")
+        if whole > need:
+            limit += f" (it runs whole with {whole} under semantics.request_limits {config.behaviour.request_limits})"
+        fit = 1 << (max(config.context_need(r.input_len, r.output_len) for r in workload.requests) - 1).bit_length()
         raise CapacityError(
             f"request {spec.rid} (number {index + 1} of {workload.name}) needs {need} tokens (input"
             f" {spec.input_len} + output {spec.output_len}) but {limit}",

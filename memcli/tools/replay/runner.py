@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from memcli.config import Config, replace
+from memcli.config import REQ_INPUT_MARGIN, Config, replace
 from memcli.errors import CapacityError, IntegrityError, MemcliError, StalledError
 from memcli.mem_cache.integrity import CheckPolicy, IntegrityChecker, check_memory
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -105,37 +105,48 @@ def check_options(trace: Trace, config: Config, options: ReplayOptions) -> None:
 
 
 def check_fits(config: Config, trace: Trace) -> None:
-    """Raise `CapacityError` for the first request that can never run: longer than a request row
-    (`memory.max_context_len`), or more than an empty pool admits or holds. The hint's values
-    hold every request of the trace (the largest need), so that following it is enough."""
+    """Raise `CapacityError` for the first request that can never run whole: longer than a
+    request row (`memory.max_context_len`), than SGLang's request limits allow under
+    `semantics.request_limits: max_req_len` (which would clip its output or abort it), or more
+    than an empty pool admits or holds. The hint's values hold every request of the trace (the
+    largest need), so that following it is enough."""
     ps, pool, context = config.page_size, config.pool_size, config.memory.max_context_len
+    sglang = config.behaviour.request_limits == "max_req_len"
     for index, spec in enumerate(trace.requests):
         need = spec.input_len + spec.output_len
+        whole = config.context_need(spec.input_len, spec.output_len)
         where = f"{trace.path}:{spec.line}: request {spec.rid} (#{index + 1})" if spec.line else \
             f"{trace.path}: request {spec.rid} (#{index + 1})"
-        if need > context:
-            raise CapacityError(
-                f"{where} needs {need} tokens (input {spec.input_len} + output {spec.output_len}),"
-                f" more than memory.max_context_len {context}",
-                _fit_hint(config, trace, index),
-            )
+        if whole > context:
+            what = f", more than memory.max_context_len {context}"
+            if sglang:
+                what += (f" holds under SGLang 0.5.5's request limits: it runs whole only with max_context_len >= {whole}"
+                         f" (the longest request, max_req_len, is one token under the context; an output is clipped"
+                         f" to max_req_len - input - 1 and a prompt of max_req_len - {REQ_INPUT_MARGIN} tokens or"
+                         f" more is aborted; semantics.request_limits, which the memcli profile sets to row:"
+                         f" input + output)")
+            raise CapacityError(f"{where} needs {need} tokens (input {spec.input_len} + output {spec.output_len}){what}",
+                                _fit_hint(config, trace, index))
         if _pool_need(config, spec.input_len, spec.output_len) > pool:
+            limits = (" (SGLang's request limits bound a request by the pool as by the context:"
+                      " semantics.request_limits)" if sglang and whole > pool else "")
             raise CapacityError(
-                f"{where} needs {align_up(need, ps)} tokens ({need} rounded to pages of {ps}) but the pool holds {pool}",
-                _fit_hint(config, trace, index),
-            )
+                f"{where} needs {align_up(need, ps)} tokens ({need} rounded to pages of {ps}) but the pool holds"
+                f" {pool}{limits}", _fit_hint(config, trace, index))
 
 
 def _pool_need(config: Config, input_len: int, output_len: int) -> int:
-    """The smallest pool (tokens, whole pages) that admits and holds one request alone."""
+    """The smallest pool (tokens, whole pages) that admits and holds one request alone (under
+    SGLang's request limits, the pool also bounds the request length as the context does)."""
     ps, clip = config.page_size, config.scheduler.max_new_tokens_clip
-    return max(align_up(input_len + output_len, ps), align_up(input_len + min(output_len, clip) + 1, ps))
+    need = max(align_up(input_len + output_len, ps), align_up(input_len + min(output_len, clip) + 1, ps))
+    return max(need, align_up(config.context_need(input_len, output_len), ps))
 
 
 def _fit_hint(config: Config, trace: Trace, index: int) -> str:
     """Settings that hold the largest request of the whole trace, or fewer requests."""
     mem = config.memory
-    context = max(max(s.input_len + s.output_len for s in trace.requests), mem.max_context_len)
+    context = max(max(config.context_need(s.input_len, s.output_len) for s in trace.requests), mem.max_context_len)
     pool = max(max(_pool_need(config, s.input_len, s.output_len) for s in trace.requests),
                align_up(context, config.page_size), config.pool_size)
     settings = []

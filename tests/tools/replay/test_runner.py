@@ -93,15 +93,36 @@ def test_burst_puts_every_request_in_the_waiting_queue_at_once(shrunk):
     assert burst.summary.finished == shrunk.num_requests
 
 
+MEMCLI_PROFILE = {"semantics": {"profile": "memcli"}}
+
+
 def test_capacity_errors_name_the_request_and_the_fix(shrunk):
     with pytest.raises(CapacityError) as exc:
-        check_fits(small_config(16, pool=20_000, context=2_000), shrunk)
+        check_fits(small_config(16, pool=20_000, context=2_000, **MEMCLI_PROFILE), shrunk)
     assert "max_context_len 2000" in exc.value.message and "request" in exc.value.message
     assert "--set memory.max_context_len=" in exc.value.hint
     longest = max(r.input_len + r.output_len for r in shrunk.requests)
     with pytest.raises(CapacityError) as exc:
-        check_fits(small_config(1, pool=longest, context=longest), shrunk)
+        check_fits(small_config(1, pool=longest, context=longest, **MEMCLI_PROFILE), shrunk)
     assert "pool holds" in exc.value.message and "max_total_tokens" in exc.value.hint
+
+
+def test_sglang_request_limits_need_two_tokens_more_and_the_hint_gives_them(shrunk):
+    """Under the sglang-0.5.5 profile a request runs whole only when input + output + 2 fits
+    min(context, pool) (SGLang clips the output otherwise): the context that holds the longest
+    request under the memcli profile is refused, and the hint's context is accepted."""
+    longest = max(r.input_len + r.output_len for r in shrunk.requests)
+    with pytest.raises(CapacityError) as exc:
+        check_fits(small_config(1, pool=longest + 2, context=longest), shrunk)
+    message = exc.value.message
+    assert f"more than memory.max_context_len {longest} holds" in message
+    assert f"max_context_len >= {longest + 2}" in message
+    assert "semantics.request_limits" in message
+    assert f"--set memory.max_context_len={longest + 2}" in exc.value.hint
+    check_fits(small_config(1, pool=longest + 2, context=longest + 2), shrunk)
+    with pytest.raises(CapacityError) as exc:  # the pool bounds the request length as the context does
+        check_fits(small_config(1, pool=longest + 1, context=longest + 1), shrunk)
+    assert f"--set memory.max_context_len={longest + 2}" in exc.value.hint
 
 
 def test_timestamp_arrivals_need_times(generated, tmp_path):
