@@ -173,9 +173,10 @@ class ReferenceLoop:
             return self.ref.hiradix_cache.HiRadixCache(
                 self.req_to_token_pool, self.allocator, None, config.page_size, cache.host_ratio, 0,
                 cache.write_policy, "kernel", "layer_first", False, eviction_policy=cache.eviction_policy)
-        except ValueError as exc:  # SGLang's own checks of the host pool's size
+        except (AssertionError, ValueError) as exc:  # SGLang's own checks of the host pool's size
             raise MemcliError(f"SGLang's HiRadixCache refuses this host tier: {exc}",
-                              "raise cache.host_ratio (the host pool must be larger than the device pool)") from exc
+                              "raise cache.host_ratio above 1.0: SGLang 0.5.5 needs a host pool larger than the"
+                              " device pool (semantics.host_pool_floor=any lifts that only on memcli's side)") from exc
 
     def close(self) -> None:
         """Restore the radix module's clock (the loop installed its own)."""

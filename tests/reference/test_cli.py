@@ -77,7 +77,9 @@ def test_diff_runs_the_host_tier_and_says_how_copies_are_timed(ref, capfd):
 
 def test_diff_refuses_host_tier_settings_sglang_cannot_share(ref, capfd):
     for extra, named in ((["--set", "cache.host_size_gib=4"], "cache.host_size_gib"),
-                         (["--set", "cache.load_back_threshold=32"], "load_back_threshold=10")):
+                         (["--set", "cache.load_back_threshold=32"], "load_back_threshold=10"),
+                         (["--set", "cache.host_ratio=1.0", "--set", "semantics.host_pool_floor=any"],
+                          "raise cache.host_ratio above 1.0")):
         result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "2", *HOST_TIER, *extra])
         err = capfd.readouterr().err
         assert result.exit_code == 2, err
