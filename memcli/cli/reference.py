@@ -44,7 +44,8 @@ def diff(ctx: typer.Context,
 
     Options: --limit N, --set KEY=VALUE, --arrivals burst|timestamp, --config FILE,
     --max-steps N, --json. The loop is semantics.event_loop (overlap, SGLang's default, or --set
-    semantics.event_loop=normal). Exit 0 when equal, 1 when they diverge, 2 on bad input."""
+    semantics.event_loop=normal). Exit 0 when equal, 1 when they diverge or a side raises
+    (SGLang's own assertions, memcli's guards: one `failed:` line), 2 on bad input."""
     # A process of its own: the Triton interpreter must be chosen before any kernel is
     # imported, and this process may have imported them already (a test run, for one).
     proc = subprocess.run([sys.executable, "-m", "memcli.reference.diff", trace, *ctx.args])

@@ -7,9 +7,10 @@ The loop compared is `semantics.event_loop` (overlap: SGLang's default `event_lo
 `--set semantics.event_loop=normal` for `event_loop_normal`).
 
 Prints the first divergent step with both sides' observations and state, or
-"0 divergent steps in S steps" with the run times of both sides (`--json`: one document, in
-the envelope of docs/JSON.md). Exit 0 when equal, 1 when
-divergent, 2 on bad input (`error:` / `hint:` lines).
+"0 divergent steps in S steps" with the run times of both sides, or "failed:" when a side
+raised instead of taking its step (SGLang's own assertions and leak check, memcli's
+integrity and progress guards) (`--json`: one document, in the envelope of docs/JSON.md).
+Exit 0 when equal, 1 when divergent or failed, 2 on bad input (`error:` / `hint:` lines).
 """
 
 from __future__ import annotations
@@ -76,13 +77,15 @@ def diff_document(result: StepDiff, config, args: argparse.Namespace) -> dict[st
         "trace": args.trace, "limit": args.limit, "arrivals": args.arrivals, "event_loop": result.event_loop,
         "steps": result.steps, "divergent": result.divergence is not None, "first_divergence": divergence,
         "reference_s": round(result.reference_s, 3), "memcli_s": round(result.memcli_s, 3),
-        "notes": list(result.notes),
+        "notes": list(result.notes), "failure": result.failure,
     }, config)
 
 
 def render(result: StepDiff) -> str:
     times = f"{result.event_loop} loop; reference {result.reference_s:.2f} s, memcli {result.memcli_s:.2f} s"
     notes = [f"note: {note}" for note in result.notes]
+    if result.failure is not None:
+        return "\n".join([*notes, f"failed: {result.failure}", f"{result.steps} steps compared before it ({times})"])
     if result.divergence is None:
         return "\n".join([*notes, f"0 divergent steps in {result.steps} steps ({times})"])
     sglang, memcli = result.divergence
@@ -106,7 +109,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print_json(text)
     else:
         print(text)
-    return 0 if result.divergence is None else 1
+    return 0 if result.divergence is None and result.failure is None else 1
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ requests come from the scheduler's own event log.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Sequence
@@ -194,6 +195,7 @@ class StepDiff(NamedTuple):
     memcli_s: float
     event_loop: str = "overlap"  # the loop compared (semantics.event_loop)
     notes: tuple[str, ...] = ()  # how the run differs from the config as given
+    failure: Optional[str] = None  # a side that raised instead of taking its step: which, where, what
 
 
 def run_side_by_side(config: Config, requests: Sequence[RequestSpec], arrivals: str, output_token_base: int,
@@ -208,9 +210,19 @@ def run_side_by_side(config: Config, requests: Sequence[RequestSpec], arrivals: 
         steps, ref_s, mem_s = 0, 0.0, 0.0
         while not (loop.is_done() and mem.is_done()) and (max_steps is None or steps < max_steps):
             start = time.perf_counter()
-            ref_obs = _idle_observation(loop.step_count, loop) if loop.is_done() else _step(loop)
-            middle = time.perf_counter()
-            mem_obs = _idle_observation(mem.scheduler.step_count, None) if mem.is_done() else mem.step()
+            side = "SGLang's loop"
+            try:
+                ref_obs = _idle_observation(loop.step_count, loop) if loop.is_done() else _step(loop)
+                middle = time.perf_counter()
+                side = "memcli's scheduler"
+                mem_obs = _idle_observation(mem.scheduler.step_count, None) if mem.is_done() else mem.step()
+            except (AssertionError, RuntimeError, ValueError, IndexError, KeyError, TypeError) as exc:
+                # Either side's own checks (SGLang's leak check, its assertions, memcli's
+                # integrity and progress guards) end the comparison: a finding, not a crash.
+                if os.environ.get("MEMCLI_DEBUG") == "1":
+                    raise
+                failure = f"{side} raised at step {steps}: {type(exc).__name__}: {exc}"
+                return StepDiff(steps, None, ref_s, mem_s, config.behaviour.event_loop, notes, failure)
             ref_s, mem_s = ref_s + middle - start, mem_s + time.perf_counter() - middle
             steps += 1
             if ref_obs != mem_obs or loop.is_done() != mem.is_done():

@@ -84,3 +84,25 @@ def test_diff_refuses_host_tier_settings_sglang_cannot_share(ref, capfd):
         err = capfd.readouterr().err
         assert result.exit_code == 2, err
         assert "error:" in err and named in err and "Traceback" not in err
+
+
+def test_diff_reports_a_side_that_raises_as_a_failure_not_a_traceback(ref, capsys, monkeypatch):
+    """SGLang's own assertion (or memcli's guard) in the middle of a run ends the comparison
+    with one `failed:` line naming the side and the step, and exit 1."""
+    from memcli.reference import diff, observe
+
+    real_step = observe._step
+
+    def failing(loop):
+        if loop.step_count == 3:
+            raise AssertionError("a check of SGLang's")
+        return real_step(loop)
+
+    monkeypatch.setattr(observe, "_step", failing)
+    argv = [TRACE, "--limit", "4", "--set", "memory.max_total_tokens=90000", "--set", "memory.max_context_len=88000"]
+    assert diff.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "failed: SGLang's loop raised at step 3: AssertionError: a check of SGLang's" in out
+    assert diff.main([*argv, "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["failure"].startswith("SGLang's loop raised at step 3") and doc["divergent"] is False
