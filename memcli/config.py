@@ -179,7 +179,7 @@ class SemanticsConfig:
     hicache_ack: Optional[Literal["prefill_attempt", "every_step"]] = None
     # Request lengths: SGLang's limits (max_req_len = min(context, pool) - 1; a request's output
     # is clipped to max_req_len - input - 1 at arrival, a prompt of max_req_len - 5 tokens or
-    # more is aborted), or none (a request fits when input + output fits a request row).
+    # more is aborted), or row (a request fits when input + output fits a request row).
     request_limits: Optional[Literal["max_req_len", "row"]] = None
 
     def resolved(self) -> "SemanticsConfig":

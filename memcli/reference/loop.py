@@ -18,7 +18,8 @@ object it drives is SGLang's own: `Req`, `ScheduleBatch` (`init_new`, `prepare_f
 What the loop leaves out (none of it is on by default in SGLang, or it needs a model):
 mixed chunked prefill, priority scheduling and preemption, HiCache's storage backends,
 LoRA, grammars, PD disaggregation, DP attention, speculative decoding, logprobs, and
-finishing on EOS or stop strings (a request finishes at its `max_new_tokens`). The host tier
+finishing on EOS or stop strings (a request finishes at its `max_new_tokens`), and the abort
+of a prompt of `max_req_input_len` tokens or more (the callers refuse such traces first). The host tier
 itself (`cache.kind hiradix`, --enable-hierarchical-cache) runs SGLang's `HiRadixCache` with
 the scheduler's three hooks (`check_hicache_events` before a prefill is formed, the
 `batch_is_full` rule on NO_TOKEN, `ready_to_load_host_cache` before `prepare_for_extend`);
@@ -175,8 +176,8 @@ class ReferenceLoop:
                 cache.write_policy, "kernel", "layer_first", False, eviction_policy=cache.eviction_policy)
         except (AssertionError, ValueError) as exc:  # SGLang's own checks of the host pool's size
             raise MemcliError(f"SGLang's HiRadixCache refuses this host tier: {exc}",
-                              "raise cache.host_ratio above 1.0: SGLang 0.5.5 needs a host pool larger than the"
-                              " device pool (semantics.host_pool_floor=any lifts that only on memcli's side)") from exc
+                              "raise cache.host_ratio: SGLang 0.5.5 needs a host pool larger than the device pool,"
+                              " in whole pages (semantics.host_pool_floor=any lifts that only on memcli's side)") from exc
 
     def close(self) -> None:
         """Restore the radix module's clock (the loop installed its own)."""

@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 import os
 import time
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
@@ -221,7 +223,9 @@ def run_side_by_side(config: Config, requests: Sequence[RequestSpec], arrivals: 
                 # integrity and progress guards) end the comparison: a finding, not a crash.
                 if os.environ.get("MEMCLI_DEBUG") == "1":
                     raise
-                failure = f"{side} raised at step {steps}: {type(exc).__name__}: {exc}"
+                where = traceback.extract_tb(exc.__traceback__)[-1]
+                failure = (f"{side} raised at step {steps}: {type(exc).__name__}: {exc}"
+                           f" ({Path(where.filename).name}:{where.lineno}, in {where.name})")
                 return StepDiff(steps, None, ref_s, mem_s, config.behaviour.event_loop, notes, failure)
             ref_s, mem_s = ref_s + middle - start, mem_s + time.perf_counter() - middle
             steps += 1

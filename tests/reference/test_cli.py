@@ -79,7 +79,7 @@ def test_diff_refuses_host_tier_settings_sglang_cannot_share(ref, capfd):
     for extra, named in ((["--set", "cache.host_size_gib=4"], "cache.host_size_gib"),
                          (["--set", "cache.load_back_threshold=32"], "load_back_threshold=10"),
                          (["--set", "cache.host_ratio=1.0", "--set", "semantics.host_pool_floor=any"],
-                          "raise cache.host_ratio above 1.0")):
+                          "raise cache.host_ratio")):
         result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "2", *HOST_TIER, *extra])
         err = capfd.readouterr().err
         assert result.exit_code == 2, err
@@ -106,3 +106,20 @@ def test_diff_reports_a_side_that_raises_as_a_failure_not_a_traceback(ref, capsy
     assert diff.main([*argv, "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["failure"].startswith("SGLang's loop raised at step 3") and doc["divergent"] is False
+
+
+def test_diff_names_memcli_when_its_scheduler_raises(ref, capsys, monkeypatch):
+    from memcli.reference import diff, observe
+
+    real_step = observe.MemcliSide.step
+
+    def failing(self):
+        if self.scheduler.step_count == 2:
+            raise IndexError("a bug of memcli's")
+        return real_step(self)
+
+    monkeypatch.setattr(observe.MemcliSide, "step", failing)
+    argv = [TRACE, "--limit", "4", "--set", "memory.max_total_tokens=90000", "--set", "memory.max_context_len=88000"]
+    assert diff.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "failed: memcli's scheduler raised at step 2: IndexError: a bug of memcli's (test_cli.py:" in out

@@ -92,8 +92,8 @@ def case_table(r: CaseResult) -> Table:
              fmt_rate(_per_s(c.batch_size, r.phases["decode_memory"]), "tok/s"))
     over = r.decode_over_floor()
     if over is not None:
-        _row(table, "launch floor (one-kernel graph replay)", r.phases["launch_floor"],
-             f"decode path {fmt_ratio(over['ratio'])} ({fmt_ratio(over['per_round'])} per round)")
+        _row(table, f"launch floor (one-kernel graph replay; the decode path is {fmt_ratio(over['per_round'])} of it"
+             f" per round, {fmt_ratio(over['ratio'])} by medians)", r.phases["launch_floor"], "")
     _row(table, f"free on finish ({_plural(c.batch_size, 'request')})", r.phases["free"], "")
     _kv_rows(table, r)
     return table
@@ -222,7 +222,6 @@ def floor_line(result: BenchResult) -> Optional[str]:
               for r in result.cases if (over := r.decode_over_floor()) is not None]
     return (f"launch floor (replay of a one-kernel CUDA graph): {fmt_us(floor.median_us)} (spread {fmt_spread(floor)});"
             f" decode memory path / floor, per round, by batch size/page size: {', '.join(ratios) or '-'}")
-
 
 
 def render(result: BenchResult, console) -> None:

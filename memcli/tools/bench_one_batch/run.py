@@ -44,8 +44,10 @@ class Comparison(Protocol):
 
     name: str
 
-    def run_case(self, case: Case, config: Config, options: "BenchOptions") -> dict[str, PhaseTiming]:
-        """The phases `prefill_memory`, `decode_memory` (when the case decodes) and `free`."""
+    def run_case(self, case: Case, config: Config, options: "BenchOptions",
+                 floor: Optional["GraphFloor"] = None) -> dict[str, PhaseTiming]:
+        """The phases `prefill_memory`, `decode_memory` (when the case decodes) and `free`;
+        with a `floor`, the decode memory path timed in turn with it, as memcli's is."""
         ...
 
     def slow_start_notes(self, cases: list[Case]) -> list[str]:
@@ -101,7 +103,7 @@ def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOpt
                         progress(round_number, options.rounds, done, len(cases), case)
                     rounds[case].append(run_case(stack, case, options, floor))
                     if comparison is not None:
-                        compared[case].append(comparison.run_case(case, cfg, options))
+                        compared[case].append(comparison.run_case(case, cfg, options, floor))
                 del stack
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

@@ -30,7 +30,7 @@ from memcli.errors import MemcliError
 from memcli.reference.loader import Reference
 from memcli.reference.standins import ModelConfig, NoSpeculation
 from memcli.tools.bench_one_batch.cases import Case
-from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_steps, measure
+from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_steps, measure, measure_beside
 from memcli.tools.bench_one_batch.runner import VOCAB_SIZE, case_tokens
 
 NAME = "sglang-0.5.5"
@@ -73,19 +73,29 @@ class SglangComparison:
     def slow_start_notes(self, cases: list[Case]) -> list[str]:
         return slow_start_notes(cases, self.device_type)
 
-    def run_case(self, case: Case, config: Config, options) -> dict[str, PhaseTiming]:
+    def run_case(self, case: Case, config: Config, options, floor=None) -> dict[str, PhaseTiming]:
+        """SGLang's side of one case; with a `floor` (`run.GraphFloor`), each decode step's
+        memory path is timed in turn with the launch floor, as memcli's is."""
         runner = SglangCase(self.ref, case, config, seed=options.seed)
         timed = functools.partial(measure, device=runner.device, repeat=options.repeat, warmup=options.warmup)
         runner.start()
         phases = {"prefill_memory": timed(runner.prefill_memory, setup=runner.restore_prefill)}
         runner.prefill()
-        steps = []
+        steps, floors = [], []
         for _ in range(runner.decode_steps):
             restore = functools.partial(runner.restore_decode, runner.snapshot_decode())
-            steps.append(timed(runner.decode_memory, setup=restore))
+            if floor is None:
+                steps.append(timed(runner.decode_memory, setup=restore))
+            else:
+                memory, launch = measure_beside(runner.decode_memory, floor.replay, runner.device, options.repeat,
+                                                options.warmup, setup=restore)
+                steps.append(memory)
+                floors.append(launch)
             runner.decode_step()
         if steps:
             phases["decode_memory"] = combine_steps(steps)
+        if floors:
+            phases["launch_floor"] = combine_steps(floors)
         phases["free"] = timed(runner.finish, setup=runner.before_finish)
         return phases
 

@@ -184,7 +184,7 @@ def check_fits(workload: Workload, config: Config) -> None:
     for index, spec in enumerate(workload.requests):
         need = spec.input_len + spec.output_len
         whole = config.context_need(spec.input_len, spec.output_len)  # SGLang's request limits add 2
-        if whole <= context and need < pool and whole <= pool:
+        if whole <= context and need < pool:
             continue
         limit = (f"memory.max_context_len is {context}" if whole > context else f"the pool holds {pool} tokens")
         if whole > need:

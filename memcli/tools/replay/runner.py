@@ -128,19 +128,17 @@ def check_fits(config: Config, trace: Trace) -> None:
             raise CapacityError(f"{where} needs {need} tokens (input {spec.input_len} + output {spec.output_len}){what}",
                                 _fit_hint(config, trace, index))
         if _pool_need(config, spec.input_len, spec.output_len) > pool:
-            limits = (" (SGLang's request limits bound a request by the pool as by the context:"
-                      " semantics.request_limits)" if sglang and whole > pool else "")
             raise CapacityError(
-                f"{where} needs {align_up(need, ps)} tokens ({need} rounded to pages of {ps}) but the pool holds"
-                f" {pool}{limits}", _fit_hint(config, trace, index))
+                f"{where} needs {align_up(need, ps)} tokens ({need} rounded to pages of {ps}) but the pool holds {pool}",
+                _fit_hint(config, trace, index))
 
 
 def _pool_need(config: Config, input_len: int, output_len: int) -> int:
-    """The smallest pool (tokens, whole pages) that admits and holds one request alone (under
-    SGLang's request limits, the pool also bounds the request length as the context does)."""
+    """The smallest pool (tokens, whole pages) that admits and holds one request alone. (SGLang's
+    request limits also bound a request by the pool, but the context, which the config keeps
+    within the pool, is the tighter bound: `check_fits` tests it first.)"""
     ps, clip = config.page_size, config.scheduler.max_new_tokens_clip
-    need = max(align_up(input_len + output_len, ps), align_up(input_len + min(output_len, clip) + 1, ps))
-    return max(need, align_up(config.context_need(input_len, output_len), ps))
+    return max(align_up(input_len + output_len, ps), align_up(input_len + min(output_len, clip) + 1, ps))
 
 
 def _fit_hint(config: Config, trace: Trace, index: int) -> str:

@@ -205,6 +205,22 @@ def test_sglang_side_runs_the_same_batch_slot_for_slot(tree_cache, page_size, pr
 
 
 @needs_reference
+def test_sglangs_decode_is_timed_beside_the_floor_as_memclis_is():
+    """With a floor, SGLang's decode memory path is timed in turn with it, as memcli's is."""
+    from memcli.reference.loader import load_reference
+    from memcli.tools.bench_one_batch.sglang_side import SglangComparison
+
+    ref = load_reference()
+    cfg = replace(_small_config(1), runtime={"device": ref.device})
+    floor = _CountingFloor()
+    side = SglangComparison(ref, torch.device(ref.device))
+    phases = side.run_case(Case(2, 24, 3, 0, 1), cfg, BenchOptions(repeat=3, warmup=1), floor)
+    assert phases["launch_floor"].samples == phases["decode_memory"].samples == 2 * 3  # 2 steps, 3 calls each
+    assert floor.replays >= 2 * (1 + 3)
+    assert "launch_floor" not in side.run_case(Case(2, 24, 3, 0, 1), cfg, BenchOptions(repeat=1))
+
+
+@needs_reference
 def test_compare_prints_a_speedup_per_phase():
     from memcli.reference.loader import load_reference
 

@@ -283,3 +283,21 @@ def test_an_injected_host_pool_page_size_breaks_the_backups():
     violation = run.phases[0].violation
     assert violation.name == "no_exception" and "host alloc" in violation.detail and "page_size 16" in violation.detail
     assert run.phases[1].ok  # the bench path has no host pool
+
+
+def test_trace_request_at_the_context_needs_sglangs_two_tokens(tmp_path):
+    """Under the sglang-0.5.5 profile a request of exactly max_context_len tokens would have
+    its output clipped (semantics.request_limits), so it is refused with the reason; the
+    memcli profile runs it."""
+    from memcli.config import load_config
+    from memcli.errors import CapacityError
+    from memcli.tools.check_page_size.workload import check_fits, trace_workload
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"rid": "a", "input_len": 4000, "output_len": 96}) + "\n")
+    workload = trace_workload(trace, 1)
+    with pytest.raises(CapacityError) as exc:
+        check_fits(workload, load_config(None, ["memory.max_context_len=4096", "memory.max_total_tokens=16384"]))
+    assert "runs whole with 4098 under semantics.request_limits max_req_len" in exc.value.message
+    check_fits(workload, load_config(None, ["memory.max_context_len=4096", "memory.max_total_tokens=16384",
+                                            "semantics.profile=memcli"]))

@@ -120,9 +120,22 @@ def test_sglang_request_limits_need_two_tokens_more_and_the_hint_gives_them(shru
     assert "semantics.request_limits" in message
     assert f"--set memory.max_context_len={longest + 2}" in exc.value.hint
     check_fits(small_config(1, pool=longest + 2, context=longest + 2), shrunk)
-    with pytest.raises(CapacityError) as exc:  # the pool bounds the request length as the context does
+    with pytest.raises(CapacityError) as exc:  # one token short of the two
         check_fits(small_config(1, pool=longest + 1, context=longest + 1), shrunk)
     assert f"--set memory.max_context_len={longest + 2}" in exc.value.hint
+
+
+def test_sglang_request_limits_keep_a_prompt_seven_tokens_under_the_context(tmp_path):
+    """A short output: the prompt's own limit binds (SGLang aborts a prompt of max_req_len - 5
+    tokens or more, max_req_len = context - 1), so the context must exceed the prompt by 7."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"rid": "a", "input_len": 994, "output_len": 3}) + "\n")
+    trace = read_trace(path)
+    with pytest.raises(CapacityError) as exc:
+        check_fits(small_config(1, pool=4_000, context=1_000), trace)
+    assert "max_context_len >= 1001" in exc.value.message and "max_req_len - 5" in exc.value.message
+    check_fits(small_config(1, pool=4_000, context=1_001), trace)
+    check_fits(small_config(1, pool=4_000, context=997, **MEMCLI_PROFILE), trace)  # row: input + output
 
 
 def test_timestamp_arrivals_need_times(generated, tmp_path):
