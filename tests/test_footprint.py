@@ -32,6 +32,28 @@ def test_estimate_counts_every_buffer():
     assert estimate_stack_bytes(cfg, "indices").kv_buffers == 0
 
 
+def test_the_host_pool_counts_in_host_memory_and_its_hint_fits(available):
+    """A hiradix host pool of a billion slots: 17 bytes each on a CPU (ring, its fill or a
+    check's copy, a check's mark), counted with the stack; the hint's ratio fits."""
+    settings = ["memory.kv_pool=indices", "cache.kind=hiradix", "cache.host_ratio=1000"]
+    cfg = load_config(None, settings)
+    need = estimate_stack_bytes(cfg)
+    assert need.host_pool == 16384 * 1000 * 17 and need.on_device == need.total - need.host_pool
+    assert estimate_stack_bytes(cfg, device_type="cuda").host_pool == need.host_pool  # indices: no K/V on the host
+    materialized = load_config(None, ["cache.kind=hiradix"])
+    assert estimate_stack_bytes(materialized, device_type="cuda").host_pool == 16384 * 2 * (17 + 2048)
+    available(GIB // 8)
+    with pytest.raises(CapacityError) as info:
+        check_footprint(cfg, CPU)
+    assert "host pool" in info.value.message and "--set cache.host_ratio=" in info.value.hint
+    ratio = info.value.hint.split("--set cache.host_ratio=")[1].split()[0]
+    check_footprint(load_config(None, [*settings[:2], f"cache.host_ratio={ratio}"]), CPU)
+    available(need.on_device * 10 // 9 + 1024)  # room for the stack, none for a host pool above the device pool
+    with pytest.raises(CapacityError) as info:
+        check_footprint(cfg, CPU)
+    assert "lower memory.max_total_tokens" in info.value.hint
+
+
 def test_materialized_over_the_limit_hints_indices(available):
     available(24 * GIB)
     cfg = load_config("configs/llama3-8b-h200.yaml", ["runtime.device=cpu"])
@@ -69,3 +91,17 @@ def test_shipped_gpu_config_on_a_small_cpu_is_exit_2_up_front(available, command
     assert result.exit_code == 2, result.output
     errors = [line for line in result.stderr.splitlines() if not line.startswith("note: ")]
     assert errors[0].startswith("error: memory: the stack needs ") and errors[1].startswith("hint: ")
+
+
+def test_a_gpu_stacks_host_pool_is_checked_against_host_memory(monkeypatch):
+    """On a GPU the host pool (pinned K/V with a materialized pool) lives in host memory: the
+    device may have room while the host has not."""
+    room = {"cuda": 100 * GIB, "cpu": GIB}
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: (room[device.type], device.type))
+    cfg = load_config(None, ["cache.kind=hiradix", "cache.host_ratio=64"])  # 1 Mi host slots of 2 KiB
+    with pytest.raises(CapacityError) as info:
+        check_footprint(cfg, torch.device("cuda"))
+    assert info.value.message.startswith("memory: the hiradix host pool needs 2.0 GiB but the host has 1.0 GiB")
+    assert "--set cache.host_ratio=" in info.value.hint
+    room["cpu"] = 8 * GIB
+    assert check_footprint(cfg, torch.device("cuda")).host_pool == 16384 * 64 * (17 + 2048)

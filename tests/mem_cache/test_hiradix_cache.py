@@ -216,3 +216,25 @@ def test_host_pools_smaller_than_the_device_pool_keep_every_invariant(write_poli
     tree = side.tree
     assert tree.host_size() + tree.host_pool.available_size() == tree.host_pool.size
     assert side.allocator.available_size() + tree.total_size() == side.allocator.size
+
+
+def test_a_host_slot_held_twice_or_out_of_range_is_caught():
+    """The counts still add up, but a node's host slot is also on the free list (or is no slot
+    at all): the deep check marks every slot once and finds it."""
+    cache, alloc, host, clock = make()
+    insert(cache, alloc, list(range(12)))
+    cache.check_hicache_events()
+    node = cache.root.children[0]
+    assert node.host_value is not None
+    assert_ok(cache)
+    free_slot = int(host.free_slot_ids()[0])
+    kept = node.host_value.clone()
+    node.host_value[0] = free_slot
+    failures = [c for c in cache.check_integrity().failures if c.name == "host_conservation"]
+    assert failures and "held twice" in failures[0].detail
+    node.host_value = kept.clone()
+    node.host_value[0] = host.size
+    failures = [c for c in cache.check_integrity().failures if c.name == "host_conservation"]
+    assert failures and "outside" in failures[0].detail
+    node.host_value = kept
+    assert_ok(cache)

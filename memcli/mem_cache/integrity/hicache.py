@@ -97,10 +97,15 @@ def _host_conservation(cache: HiRadixCache, nodes: list | None) -> CheckResult:
         slots = torch.cat(host).numpy() if host else np.empty(0, dtype=np.int64)
         if len(slots) != held:
             return failed("host_conservation", f"nodes hold {len(slots)} host slots, counter {held}")
-        both = np.concatenate([slots, pool.free_slot_ids()])
-        if len(both) and (both.min() < 0 or both.max() >= size):
-            return failed("host_conservation", f"a host slot lies outside [0, {size})")
-        if len(both) and np.bincount(both, minlength=size).max() > 1:
+        free_ids = pool.free_slot_ids()
+        for ids in (slots, free_ids):
+            if len(ids) and (ids.min() < 0 or ids.max() >= size):
+                return failed("host_conservation", f"a host slot lies outside [0, {size})")
+        # One byte per slot (the pool can hold a billion): every slot marked once, or one is held twice.
+        seen = np.zeros(size, dtype=bool)
+        seen[free_ids] = True
+        seen[slots] = True
+        if int(np.count_nonzero(seen)) != len(free_ids) + len(slots):
             return failed("host_conservation", "a host slot is held twice (two nodes, or a node and the free list)")
     return passed("host_conservation", detail)
 
