@@ -85,21 +85,19 @@ def check_footprint(config: Config, device: torch.device) -> StackBytes:
     """Raise `CapacityError` when the stack would not fit on `device` (and its host pool in
     host memory); return the estimate."""
     need = estimate_stack_bytes(config, device_type=device.type)
+    here = need  # what `device`'s memory holds: on a GPU, all but the host pool
     if device.type == "cuda" and need.host_pool:
         _check_host_pool(config, need)
-        on_device = need._replace(host_pool=0)
-    else:
-        on_device = need
+        here = need._replace(host_pool=0)
     have, source = available_bytes(device)
     usable = int(have * USABLE_SHARE)
-    if on_device.total <= usable:
+    if here.total <= usable:
         return need
-    need = on_device
-    parts = ", ".join(f"{LABELS[name]} {gib(value)}" for name, value in need._asdict().items() if value)
+    parts = ", ".join(f"{LABELS[name]} {gib(value)}" for name, value in here._asdict().items() if value)
     raise CapacityError(
-        f"memory: the stack needs {gib(need.total)} ({parts}) but the {device.type} has {gib(have)}"
+        f"memory: the stack needs {gib(here.total)} ({parts}) but the {device.type} has {gib(have)}"
         f" ({source}; {USABLE_SHARE:.0%} usable: {gib(usable)})",
-        _hint(config, need, usable),
+        _hint(config, here, usable),
     )
 
 

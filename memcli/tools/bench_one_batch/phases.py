@@ -80,10 +80,13 @@ def measure(fn: Fn, device: torch.device, repeat: int, warmup: int, setup: Fn = 
     return _measure([(fn, setup, first_call_s)], device, repeat, warmup)[0]
 
 
-def measure_beside(fn: Fn, other: Fn, device: torch.device, repeat: int, warmup: int,
-                   setup: Fn = _noop) -> tuple[PhaseTiming, PhaseTiming]:
+def measure_beside(fn: Fn, other: Optional[Fn], device: torch.device, repeat: int, warmup: int,
+                   setup: Fn = _noop) -> tuple[PhaseTiming, Optional[PhaseTiming]]:
     """`measure` of `fn` (after `setup`) and of `other` (which needs none), their timed calls
-    taken in turn: the two figures see the same state of the machine."""
+    taken in turn: the two figures see the same state of the machine. Without `other`, `fn`
+    alone and None."""
+    if other is None:
+        return measure(fn, device, repeat, warmup, setup), None
     mine, theirs = _measure([(fn, setup, None), (other, _noop, None)], device, repeat, warmup)
     return mine, theirs
 

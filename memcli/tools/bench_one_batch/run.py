@@ -215,11 +215,9 @@ def _measure_decode(runner: CaseRunner, timed, options: BenchOptions, floor: Opt
     before = runner.allocator.in_use_tokens
     for _ in range(runner.decode_steps):
         restore = functools.partial(runner.restore_decode, runner.snapshot_decode())
-        if floor is None:
-            memory = timed(runner.decode_memory, setup=restore)
-        else:
-            memory, launch = measure_beside(runner.decode_memory, floor.replay, runner.device, options.repeat,
-                                            options.warmup, setup=restore)
+        memory, launch = measure_beside(runner.decode_memory, None if floor is None else floor.replay,
+                                        runner.device, options.repeat, options.warmup, setup=restore)
+        if launch is not None:
             floors.append(launch)
         steps.append((timed(runner.decode_step, setup=restore), memory))
     return steps, floors, runner.allocator.in_use_tokens - before

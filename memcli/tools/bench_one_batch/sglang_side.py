@@ -84,12 +84,10 @@ class SglangComparison:
         steps, floors = [], []
         for _ in range(runner.decode_steps):
             restore = functools.partial(runner.restore_decode, runner.snapshot_decode())
-            if floor is None:
-                steps.append(timed(runner.decode_memory, setup=restore))
-            else:
-                memory, launch = measure_beside(runner.decode_memory, floor.replay, runner.device, options.repeat,
-                                                options.warmup, setup=restore)
-                steps.append(memory)
+            memory, launch = measure_beside(runner.decode_memory, None if floor is None else floor.replay,
+                                            runner.device, options.repeat, options.warmup, setup=restore)
+            steps.append(memory)
+            if launch is not None:
                 floors.append(launch)
             runner.decode_step()
         if steps:
