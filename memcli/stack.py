@@ -22,6 +22,7 @@ from memcli.mem_cache.chunk_cache import ChunkCache
 from memcli.mem_cache.decode_graph import DecodeGraphs
 from memcli.mem_cache.hiradix_cache import HiRadixCache
 from memcli.mem_cache.host_pool import HostKVPool
+from memcli.mem_cache.manager import MemoryManager
 from memcli.mem_cache.null_cache import NullCache
 from memcli.mem_cache.pools import KVPool, ReqToTokenPool
 from memcli.mem_cache.radix_cache import RadixCache
@@ -44,6 +45,10 @@ class MemoryStack:
     null_cache: NullCache
     injected: dict[str, int] = field(default_factory=dict)
     host_pool: HostKVPool | None = None  # the hiradix host tier (None for other caches)
+    memory: MemoryManager = field(init=False, repr=False)  # the one way the scheduler and tools reach it
+
+    def __post_init__(self) -> None:
+        self.memory = MemoryManager(self)
 
     @property
     def size(self) -> int:

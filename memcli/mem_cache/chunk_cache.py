@@ -86,7 +86,7 @@ class ChunkCache(BasePrefixCache):
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(req.fill_ids)]
         if self.count_protected:
             self._reported_protected += len(kv) - len(req.prefix_indices)
-        req.prefix_indices = kv.to(device=self.device, dtype=torch.int64, copy=True)
+        req.kv.prefix_indices = kv.to(device=self.device, dtype=torch.int64, copy=True)
 
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
         """Free `req_to_token[row, :kv_allocated_len]` (partial last page included) and the row.
@@ -100,7 +100,7 @@ class ChunkCache(BasePrefixCache):
         self.req_to_token_pool.free(req.req_pool_idx)
         if self.count_protected:
             self._reported_protected -= len(req.prefix_indices)
-        req.kv_freed = True  # the one request field this cache writes on finish (as SGLang)
+        req.kv.kv_freed = True  # the one request field this cache writes on finish (as SGLang)
 
     def evict(self, num_tokens: int) -> int:
         return 0

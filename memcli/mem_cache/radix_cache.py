@@ -509,7 +509,7 @@ class RadixCache(BasePrefixCache):
         self._free(kv[start:], row, op)
         self.req_to_token_pool.free(req.req_pool_idx)
         self.dec_lock_ref(req.last_node)
-        req.kv_freed = True
+        req.kv.kv_freed = True
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
         """See `BasePrefixCache.cache_unfinished_req`. After it, with n = len(fill_ids):
@@ -528,7 +528,7 @@ class RadixCache(BasePrefixCache):
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         kv = row[:fill_len].to(torch.int64)
         if self.disable:
-            req.prefix_indices = kv
+            req.kv.prefix_indices = kv
             return
         aligned = align_down(fill_len, ps)
         start = align_down(len(req.prefix_indices), ps)
@@ -550,9 +550,9 @@ class RadixCache(BasePrefixCache):
                 ledger.wrote(req.req_pool_idx, start, tree_len)
         self.inc_lock_ref(node)
         self.dec_lock_ref(req.last_node)
-        req.prefix_indices = torch.cat([new_indices, kv[tree_len:]])
-        req.last_node = node
-        req.last_matched_prefix_len = tree_len
+        req.kv.prefix_indices = torch.cat([new_indices, kv[tree_len:]])
+        req.kv.last_node = node
+        req.kv.last_matched_prefix_len = tree_len
 
     @staticmethod
     def _check_prefix_kept(req: Any, start: int, new_prefix_len: int) -> None:

@@ -6,7 +6,7 @@
 `run_side_by_side` steps both until the first step whose observations differ.
 
 memcli's scheduler is observed without changing it: `MemcliSide` wraps, on the instance,
-the two cost-model methods (`_prefill_cost_ms`, `_decode_cost_ms`, each called once per
+the two cost-model methods (`prefill_cost_ms`, `decode_cost_ms`, each called once per
 batch that runs, after its allocation and before its results are processed) to see the
 batch, and the tree cache's `evict` to count evicted tokens; finished and retracted
 requests come from the scheduler's own event log.
@@ -27,7 +27,7 @@ import torch
 from memcli.config import Config
 from memcli.reference.loop import ReferenceLoop
 from memcli.reference.loop_overlap import reference_loop
-from memcli.sched.scheduler import Scheduler
+from memcli.sched.scheduler import Scheduler, SchedulerHooks
 from memcli.stack import build_stack
 from memcli.workload.spec import RequestSpec
 
@@ -126,15 +126,15 @@ class MemcliSide:
             # SGLang's side runs a synchronous cache controller: copies take no time there, nor here.
             controller = self.stack.tree_cache.controller
             controller.bandwidth_gbps, controller.latency_us = math.inf, 0.0
-        self.scheduler = sched = Scheduler(self.stack, config.scheduler, config.sim, config.page_size,
-                                           output_token_base=output_token_base, record_events=True)
+        self.scheduler = sched = Scheduler(self.stack.memory, config,
+                                           SchedulerHooks(output_token_base=output_token_base, record_events=True))
         for spec in requests:
             arrival_ms = 0.0 if arrivals == "burst" else float(spec.arrival_ms or 0.0)
             sched.add_request(sched.new_req(spec.rid, spec.input_ids(), spec.output_len, spec.extra_key, arrival_ms))
         self._batch = _NO_BATCH
         self._evicted = 0
-        self._wrap_cost(sched, "_prefill_cost_ms", prefill=True)
-        self._wrap_cost(sched, "_decode_cost_ms", prefill=False)
+        self._wrap_cost(sched, "prefill_cost_ms", prefill=True)
+        self._wrap_cost(sched, "decode_cost_ms", prefill=False)
         tree = self.stack.tree_cache
         real_evict = tree.evict
 

@@ -1,9 +1,9 @@
 """ScheduleBatch: the requests of one forward step and their length tensors.
 
-Memory is reached only through `memcli.mem_cache.common`, by named values: the batch builds
-an `ExtendPlan` and applies the `ExtendAllocation` it gets back (the batch, not memory, writes
-the request fields); for a decode step it counts the pages (`decode_pages_needed`, O(1)) and
-passes that number down. The pools and the allocator are opaque references to pass along.
+Memory is reached only through the memory manager (`memcli.mem_cache.manager`), by named
+values: the batch asks for an `ExtendPlan`, hands it back to be served and keeps the
+`ExtendAllocation`'s tensors (memory updates the requests' records); for a decode step it
+counts the pages (`decode_pages_needed`, O(1)) and passes that number down.
 """
 
 from __future__ import annotations
@@ -11,26 +11,25 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from memcli.mem_cache import common, pages
+from memcli.mem_cache import pages
+from memcli.mem_cache.manager import ExtendPlan, MemoryManager, Release
 
 
 class ScheduleBatch:
-    def __init__(self, reqs: list, stack):
+    def __init__(self, reqs: list, memory: MemoryManager, enable_overlap: bool = False):
         self.reqs = list(reqs)
-        self.req_to_token_pool = stack.req_to_token_pool
-        self.token_to_kv_pool_allocator = stack.allocator
-        self.tree_cache = stack.tree_cache
-        self.device = stack.req_to_token_pool.device
+        self.memory = memory
+        self.device = memory.device
         self.forward_mode = "idle"
         self.seq_lens_cpu = torch.empty(0, dtype=torch.int64)
         self.seq_lens = torch.empty(0, dtype=torch.int64, device=self.device)
         self.req_pool_indices = torch.empty(0, dtype=torch.int64, device=self.device)
-        self.extend_plan: common.ExtendPlan | None = None  # of the last prepare_for_extend
+        self.extend_plan: ExtendPlan | None = None  # of the last prepare_for_extend
         self.out_cache_loc: torch.Tensor | None = None
         self._page_hist: _PageHistogram | None = None
         # SGLang's `enable_overlap`: the next decode's page estimate reads `req.seqlen`, whose
         # outputs lag one step behind the KV (see `estimated_decode_pages`).
-        self.enable_overlap = stack.config.behaviour.event_loop == "overlap"
+        self.enable_overlap = enable_overlap
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -41,7 +40,7 @@ class ScheduleBatch:
 
     @property
     def page_size(self) -> int:
-        return self.token_to_kv_pool_allocator.page_size
+        return self.memory.page_size
 
     @property
     def prefix_lens_cpu(self) -> torch.Tensor:
@@ -54,46 +53,36 @@ class ScheduleBatch:
         """New tokens of the last extend (0 before one)."""
         return self.extend_plan.extend_num_tokens if self.extend_plan is not None else 0
 
-    def build_extend_plan(self) -> common.ExtendPlan:
-        """The extend plan of the requests as they stand: prefix = `prefix_indices`, sequence
-        = `fill_ids`. Checks that the lengths agree with each request's `extend_input_len`."""
-        seq_lens = [len(r.fill_ids) for r in self.reqs]
-        plan = common.ExtendPlan.build([r.req_pool_idx for r in self.reqs], [r.prefix_indices for r in self.reqs],
-                                       seq_lens, self.page_size)
-        expected = [r.extend_input_len for r in self.reqs]
-        if plan.extend_lens_cpu.tolist() != expected:
-            raise AssertionError(f"extend lengths {plan.extend_lens_cpu.tolist()} != extend_input_len {expected}")
-        return plan
-
-    def prepare_for_extend(self) -> None:
-        """Plan the extend, allocate it through `alloc_for_extend`, then apply the result to
-        the batch and its requests (`req_pool_idx`, `kv_allocated_len`)."""
+    def prepare_for_extend(self) -> bool:
+        """Plan the extend and have memory serve it (rows, KV slots, the requests' records);
+        False, with nothing taken, when memory cannot."""
         self.forward_mode = "extend"
-        plan = self.extend_plan = self.build_extend_plan()
+        plan = self.extend_plan = self.memory.plan_extend(self.reqs)
         self.seq_lens_cpu = plan.seq_lens_cpu
-        alloc = common.alloc_for_extend(plan, self.req_to_token_pool, self.token_to_kv_pool_allocator,
-                                        self.tree_cache)
+        alloc = self.memory.alloc_extend(plan, self.reqs)
+        if alloc is None:
+            return False
         self.out_cache_loc = alloc.out_cache_loc
         self.req_pool_indices = alloc.req_pool_indices
         self.seq_lens = alloc.seq_lens
-        for req, row, seq in zip(self.reqs, alloc.rows, plan.seq_lens_cpu.tolist()):
-            req.req_pool_idx = row
-            req.kv_allocated_len = seq
+        for req in self.reqs:
             req.is_retracted = False
+        return True
 
     def prepare_for_decode(self) -> None:
-        """Allocate one slot per request at column `seq_lens`, then increment `seq_lens`."""
+        """Allocate one slot per request at column `seq_lens`, then increment `seq_lens`.
+        Raises `OutOfMemoryError` when the step does not fit (`check_decode_mem` first)."""
         self.forward_mode = "decode"
-        self.out_cache_loc, self.seq_lens = common.alloc_for_decode(
-            self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
-            seq_lens=self.seq_lens, seq_lens_cpu=self.seq_lens_cpu, req_pool_indices=self.req_pool_indices,
-            num_pages=self.decode_pages_needed(self.page_size))
+        num_pages = self.decode_pages_needed(self.page_size)
+        written = self.memory.alloc_decode(self.reqs, seq_lens=self.seq_lens, seq_lens_cpu=self.seq_lens_cpu,
+                                           req_pool_indices=self.req_pool_indices, num_pages=num_pages)
+        if written is None:
+            raise self.memory.out_of_memory("decode", num_pages * self.page_size)
+        self.out_cache_loc, self.seq_lens = written
         before, self.seq_lens_cpu = self.seq_lens_cpu, self.seq_lens_cpu + 1
         hist = self._page_hist
         if hist is not None and hist.lengths is before:
             hist.lengths, hist.steps = self.seq_lens_cpu, hist.steps + 1
-        for req in self.reqs:
-            req.kv_allocated_len += 1
 
     def decode_pages_needed(self, page_size: int) -> int:
         """`pages.decode_new_pages(self.seq_lens_cpu, page_size)`, in O(1) per step.
@@ -141,8 +130,7 @@ class ScheduleBatch:
 
     def check_decode_mem(self, keep: list[int] | None = None) -> bool:
         """True when the next decode step fits (evicting the shortfall from the tree)."""
-        num_pages = self.estimated_decode_pages(keep)
-        return common.check_decode_mem(self.token_to_kv_pool_allocator, self.tree_cache, num_pages)
+        return self.memory.can_decode(self.estimated_decode_pages(keep))
 
     def estimated_decode_pages(self, keep: list[int] | None = None) -> int:
         """SGLang's `new_page_count_next_decode` over all requests (or those at `keep`).
@@ -165,8 +153,8 @@ class ScheduleBatch:
                        release=None) -> tuple[list, float]:
         """Release requests until the next decode step fits; at least one when bs > 1.
 
-        `release(req)` frees a victim (default: `common.release_req(..., is_insert=False)`;
-        the overlap loop keeps the slot of a decode still in flight apart).
+        `release(req)` frees a victim (default: `memory.release(req, Release.RETRACTED)`; the
+        overlap loop keeps the slot of a decode still in flight apart).
 
         Victims: fewest output tokens first, ties by longest prompt. The requests kept stay
         in their order, or with `keep_victim_order` (SGLang) in the victim sort's order.
@@ -182,11 +170,10 @@ class ScheduleBatch:
             req = self.reqs[idx]
             retracted.append(req)
             if release is None:
-                common.release_req(self.tree_cache, req, is_insert=False)
+                self.memory.release(req, Release.RETRACTED)
             else:
                 release(req)
-            common.evict_if_needed(self.tree_cache, self.token_to_kv_pool_allocator,
-                                   len(order) * retract_decode_steps)
+            self.memory.evict_for(len(order) * retract_decode_steps)
             if self.check_decode_mem(sorted(order)):
                 break
         self.filter_batch(order if keep_victim_order else sorted(order))

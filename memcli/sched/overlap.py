@@ -18,10 +18,10 @@ What the one-iteration lag does to memory, and how memcli keeps its request fiel
 * A request finishes (or is retracted) while a batch that gave it one more slot is in
   flight. SGLang frees `origin + max(len(output) - 1, 0)` positions then, and that extra
   slot when the in-flight batch's result is processed; with ps > 1 only when the slot opened
-  a page of its own (else its page went with the request's last page). `release` sets
-  `kv_committed_len = kv_allocated_len` to what SGLang frees, releases, and keeps the extra
-  slot on the in-flight batch as an `InFlightSlot` (what the integrity checks count), freed
-  exactly once at that batch's result.
+  a page of its own (else its page went with the request's last page). `release` has memory
+  release what SGLang frees (`MemoryManager.release_lagging`) and keeps the extra slot on the
+  in-flight batch as an `InFlightSlot` (what the integrity checks count), freed exactly once
+  at that batch's result.
 * Finished requests leave the running batch at the next decode update, so their row and
   admission slot count until then (the admission gate needs no `lagging` count).
 """
@@ -32,8 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from memcli.mem_cache import common
-from memcli.mem_cache.integrity import InFlightSlot
+from memcli.mem_cache.manager import InFlightSlot, Release
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.req import Req
 
@@ -81,7 +80,7 @@ class OverlapLoop:
     def iterate(self) -> tuple[str, int, int]:
         """One loop iteration; returns (kind, batch size, new tokens) of the launched batch."""
         s = self.sched
-        s._admit_arrivals()
+        s.admit_arrivals()
         kind, batch = self.get_next_batch_to_run()
         if batch is not None:
             self._launch(kind, batch)
@@ -90,7 +89,7 @@ class OverlapLoop:
             if batch is None:
                 s.stats.idle_steps += 1  # no batch, but no idle check either: a result was pending
         elif batch is None:
-            s._idle()
+            s.idle()
         self.last_batch, self.last_kind = batch, kind
         if batch is None:
             return "idle", 0, 0
@@ -98,7 +97,7 @@ class OverlapLoop:
 
     def get_next_batch_to_run(self) -> tuple[Optional[str], Optional[ScheduleBatch]]:
         s = self.sched
-        s._cache_deferred_chunk(give_back_row=s.defer_chunk_caching)
+        s.cache_deferred_chunk(give_back_row=s.defer_chunk_caching)
         last = self.last_batch
         if last is not None and self.last_kind == "prefill":
             keep = [i for i, r in enumerate(last.reqs) if not r.finished and r is not s.chunked_req]
@@ -129,13 +128,13 @@ class OverlapLoop:
     def _launch(self, kind: str, batch: ScheduleBatch) -> None:
         s = self.sched
         if kind == "prefill":
-            s.clock_ms += s._prefill_cost_ms(batch)
+            s.clock_ms += s.prefill_cost_ms(batch)
             chunked = s.chunked_req
             if chunked is not None and chunked in batch.reqs:
                 s.chunk_to_cache = chunked  # enters the tree at the start of the next iteration
-            tokens = [None if r is chunked else s._token() for r in batch.reqs]
+            tokens = [None if r is chunked else s.next_output_token() for r in batch.reqs]
         else:
-            s.clock_ms += s._decode_cost_ms(batch)
+            s.clock_ms += s.decode_cost_ms(batch)
             base = s.next_token
             s.next_token += batch.batch_size
             tokens = list(range(base, base + batch.batch_size))
@@ -146,7 +145,7 @@ class OverlapLoop:
         if flight.kind == "prefill":
             self._process_prefill(flight)
         else:
-            with common.free_group(self.sched.stack.allocator):
+            with self.sched.memory.free_group():
                 self._process_decode(flight)
 
     def _skip(self, flight: InFlight, req: Req) -> bool:
@@ -154,7 +153,7 @@ class OverlapLoop:
         if req in flight.extra:
             slot = flight.extra.pop(req)
             if slot is not None:
-                common.free_slots(self.sched.stack.allocator, [slot.slot])
+                self.sched.memory.free_in_flight([slot.slot])
             return True
         return req.finished or req.is_retracted
 
@@ -163,46 +162,34 @@ class OverlapLoop:
         for req, seq_len, token in zip(flight.reqs, flight.seq_lens, flight.tokens):
             if self._skip(flight, req):
                 continue
-            req.kv_committed_len = seq_len
+            s.memory.commit(req, seq_len)
             if token is None:
                 continue  # a chunk: it entered the tree at the start of this iteration
             req.output_ids.append(token)
             if len(req.output_ids) >= req.max_new_tokens:
-                s._finish(req)
+                s.finish(req)
             else:
-                common.cache_unfinished(s.tree_cache, req)
+                s.memory.cache_unfinished(req)
 
     def _process_decode(self, flight: InFlight) -> None:
         s = self.sched
         for req, seq_len, token in zip(flight.reqs, flight.seq_lens, flight.tokens):
             if self._skip(flight, req):
                 continue
-            req.kv_committed_len = seq_len
+            s.memory.commit(req, seq_len)
             req.output_ids.append(token)
             if len(req.output_ids) >= req.max_new_tokens:
-                s._finish(req)
+                s.finish(req)
 
     # -- releasing a request ------------------------------------------------------------------
-    def release(self, req: Req, is_insert: bool) -> None:
+    def release(self, req: Req, why: Release) -> None:
         """Release `req` as SGLang does under overlap: its first `origin + max(len(output) - 1,
         0)` positions now; a slot beyond them (allocated by a batch still in flight) when that
         batch's result is processed, and only if no freed page holds it."""
         kv_len = min(req.kv_allocated_len, req.input_len + max(len(req.output_ids) - 1, 0))
-        extra = req.kv_allocated_len - kv_len
-        if extra > 1:
-            raise AssertionError(f"request {req.rid}: {extra} slots in flight, at most one expected")
-        ps = self.sched.page_size
-        slot = None
-        if extra:
-            slot = InFlightSlot(req.rid, kv_len, common.slot_at(self.sched.stack.req_to_token_pool, req.req_pool_idx, kv_len))
-        own_page = bool(extra) and (ps == 1 or kv_len % ps == 0)  # else the tail's page holds it
-        if own_page:
-            common.hold_in_flight(self.sched.stack.req_to_token_pool, req.req_pool_idx, slot.slot)
-        req.kv_committed_len = req.kv_allocated_len = kv_len
-        common.release_req(self.sched.tree_cache, req, is_insert=is_insert)
-        if extra:
-            flight = self._flight_holding(req)
-            flight.extra[req] = slot if own_page else None
+        released = self.sched.memory.release_lagging(req, kv_len, why)
+        if released.extra:
+            self._flight_holding(req).extra[req] = released.slot
 
     def _flight_holding(self, req: Req) -> InFlight:
         """The newest in-flight batch with `req`: the one that allocated its extra slot."""

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import enum
 
-import torch
-
-from memcli.mem_cache import common
+from memcli.mem_cache.manager import MemoryManager
 from memcli.mem_cache.pages import align_down, align_up
 
 
@@ -23,28 +21,27 @@ class AddResult(enum.Enum):
     OTHER = "other"  # an input or chunk budget is spent
 
 
-def uses_lpm(queue: list, policy: str, tree_cache) -> bool:
+def uses_lpm(queue: list, policy: str, memory: MemoryManager) -> bool:
     """LPM needs a sharing cache; above 128 waiting requests it falls back to FCFS."""
-    return policy == "lpm" and not tree_cache.disable and len(queue) <= 128
+    return policy == "lpm" and memory.sharing and len(queue) <= 128
 
 
-def order_waiting(queue: list, policy: str, tree_cache) -> list:
+def order_waiting(queue: list, policy: str, memory: MemoryManager) -> list:
     """FCFS keeps arrival order. LPM matches every waiting request (setting its prefix) and
     puts the longest match first (stable)."""
-    if not uses_lpm(queue, policy, tree_cache):
+    if not uses_lpm(queue, policy, memory):
         return queue
     for req in queue:
-        req.init_next_round_input(tree_cache)
+        req.init_next_round_input(memory)
     return sorted(queue, key=lambda r: -len(r.prefix_indices))
 
 
 class PrefillAdder:
-    def __init__(self, tree_cache, allocator, running_reqs: list, new_token_ratio: float,
+    def __init__(self, memory: MemoryManager, running_reqs: list, new_token_ratio: float,
                  max_prefill_tokens: int, chunked_prefill_size: int | None, page_size: int, clip: int,
                  align_chunks: bool = True):
-        self.tree_cache = tree_cache
+        self.memory = memory
         self.align_chunks = align_chunks
-        self.allocator = allocator
         self.page_size = page_size
         self.clip = clip
         self.rem_input_tokens = max_prefill_tokens
@@ -61,7 +58,7 @@ class PrefillAdder:
 
     @property
     def rem_total_tokens(self) -> float:
-        u = common.usage(self.tree_cache, self.allocator)
+        u = self.memory.usage()
         return u.available + u.evictable - self.rem_total_token_offset
 
     def _update_budget(self, extend_len: int, max_new: int, prefix_len: int = 0) -> None:
@@ -112,16 +109,16 @@ class PrefillAdder:
         real_input = align_up(req.extend_input_len - req.host_hit_length, self.page_size)
         if real_input >= self.rem_input_tokens and self.can_run_list:
             return AddResult.OTHER
-        locked = req.last_node
-        self.tree_cache.inc_lock_ref(locked)
+        memory = self.memory
+        memory.lock(req.last_node)
         if total >= self.rem_total_tokens:  # locking moved the prefix out of evictable
-            self.tree_cache.dec_lock_ref(locked)
+            memory.unlock(req.last_node)
             return AddResult.NO_TOKEN
-        if req.host_hit_length > 0:
-            locked = self._load_back(req, locked)
+        if req.host_hit_length > 0 and memory.load_back(req):
+            req.extend_input_len = len(req.fill_ids) - len(req.prefix_indices)
         extend = align_up(req.extend_input_len, self.page_size)
         if extend >= self.rem_input_tokens and self.can_run_list:
-            self.tree_cache.dec_lock_ref(locked)
+            memory.unlock(req.last_node)
             return AddResult.OTHER
         if self.rem_chunk_tokens is None or extend <= self.rem_chunk_tokens:
             self.can_run_list.append(req)
@@ -129,7 +126,7 @@ class PrefillAdder:
             return self.budget_state()
         trunc = align_down(self.rem_chunk_tokens, self.page_size)
         if trunc <= 0 or has_chunked_req:
-            self.tree_cache.dec_lock_ref(locked)
+            memory.unlock(req.last_node)
             return AddResult.OTHER
         req.extend_input_len = trunc
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + trunc]
@@ -137,20 +134,6 @@ class PrefillAdder:
         self.new_chunked_req = req
         self._update_budget(trunc, 0, len(req.prefix_indices))
         return self.budget_state()
-
-    def _load_back(self, req, locked):
-        """Load the match's host-only part back; the request's prefix and lock follow."""
-        new_indices, req.last_node = self.tree_cache.init_load_back(req.last_host_node, req.host_hit_length)
-        req.host_skipped_len = req.host_hit_length - len(new_indices)
-        if len(new_indices):
-            req.prefix_indices = torch.cat([req.prefix_indices, new_indices])
-            req.extend_input_len = len(req.fill_ids) - len(req.prefix_indices)
-            req.last_matched_prefix_len = len(req.prefix_indices)
-            req.host_loaded_len += len(new_indices)
-        if req.last_node is not locked:
-            self.tree_cache.inc_lock_ref(req.last_node)
-            self.tree_cache.dec_lock_ref(locked)
-        return req.last_node
 
 
 class AdmissionGate:

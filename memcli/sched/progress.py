@@ -11,7 +11,6 @@ import math
 from typing import NamedTuple
 
 from memcli.errors import StalledError
-from memcli.mem_cache import common
 
 # Far above any legitimate run of steps in which no request advances.
 MAX_STALLED_STEPS = 1000
@@ -50,7 +49,7 @@ class ProgressGuard:
 
 def stall_message(sched, what: str) -> str:
     """Where the scheduler stands: step, clock, queues and pool."""
-    u = common.usage(sched.tree_cache, sched.stack.allocator)
+    u = sched.memory.usage()
     return (f"scheduler stalled at step {sched.step_count}, clock {sched.clock_ms:.3f} ms: {what};"
             f" waiting {len(sched.waiting)}, running {len(sched.running.reqs)},"
             f" chunked {int(sched.chunked_req is not None)}, not yet arrived {len(sched.pending)};"

@@ -18,10 +18,8 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 
-from memcli.config import REQ_INPUT_MARGIN
-from memcli.errors import OutOfMemoryError, RequestSlotsExhausted
-from memcli.mem_cache import common
-from memcli.mem_cache.integrity import CheckPolicy, IntegrityChecker
+from memcli.config import REQ_INPUT_MARGIN, Config
+from memcli.mem_cache.manager import CheckPolicy, IntegrityChecker, MemoryManager, Release
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.overlap import OverlapLoop
 from memcli.sched.progress import ProgressGuard
@@ -81,59 +79,72 @@ class SchedulerStats:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class SchedulerHooks:
+    """What a caller adds to a run: callbacks, checks and test switches (all optional).
+
+    `on_step(scheduler, record)` runs after every step; `on_admission(req, admitted)` when a
+    request is admitted (True: its prefill batch was built) or goes back to waiting (False:
+    retracted), which memcli replay uses to move the trace's future. After each step the
+    checks of `checks` run (by default sampled full walks on idle steps only), or those of a
+    prebuilt `checker`. `retract_every` forces a retraction every that many decode steps;
+    `page_size` gives the budget another page size than memory's (check-page-size's
+    injection)."""
+
+    output_token_base: int = 1 << 40
+    record_events: bool = True
+    on_step: Callable[["Scheduler", StepRecord], None] | None = None
+    on_admission: Callable[[Req, bool], None] | None = None
+    checks: CheckPolicy = CheckPolicy()
+    checker: IntegrityChecker | None = None
+    retract_every: int = 0
+    page_size: int | None = None
+
+
 class Scheduler:
-    def __init__(self, stack, sched_config, sim_config, page_size: int, output_token_base: int = 1 << 40,
-                 check_every_step: bool = False, retract_every: int = 0, record_events: bool = True,
-                 on_step: Callable[["Scheduler", StepRecord], None] | None = None,
-                 checker: IntegrityChecker | None = None,
-                 on_admission: Callable[[Req, bool], None] | None = None):
-        self.stack = stack
-        self.cfg = sched_config
-        self.sim = sim_config
-        self.page_size = page_size
-        self.tree_cache = stack.tree_cache
-        self.device = stack.req_to_token_pool.device
-        self.max_running = stack.req_to_token_pool.size
-        # What runs after each step: the full walk (check_every_step) or the caller's checker;
-        # by default sampled full walks on idle steps only.
-        self.checker = checker or IntegrityChecker(stack, CheckPolicy("full" if check_every_step else "none"))
-        self.retract_every = retract_every
-        self.record_events = record_events
-        self.on_step = on_step
-        # Told when a request is admitted (True: its prefill batch was built) or goes back to
-        # waiting (False: retracted); memcli replay moves the trace's future with it.
-        self.on_admission = on_admission
-        self.next_token = output_token_base
+    def __init__(self, memory: MemoryManager, config: Config, hooks: SchedulerHooks = SchedulerHooks()):
+        self.memory = memory
+        self.cfg = config.scheduler
+        self.sim = config.sim
+        self.page_size = hooks.page_size or memory.page_size
+        self.device = memory.device
+        self.max_running = memory.max_running
+        self.checker = hooks.checker or memory.checker(hooks.checks)
+        self.retract_every = hooks.retract_every
+        self.record_events = hooks.record_events
+        self.on_step = hooks.on_step
+        self.on_admission = hooks.on_admission
+        self.next_token = hooks.output_token_base
         self.clock_ms = 0.0
         self.step_count = 0
         self.pending: deque[Req] = deque()
         self.waiting: list[Req] = []
-        self.running = ScheduleBatch([], stack)
+        behaviour = config.behaviour
+        self.enable_overlap = behaviour.event_loop == "overlap"
+        self.running = ScheduleBatch([], memory, self.enable_overlap)
         self.chunked_req: Req | None = None
         self.finished: list[Req] = []
         self.events: list[Event] = []
         self.records: list[StepRecord] = []
         self.stats = SchedulerStats()
         self._evicted_seen = 0
-        self.init_new_token_ratio = min(sched_config.init_new_token_ratio, 1.0)
-        self.min_new_token_ratio = self.init_new_token_ratio * sched_config.min_new_token_ratio_factor
+        self.init_new_token_ratio = min(self.cfg.init_new_token_ratio, 1.0)
+        self.min_new_token_ratio = self.init_new_token_ratio * self.cfg.min_new_token_ratio_factor
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / max(
-            sched_config.new_token_ratio_decay_steps, 1)
+            self.cfg.new_token_ratio_decay_steps, 1)
         self.new_token_ratio = self.init_new_token_ratio
-        behaviour = stack.config.behaviour
         self.retract_to_front = behaviour.retract_requeue == "front"
         self.retract_keep_victim_order = behaviour.retract_batch_order == "victim_sort"
         self.defer_chunk_caching = behaviour.chunked_prefix == "deferred"
         self.align_chunks = behaviour.chunk_alignment == "page"
         self.gate = AdmissionGate(behaviour.admission_gate, self.max_running)
-        self.max_req_len = stack.config.max_req_len
+        self.max_req_len = config.max_req_len
         self.chunk_to_cache: Req | None = None  # a chunk that enters the tree next step (deferred)
         self.progress_guard = ProgressGuard()
-        self.overlap = OverlapLoop(self) if behaviour.event_loop == "overlap" else None
-        if hasattr(self.tree_cache, "clock"):
-            self.tree_cache.clock = lambda: self.clock_ms
+        self.overlap = OverlapLoop(self) if self.enable_overlap else None
+        memory.set_clock(lambda: self.clock_ms)
         # Host tier: when finished copies are acknowledged (SGLang: when a prefill is tried).
-        self.hierarchical = self.tree_cache.host_tier() is not None
+        self.hierarchical = memory.host_tier() is not None
         self.ack_every_step = self.hierarchical and behaviour.hicache_ack == "every_step"
         self._host_seen = (0, 0)  # (d2h, h2d) bytes at the last step record
 
@@ -173,7 +184,7 @@ class Scheduler:
         if self.record_events:
             self.events.append(Event(self.step_count, self.clock_ms, kind, rid, tokens))
 
-    def _token(self) -> int:
+    def next_output_token(self) -> int:
         self.next_token += 1
         return self.next_token - 1
 
@@ -186,7 +197,7 @@ class Scheduler:
         """One step. Raises `StalledError` (memcli.sched.progress) when the loop stops advancing."""
         before = self.progress_guard.marks(self)
         if self.ack_every_step:
-            self.tree_cache.check_hicache_events()
+            self.memory.ack_host_copies()
         if self.overlap is not None:
             kind, bs, new_tokens = self.overlap.iterate()
         else:
@@ -202,26 +213,26 @@ class Scheduler:
 
     def _iterate_normal(self) -> tuple[str, int, int]:
         """One iteration of `event_loop_normal`; returns (kind, batch size, new tokens)."""
-        self._admit_arrivals()
-        self._cache_deferred_chunk()
+        self.admit_arrivals()
+        self.cache_deferred_chunk()
         batch = self.get_new_batch_prefill()
         if batch is not None:
             kind, bs, new_tokens = "prefill", batch.batch_size, batch.extend_num_tokens
-            self.clock_ms += self._prefill_cost_ms(batch)
+            self.clock_ms += self.prefill_cost_ms(batch)
             self.process_prefill_result(batch)
         elif self.running.reqs:
             kind, bs, new_tokens = "decode", 0, 0
             decoded = self.update_running_batch()
             if decoded is not None:
                 bs, new_tokens = decoded.batch_size, decoded.batch_size
-                self.clock_ms += self._decode_cost_ms(decoded)
+                self.clock_ms += self.decode_cost_ms(decoded)
                 self.process_decode_result(decoded)
         else:
             kind, bs, new_tokens = "idle", 0, 0
-            self._idle()
+            self.idle()
         return kind, bs, new_tokens
 
-    def _admit_arrivals(self) -> None:
+    def admit_arrivals(self) -> None:
         limit = self.max_req_len
         while self.pending and self.pending[0].arrival_ms <= self.clock_ms:
             req = self.pending.popleft()
@@ -233,17 +244,16 @@ class Scheduler:
                 req.max_new_tokens = min(req.max_new_tokens, limit - req.input_len - 1)
             self.waiting.append(req)
 
-    def _cache_deferred_chunk(self, give_back_row: bool = True) -> None:
+    def cache_deferred_chunk(self, give_back_row: bool = True) -> None:
         """SGLang's start of a step: last step's chunk enters the tree, and the chunked request
         gives back its row (it takes a new one with its next piece)."""
         req, self.chunk_to_cache = self.chunk_to_cache, None
         if req is not None:
-            common.cache_unfinished(self.tree_cache, req, chunked=True)
+            self.memory.cache_unfinished(req, chunked=True)
             if give_back_row:
-                common.free_req_rows(self.stack.req_to_token_pool, [req.req_pool_idx])
-                req.req_pool_idx = None
+                self.memory.free_row(req)
 
-    def _idle(self) -> None:
+    def idle(self) -> None:
         self.gate.decode_filtered()
         self.stats.idle_steps += 1
         self.new_token_ratio = self.init_new_token_ratio
@@ -251,27 +261,24 @@ class Scheduler:
             self.clock_ms = max(self.clock_ms, self.pending[0].arrival_ms)
         elif self.waiting and self.hierarchical:
             # Waiting on memory that host copies in flight still lock: time passes until one ends.
-            end = self.tree_cache.next_copy_end()
+            end = self.memory.next_copy_end()
             if end is not None:
                 self.clock_ms = max(self.clock_ms, end)
 
     def _record(self, kind: str, bs: int, new_tokens: int) -> StepRecord:
-        evicted = getattr(self.tree_cache, "evicted_tokens_total", 0)
+        memory = self.memory
+        evicted = memory.evicted_tokens_total
         if evicted > self._evicted_seen:
             self._event("evict", "", evicted - self._evicted_seen)
             self._evicted_seen = evicted
-        allocator = self.stack.allocator
-        u = common.usage(self.tree_cache, allocator)
-        # Pages in use that the tree does not own are held by requests (exact when memory is
-        # conserved; the checks verify that separately, request by request).
-        tree_protected = self.tree_cache.tree_protected_size()
-        held_pages = (allocator.size - u.available - u.evictable - tree_protected) // allocator.page_size
+        u = memory.usage()
+        held_pages = memory.held_pages(u)
         held_tokens = sum(r.kv_allocated_len - r.last_matched_prefix_len for r in self.active_reqs() if not r.kv_freed)
         if self.overlap is not None:
             held_tokens += len(self.overlap.in_flight_slots())
-        rows = self.stack.req_to_token_pool.size - self.stack.req_to_token_pool.available_size()
+        rows = memory.rows_in_use()
         self.stats.peak_request_rows = max(self.stats.peak_request_rows, rows)
-        host = self.tree_cache.host_tier()
+        host = memory.host_tier()
         host_used = d2h = h2d = 0
         if host is not None:
             host_used = host.used
@@ -289,10 +296,10 @@ class Scheduler:
         if not gate.may_try(bool(self.waiting), self.chunked_req is not None, len(self.running.reqs)):
             return None
         if self.hierarchical and not self.ack_every_step:
-            self.tree_cache.check_hicache_events()
-        matched = uses_lpm(self.waiting, self.cfg.policy, self.tree_cache)
-        self.waiting = order_waiting(self.waiting, self.cfg.policy, self.tree_cache)
-        adder = PrefillAdder(self.tree_cache, self.stack.allocator, self.running.reqs, self.new_token_ratio,
+            self.memory.ack_host_copies()
+        matched = uses_lpm(self.waiting, self.cfg.policy, self.memory)
+        self.waiting = order_waiting(self.waiting, self.cfg.policy, self.memory)
+        adder = PrefillAdder(self.memory, self.running.reqs, self.new_token_ratio,
                              self.cfg.max_prefill_tokens, self.cfg.chunked_prefill_size, self.page_size,
                              self.cfg.max_new_tokens_clip, self.align_chunks)
         chunked_pending = self.chunked_req
@@ -305,7 +312,7 @@ class Scheduler:
             if not gate.has_room(len(self.running.reqs), len(adder.can_run_list), self.chunked_req is not None):
                 break
             if not matched:
-                req.init_next_round_input(self.tree_cache)
+                req.init_next_round_input(self.memory)
             has_chunked = self.chunked_req is not None or adder.new_chunked_req is not None
             result = adder.add_one_req(req, has_chunked)
             if req in adder.can_run_list:
@@ -325,7 +332,7 @@ class Scheduler:
         never hold it, so abort it instead of waiting forever."""
         if self.running.reqs or self.chunked_req is not None or not self.waiting:
             return
-        if self.tree_cache.next_copy_end() is not None:
+        if self.memory.next_copy_end() is not None:
             return  # a copy in flight still locks memory: wait for it (see `_idle`)
         self._abort_waiting(self.waiting.pop(0))
         self.gate.shrank()  # nothing runs that could clear SGLang's batch_is_full flag
@@ -338,12 +345,10 @@ class Scheduler:
         self.finished.append(req)
 
     def _prepare_prefill(self, reqs: list[Req], log_hit_tokens: int = 0, log_input_tokens: int = 0) -> ScheduleBatch | None:
-        batch = ScheduleBatch(reqs, self.stack)
-        batch.load_end_ms = self.tree_cache.ready_to_load_host_cache()
-        try:
-            batch.prepare_for_extend()
-        except (OutOfMemoryError, RequestSlotsExhausted) as exc:
-            self._prefill_failed(reqs, exc)
+        batch = ScheduleBatch(reqs, self.memory, self.enable_overlap)
+        batch.load_end_ms = self.memory.start_load_backs()
+        if not batch.prepare_for_extend():
+            self._prefill_failed(reqs)
             return None
         self.stats.prefill_batches += 1
         self.stats.allocations += 1
@@ -369,33 +374,32 @@ class Scheduler:
         if self.on_admission is not None:
             self.on_admission(req, True)
 
-    def _prefill_failed(self, reqs: list[Req], exc: Exception) -> None:
+    def _prefill_failed(self, reqs: list[Req]) -> None:
         """Put the batch back (unlocking what admission locked) and record the OOM."""
         self.stats.oom_events += 1
         self._event("oom", reqs[0].rid, sum(r.extend_input_len for r in reqs))
         requeue = [r for r in reqs if r is not self.chunked_req]
         for req in requeue:
-            self.tree_cache.dec_lock_ref(req.last_node)
-            req.prefix_indices = req.prefix_indices[:0]
-            req.last_node = None
+            self.memory.drop_prefix(req)
         self.waiting[:0] = requeue
         self._unstick()
 
     def process_prefill_result(self, batch: ScheduleBatch) -> None:
         keep = []
+        memory = self.memory
         for i, req in enumerate(batch.reqs):
-            req.kv_committed_len = len(req.fill_ids)
+            memory.commit(req, len(req.fill_ids))
             if req is self.chunked_req:
                 if self.defer_chunk_caching:
                     self.chunk_to_cache = req
                 else:
-                    common.cache_unfinished(self.tree_cache, req, chunked=True)
+                    memory.cache_unfinished(req, chunked=True)
                 continue
-            req.output_ids.append(self._token())
+            req.output_ids.append(self.next_output_token())
             if len(req.output_ids) >= req.max_new_tokens:
-                self._finish(req)
+                self.finish(req)
             else:
-                common.cache_unfinished(self.tree_cache, req)
+                memory.cache_unfinished(req)
                 keep.append(i)
         if len(keep) < len(batch.reqs):
             self.gate.shrank()
@@ -428,7 +432,7 @@ class Scheduler:
         return batch
 
     def _retract(self) -> None:
-        release = None if self.overlap is None else (lambda req: self.overlap.release(req, is_insert=False))
+        release = None if self.overlap is None else (lambda req: self.overlap.release(req, Release.RETRACTED))
         retracted, ratio = self.running.retract_decode(self.cfg.retract_decode_steps, self.retract_keep_victim_order,
                                                        release)
         self.gate.shrank()
@@ -450,30 +454,32 @@ class Scheduler:
         for req in self.running.reqs:
             self._event("oom", req.rid, req.seqlen)
             req.aborted = True
-            self._finish(req)
+            self.finish(req)
         self.running.filter_batch()
 
     def process_decode_result(self, batch: ScheduleBatch) -> None:
         any_finished = 0
         base, self.next_token = self.next_token, self.next_token + batch.batch_size
-        with common.free_group(self.stack.allocator):
+        memory = self.memory
+        with memory.free_group():
             for token, req in enumerate(batch.reqs, base):
-                req.kv_committed_len += 1
+                memory.commit(req, req.kv.kv_committed_len + 1)
                 req.output_ids.append(token)
                 if len(req.output_ids) >= req.max_new_tokens:
-                    self._finish(req)
+                    self.finish(req)
                     any_finished += 1
         if any_finished:
             self.gate.finished_in_decode(any_finished)
             batch.filter_batch()
 
-    def _finish(self, req: Req) -> None:
+    def finish(self, req: Req) -> None:
         req.finished = True
         req.finish_ms = self.clock_ms
+        why = Release.ABORTED if req.aborted else Release.FINISHED
         if self.overlap is not None:
-            self.overlap.release(req, is_insert=True)
+            self.overlap.release(req, why)
         else:
-            common.release_req(self.tree_cache, req, is_insert=True)
+            self.memory.release(req, why)
         if req.aborted:
             self.stats.aborted += 1
             self._event("abort", req.rid, req.seqlen)
@@ -495,19 +501,19 @@ class Scheduler:
             if self.chunk_to_cache is req:
                 self.chunk_to_cache = None
             req.aborted = True
-            self._finish(req)
+            self.finish(req)
             return True
         launched = self.overlap.unmerged_reqs() if self.overlap is not None else []
         for req in [*self.running.reqs, *launched]:
             if req.rid == rid and not req.finished:
                 req.aborted = True
-                self._finish(req)
+                self.finish(req)
                 self.running.filter_batch()
                 return True
         return False
 
     # -- cost model -----------------------------------------------------------------------
-    def _prefill_cost_ms(self, batch: ScheduleBatch) -> float:
+    def prefill_cost_ms(self, batch: ScheduleBatch) -> float:
         """Compute, or the load-backs it waits for when they end later (layer by layer, the
         forward overlaps them), plus any wait for write-backs its evictions started."""
         kv_read = int(batch.prefix_lens_cpu.sum())
@@ -515,11 +521,11 @@ class Scheduler:
                    + self.sim.kv_read_ns * kv_read / 1e6)
         load_end = getattr(batch, "load_end_ms", None)
         if load_end is not None and load_end - self.clock_ms > compute:
-            self.tree_cache.host_tier().record_load_wait(load_end - self.clock_ms - compute)
+            self.memory.record_load_wait(load_end - self.clock_ms - compute)
             compute = load_end - self.clock_ms
-        return compute + self.tree_cache.take_transfer_stall_ms()
+        return compute + self.memory.take_transfer_stall_ms()
 
-    def _decode_cost_ms(self, batch: ScheduleBatch) -> float:
+    def decode_cost_ms(self, batch: ScheduleBatch) -> float:
         kv_read = int(batch.seq_lens_cpu.sum())
         return (self.sim.step_base_ms + self.sim.decode_req_us * batch.batch_size / 1e3
-                + self.sim.kv_read_ns * kv_read / 1e6 + self.tree_cache.take_transfer_stall_ms())
+                + self.sim.kv_read_ns * kv_read / 1e6 + self.memory.take_transfer_stall_ms())

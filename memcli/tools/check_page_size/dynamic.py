@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from memcli.tools.check_page_size.workload import AbortPlan, Workload
 from memcli.mem_cache.integrity import CHECK_NAMES, CheckResult, failed, passed, run_checks
-from memcli.sched.scheduler import Scheduler, StepRecord
+from memcli.sched.scheduler import Scheduler, SchedulerHooks, StepRecord
 
 FaultHook = Callable[[Scheduler, StepRecord], None]
 
@@ -115,8 +115,9 @@ def run_phase(name: str, stack, config, workload: Workload, steps: int,
 
     `progress(message)` is called every few seconds of a long phase."""
     start = time.perf_counter()
-    sched = Scheduler(stack, config.scheduler, config.sim, stack.scheduler_page_size,
-                      output_token_base=workload.output_token_base, retract_every=workload.retract_every)
+    sched = Scheduler(stack.memory, config, SchedulerHooks(
+        output_token_base=workload.output_token_base, retract_every=workload.retract_every,
+        page_size=stack.scheduler_page_size))
     run = _PhaseRun(sched, workload)
     run.progress = (lambda step: progress(f"{name}: step {step} of at most {steps}")) if progress else None
     violations = run.loop(steps, fault_hook)

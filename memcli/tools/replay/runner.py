@@ -37,7 +37,7 @@ from memcli.tools.replay.metrics import (EngineCounters, EvictionLog, StepSeries
                                    queue_stats)
 from memcli.tools.replay.result import (AllocationStats, IntegrityStats, ReplayResult, RunSummary, SchedulingStats,
                                   Stop, TraceInfo)
-from memcli.sched.scheduler import Scheduler
+from memcli.sched.scheduler import Scheduler, SchedulerHooks
 from memcli.stack import build_stack, resolve_device
 from memcli.timing import torch_threads
 from memcli.workload.future import FutureTooLarge, FutureUses, build_future, check_future_fits
@@ -215,13 +215,12 @@ class _Run:
         with torch_threads(resolve_device(self.config)):
             self.future = self._build_future()
             self.stack = build_stack(self.config, future=self.future)
-            self.scheduler = Scheduler(
-                self.stack, self.config.scheduler, self.config.sim, self.config.page_size,
-                output_token_base=output_token_base(self.trace), check_every_step=self.options.check_every_step,
-                record_events=False, on_step=self._on_step,
-                checker=IntegrityChecker(self.stack, self.options.check_policy),
+            self.memory = self.stack.memory
+            self.scheduler = Scheduler(self.memory, self.config, SchedulerHooks(
+                output_token_base=output_token_base(self.trace), record_events=False, on_step=self._on_step,
+                checks=self.options.check_policy,
                 on_admission=None if self.future is None else self._on_admission,
-            )
+            ))
             failure, reports = self._loop()
         wall_s = time.perf_counter() - start
         return self._result(shared, failure, reports, wall_s)

@@ -1,0 +1,546 @@
+"""The memory manager: the one object the scheduler and the tools reach memory through.
+
+It owns the request table (`req_to_token`), the KV allocator, the tree cache, the page size
+and, when checking, the ownership ledger. Its verbs come in pairs of a query and an action,
+with typed values in and out; it writes each request's memory record (`req.kv`, a `ReqKV`)
+and nothing else of a request, and never calls back into the scheduler.
+
+    scheduler                               MemoryManager
+    requests to prefill               ->    plan_extend            -> ExtendPlan
+    ExtendPlan                        ->    alloc_extend           -> ExtendAllocation | None
+    pages the next decode opens       ->    can_decode             -> bool (may evict)
+    the running batch's tensors       ->    alloc_decode           -> DecodeAllocation | None
+    a request done with memory        ->    release(req, Release.*)
+    a request whose KV was computed   ->    commit / cache_unfinished
+    tokens wanted free                ->    evict                  -> tokens freed
+                                            usage                  -> Usage
+
+Extend (prefill) of request i, in its `req_to_token` row:
+
+    [0, prefix_len)          prefix slots (`req.kv.prefix_indices`, from the tree or earlier chunks)
+    [prefix_len, seq_len)    new slots, out_cache_loc[off_i : off_i + extend_len_i]
+
+Decode: one new slot per request, written at column `seq_len` (the old length); the caller
+increments its `seq_lens` afterwards.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from memcli.errors import IntegrityError, OutOfMemoryError, RequestSlotsExhausted
+from memcli.mem_cache import pages
+from memcli.mem_cache.allocator import DecodeAllocation
+from memcli.mem_cache.base_prefix_cache import RadixKey
+from memcli.mem_cache.chunk_cache import free_row_pages
+from memcli.mem_cache.integrity.ownership import IN_FLIGHT
+from memcli.mem_cache.integrity import CheckPolicy, IntegrityChecker, InFlightSlot, check_memory
+from memcli.mem_cache.null_cache import NullCache
+from memcli.mem_cache.req_kv import ReqKV
+
+__all__ = ["CheckPolicy", "DecodeAllocation", "IntegrityChecker", "ExtendAllocation", "ExtendPlan", "InFlightSlot", "MemoryManager",
+           "PageSizeMismatch", "Release", "ReqKV", "Usage"]
+
+
+class PageSizeMismatch(IntegrityError):
+    """The allocator and the tree cache disagree about the page size."""
+
+
+class Release(enum.Enum):
+    """Why a request gives its memory back: its prefix enters the tree unless retracted."""
+
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    RETRACTED = "retracted"
+
+    @property
+    def inserts(self) -> bool:
+        return self is not Release.RETRACTED
+
+
+@dataclass(frozen=True, slots=True)
+class ExtendPlan:
+    """What an extend batch asks of memory; built by `plan_extend`, read by `alloc_extend`.
+
+    Frozen, and its lists and tensors are never mutated by memory (`_rows_for` copies).
+
+    Request i extends its row from `prefix_lens_cpu[i]` to `seq_lens_cpu[i]` tokens; the
+    slots of its prefix are `prefix_tensors[i]`. `num_pages` is what the batch opens
+    (`pages.extend_new_pages`), counted once, on the host, from the same lengths.
+    """
+
+    rows: list[Optional[int]]  # request row per request; None: take a new row
+    prefix_lens_cpu: torch.Tensor  # int64, CPU
+    seq_lens_cpu: torch.Tensor  # int64, CPU
+    prefix_tensors: list[torch.Tensor]  # each request's prefix_indices (int64)
+    extend_num_tokens: int  # new tokens over the batch
+    num_pages: int  # pages the batch opens
+
+    @classmethod
+    def build(cls, rows: list[Optional[int]], prefix_tensors: list[torch.Tensor], seq_lens: list[int],
+              page_size: int) -> "ExtendPlan":
+        """The plan of requests whose rows will hold `seq_lens` tokens after their prefixes."""
+        prefix_lens = [len(p) for p in prefix_tensors]
+        prefix_lens_cpu = torch.tensor(prefix_lens, dtype=torch.int64)
+        seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
+        extend_num_tokens = sum(seq_lens) - sum(prefix_lens)
+        num_pages = pages.extend_new_pages(prefix_lens_cpu, seq_lens_cpu, page_size, extend_num_tokens)
+        return cls(rows, prefix_lens_cpu, seq_lens_cpu, prefix_tensors, extend_num_tokens, num_pages)
+
+    @property
+    def extend_lens_cpu(self) -> torch.Tensor:
+        return self.seq_lens_cpu - self.prefix_lens_cpu
+
+
+class ExtendAllocation(NamedTuple):
+    """What `alloc_extend` gives back (the requests' records are already updated)."""
+
+    out_cache_loc: torch.Tensor  # the new tokens' slots, request after request
+    req_pool_indices: torch.Tensor  # request rows, on the device
+    rows: list[int]  # the same rows, on the host (new ones filled in)
+    seq_lens: torch.Tensor  # the batch's sequence lengths, on the device
+
+
+class Usage(NamedTuple):
+    """Token counts for reports and budgets."""
+
+    available: int  # free in the allocator
+    evictable: int  # cached, unlocked
+    protected: int  # cached, locked by some request
+
+
+class LaggingRelease(NamedTuple):
+    """A release under the overlap loop, of a request whose last batch is still in flight."""
+
+    extra: bool  # a slot beyond what was released is still held by the batch in flight
+    slot: Optional[InFlightSlot]  # that slot, when it opened a page of its own (freed later)
+
+
+class MemoryManager:
+    """Request table, KV allocator, tree cache and page size of one stack, behind paired verbs.
+
+    `stack` is any value with `req_to_token_pool`, `allocator` and `tree_cache` (the stack
+    builder's `MemoryStack`); the manager never builds components itself.
+    """
+
+    def __init__(self, stack: Any):
+        self.stack = stack
+        self.req_to_token_pool = stack.req_to_token_pool
+        self.allocator = stack.allocator
+        self.tree_cache = stack.tree_cache
+        self.device = self.req_to_token_pool.device
+
+    # -- what memory is -------------------------------------------------------------------
+    @property
+    def page_size(self) -> int:
+        return self.allocator.page_size
+
+    @property
+    def size(self) -> int:
+        """KV slots of the pool."""
+        return self.allocator.size
+
+    @property
+    def max_running(self) -> int:
+        """Request rows: the most requests that can hold memory at once."""
+        return self.req_to_token_pool.size
+
+    @property
+    def sharing(self) -> bool:
+        """Whether the tree shares prefixes between requests (LPM needs it)."""
+        return not self.tree_cache.disable
+
+    def new_record(self) -> ReqKV:
+        return ReqKV(self.device)
+
+    def usage(self) -> Usage:
+        """Token counts for reports and budgets: available, evictable, protected."""
+        tree = self.tree_cache
+        return Usage(self.allocator.available_size(), tree.evictable_size(), tree.protected_size())
+
+    def held_pages(self, usage: Usage) -> int:
+        """Pages in use that the tree does not own: held by requests (exact when memory is
+        conserved; the integrity checks verify that separately, request by request)."""
+        owned = self.size - usage.available - usage.evictable - self.tree_cache.tree_protected_size()
+        return owned // self.page_size
+
+    def rows_in_use(self) -> int:
+        return self.req_to_token_pool.size - self.req_to_token_pool.available_size()
+
+    @property
+    def evicted_tokens_total(self) -> int:
+        return getattr(self.tree_cache, "evicted_tokens_total", 0)
+
+    def slot_at(self, row: int, position: int) -> int:
+        """The KV slot written at `position` of request row `row`."""
+        return int(self.req_to_token_pool.req_to_token[row, position])
+
+    # -- prefixes -------------------------------------------------------------------------
+    def match_prefix(self, req: Any, token_ids: np.ndarray) -> None:
+        """Match `token_ids` in the tree and record the match in `req.kv` (no lock taken)."""
+        kv = req.kv
+        match = self.tree_cache.match_prefix(RadixKey(token_ids, req.extra_key))
+        kv.prefix_indices, kv.last_node = match.device_indices, match.last_node
+        kv.last_host_node, kv.host_hit_length = match.last_host_node, match.host_hit_length
+        kv.host_skipped_len = 0
+        kv.last_matched_prefix_len = len(kv.prefix_indices)
+
+    def lock(self, node: Any) -> None:
+        """Protect a matched prefix from eviction (admission)."""
+        self.tree_cache.inc_lock_ref(node)
+
+    def unlock(self, node: Any) -> None:
+        self.tree_cache.dec_lock_ref(node)
+
+    def load_back(self, req: Any) -> int:
+        """Load the match's host-only part back into device memory; the request's prefix
+        grows by what was loaded, and its lock moves from the node it held (locked by the
+        caller) to the new last node. Returns the tokens loaded."""
+        kv = req.kv
+        locked = kv.last_node
+        new_indices, kv.last_node = self.tree_cache.init_load_back(kv.last_host_node, kv.host_hit_length)
+        kv.host_skipped_len = kv.host_hit_length - len(new_indices)
+        if len(new_indices):
+            kv.prefix_indices = torch.cat([kv.prefix_indices, new_indices])
+            kv.last_matched_prefix_len = len(kv.prefix_indices)
+            kv.host_loaded_len += len(new_indices)
+        if kv.last_node is not locked:
+            self.lock(kv.last_node)
+            self.unlock(locked)
+        return len(new_indices)
+
+    def drop_prefix(self, req: Any) -> None:
+        """Undo an admission that got no memory: unlock the prefix and forget the match."""
+        kv = req.kv
+        self.unlock(kv.last_node)
+        kv.prefix_indices = kv.prefix_indices[:0]
+        kv.last_node = None
+
+    def cache_unfinished(self, req: Any, chunked: bool = False) -> None:
+        """Hand the computed prefix to the tree after a prefill or a chunk."""
+        self.tree_cache.cache_unfinished_req(req, chunked=chunked)
+
+    # -- extend ---------------------------------------------------------------------------
+    def plan_extend(self, reqs: list) -> ExtendPlan:
+        """The extend plan of requests as they stand: prefix = `kv.prefix_indices`, sequence =
+        `fill_ids`. Checks that the lengths agree with each request's `extend_input_len`."""
+        plan = ExtendPlan.build([r.kv.req_pool_idx for r in reqs], [r.kv.prefix_indices for r in reqs],
+                                [len(r.fill_ids) for r in reqs], self.page_size)
+        expected = [r.extend_input_len for r in reqs]
+        if plan.extend_lens_cpu.tolist() != expected:
+            raise AssertionError(f"extend lengths {plan.extend_lens_cpu.tolist()} != extend_input_len {expected}")
+        return plan
+
+    def alloc_extend(self, plan: ExtendPlan, reqs: Optional[list] = None) -> Optional[ExtendAllocation]:
+        """Request rows, then eviction when short, then KV slots written into the rows; None
+        (with nothing taken) when the rows or the slots are not there (`require_extend`
+        raises instead). With `reqs`, their records take the rows and lengths.
+
+        Every count and offset comes from the plan's CPU lengths, so the capacity check
+        happens on the host, and the device sees one copy and one kernel, with no sync."""
+        try:
+            alloc = self.require_extend(plan)
+        except (OutOfMemoryError, RequestSlotsExhausted):
+            return None
+        if reqs is not None:
+            for req, row, seq in zip(reqs, alloc.rows, plan.seq_lens_cpu.tolist()):
+                req.kv.req_pool_idx, req.kv.kv_allocated_len = row, seq
+        return alloc
+
+    def require_extend(self, plan: ExtendPlan) -> ExtendAllocation:
+        """`alloc_extend` that raises `OutOfMemoryError` / `RequestSlotsExhausted` (with the
+        numbers) instead of returning None, and writes no request record."""
+        allocator, pool = self.allocator, self.req_to_token_pool
+        self._check_page_size()
+        rows, new_rows = self._rows_for(plan.rows)
+        self._evict_if_needed(self._extend_need(plan))
+        ledger = getattr(allocator, "ledger", None)
+        kw = {} if ledger is None else {"claimed": True}  # hand-out and claim in one ledger transition
+        written = allocator.alloc_extend_write(pool.req_to_token, rows, plan.prefix_lens_cpu, plan.seq_lens_cpu,
+                                               plan.prefix_tensors, plan.num_pages, plan.extend_num_tokens, **kw)
+        if written is None:
+            if new_rows:
+                pool.free(new_rows)
+            raise self.out_of_memory("prefill", plan.num_pages * self.page_size)
+        if ledger is not None:
+            ledger.extended(rows, new_rows, plan.prefix_lens_cpu, plan.seq_lens_cpu, plan.prefix_tensors,
+                            written.out_cache_loc)
+        return ExtendAllocation(written.out_cache_loc, written.req_pool_indices, rows, written.seq_lens)
+
+    def _rows_for(self, req_rows: list) -> tuple[list[int], list[int]]:
+        """Every request's row, taking new rows for those without one. Returns (rows, new rows)."""
+        if None not in req_rows:
+            return req_rows, []
+        missing = [i for i, row in enumerate(req_rows) if row is None]
+        new_rows = self.alloc_rows(len(missing))
+        if len(missing) == len(req_rows):
+            return new_rows, new_rows
+        rows = list(req_rows)
+        for i, row in zip(missing, new_rows):
+            rows[i] = row
+        return rows, new_rows
+
+    def alloc_rows(self, num_reqs: int) -> list[int]:
+        """`num_reqs` request rows; raises `RequestSlotsExhausted` when fewer are free."""
+        pool = self.req_to_token_pool
+        rows = pool.alloc(num_reqs)
+        if rows is None:
+            raise RequestSlotsExhausted(
+                f"request slots exhausted: need {num_reqs} rows, {pool.available_size()} of"
+                f" {pool.size} free; raise memory.max_running_requests")
+        return rows
+
+    # -- decode ---------------------------------------------------------------------------
+    def can_decode(self, num_pages: int) -> bool:
+        """True when a decode step opening `num_pages` pages fits, after evicting when short."""
+        need = num_pages * self.page_size
+        self._evict_if_needed(need)
+        return self.allocator.available_size() >= need
+
+    def alloc_decode(self, reqs: Optional[list], *, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
+                     req_pool_indices: torch.Tensor, num_pages: int) -> Optional[DecodeAllocation]:
+        """One slot per request written at column `seq_lens` (the old lengths); None when the
+        pages are not free even after eviction. With `reqs`, each record grows by one slot.
+
+        `num_pages` are the pages the step opens (`pages.decode_new_pages(seq_lens_cpu)`,
+        which the batch keeps in O(1) per step). The lengths after the step come back with the
+        slots: computed on the device by a graph replay (`decode_graph`), else `seq_lens + 1`.
+        """
+        # The steady step is one graph launch; its host work is kept to plain comparisons.
+        allocator, tree = self.allocator, self.tree_cache
+        page_size = allocator.page_size
+        if page_size != tree.page_size:
+            self._check_page_size()
+        need = self._decode_need(seq_lens_cpu.shape[0], num_pages)
+        if need > allocator.available_size():
+            self._evict_if_needed(need)
+        ledger = allocator.ledger
+        # With a ledger, the hand-out and the claim are one transition.
+        written = allocator.alloc_decode_write(seq_lens, seq_lens_cpu, req_pool_indices,
+                                               self.req_to_token_pool.req_to_token, num_pages, ledger is not None)
+        if written is None:
+            return None
+        if ledger is not None:
+            ledger.decoded(req_pool_indices, seq_lens_cpu, written.out_cache_loc)
+        if reqs is not None:
+            for req in reqs:
+                req.kv.kv_allocated_len += 1
+        return written
+
+    # -- computed KV and release ----------------------------------------------------------
+    def commit(self, req: Any, kv_len: int) -> None:
+        """The first `kv_len` positions of the request's row hold computed K/V."""
+        req.kv.kv_committed_len = kv_len
+
+    def release(self, req: Any, why: Release = Release.FINISHED) -> None:
+        """Give back everything the request holds (its prefix enters the tree unless
+        retracted); a retracted request's record is emptied for its next admission."""
+        self.tree_cache.cache_finished_req(req, is_insert=why.inserts)
+        if why is Release.RETRACTED:
+            req.kv.reset()
+
+    def release_lagging(self, req: Any, kv_len: int, why: Release) -> LaggingRelease:
+        """Release as SGLang's overlap loop does: the first `kv_len` positions now; a slot
+        beyond them, allocated by a batch still in flight, is held apart (`slot`, freed with
+        `free_in_flight` when that batch's result is processed) when it opened a page of its
+        own, else it went with the request's last page."""
+        kv = req.kv
+        extra = kv.kv_allocated_len - kv_len
+        if extra > 1:
+            raise AssertionError(f"request {req.rid}: {extra} slots in flight, at most one expected")
+        ps, slot = self.page_size, None
+        own_page = bool(extra) and (ps == 1 or kv_len % ps == 0)
+        if own_page:
+            slot = InFlightSlot(req.rid, kv_len, self.slot_at(kv.req_pool_idx, kv_len))
+            self._hold_in_flight(kv.req_pool_idx, slot.slot)
+        kv.kv_committed_len = kv.kv_allocated_len = kv_len
+        self.release(req, why)
+        return LaggingRelease(bool(extra), slot)
+
+    def _hold_in_flight(self, row: int, slot: int) -> None:
+        """The page of a decode slot still in flight leaves its request row before the row is
+        released. Only the ownership ledger, when checking is on, records anything."""
+        ledger = getattr(self.req_to_token_pool, "ledger", None)
+        if ledger is not None:
+            ledger.move(np.array([slot], dtype=np.int64), row, IN_FLIGHT, "decode slot in flight")
+
+    def free_in_flight(self, slots: list[int]) -> None:
+        """Give back KV slots that neither a request row nor the tree holds: decode slots in
+        flight when their request was released. Paged: frees the page of each slot."""
+        allocator = self.allocator
+        slots = torch.as_tensor(slots, dtype=torch.int64, device=allocator.device)  # beside the batch's other frees
+        if getattr(allocator, "ledger", None) is not None:  # IN_FLIGHT -> FREE in one transition
+            allocator.free(slots, owner=IN_FLIGHT, op="free of a decode slot in flight")
+        else:
+            allocator.free(slots)
+
+    def free_row(self, req: Any) -> None:
+        """Give back the request's row, whose KV slots live on (handed over as a prefix);
+        frees no KV slot. With a ledger, the pages the row still owns (a chunk's partial
+        page) go with the request (CARRIED)."""
+        pool, row = self.req_to_token_pool, req.kv.req_pool_idx
+        if getattr(pool, "ledger", None) is not None:
+            pool.ledger.carry_row(row)
+        pool.free([row])
+        req.kv.req_pool_idx = None
+
+    def release_all(self, reqs: list, req_pool_indices: Optional[torch.Tensor] = None) -> None:
+        """Release every request of a static batch as `release(req)` would.
+
+        With the null cache a finished request gives back every slot of its row, so requests
+        that all hold the same number of slots are released with one gather of `req_to_token`
+        and one allocator free (`free_row_pages`) instead of one release per request;
+        `req_pool_indices` (the rows on the device, when the caller has them) saves a copy
+        when the rows are not consecutive. Other caches release per request inside one free
+        group. Raises `IntegrityError` when a request was already released.
+        """
+        if isinstance(self.tree_cache, NullCache):
+            rows = _uniform_rows(reqs)
+            if rows is not None:
+                free_row_pages(self.req_to_token_pool, self.allocator, rows.rows, rows.length,
+                               consecutive=rows.consecutive, row_index=req_pool_indices)
+                self.req_to_token_pool.free(rows.rows)
+                for req in reqs:
+                    req.kv.kv_freed = True
+                return
+        with self.free_group():
+            for req in reqs:
+                self.release(req)
+
+    def free_group(self) -> "_FreeGroup":
+        """Context manager batching the frees of a result-processing loop into one."""
+        return _FreeGroup(self.allocator)
+
+    # -- eviction -------------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        """Evict up to `num_tokens` unlocked tokens from the tree; returns the tokens freed
+        (possibly more, to whole pages; evicting 0 is always safe)."""
+        return self.tree_cache.evict(num_tokens) if num_tokens > 0 else 0
+
+    def evict_for(self, need_tokens: int) -> int:
+        """Evict when fewer than `need_tokens` are free (`_evict_if_needed`)."""
+        return self._evict_if_needed(need_tokens)
+
+    def _evict_if_needed(self, need_tokens: int) -> int:
+        """When `available_size()` is short of `need_tokens`, evict the shortfall (or the whole
+        need, under `evict_rule.full_need`). Returns the tokens freed."""
+        shortfall = need_tokens - self.allocator.available_size()
+        if shortfall <= 0:
+            return 0
+        return self.tree_cache.evict(need_tokens if self.tree_cache.evict_rule.full_need else shortfall)
+
+    def _extend_need(self, plan: ExtendPlan) -> int:
+        """Free tokens to have before an extend allocation: the exact pages, or SGLang's estimate."""
+        page_size = self.page_size
+        if self.tree_cache.evict_rule.page_per_request and page_size > 1:
+            return plan.extend_num_tokens + len(plan.rows) * page_size
+        return plan.num_pages * page_size
+
+    def _decode_need(self, num_reqs: int, num_pages: int) -> int:
+        """Free tokens to have before a decode allocation: the exact pages, or SGLang's estimate."""
+        page_size = self.allocator.page_size
+        if page_size > 1 and self.tree_cache.evict_rule.page_per_request:
+            return num_reqs * page_size
+        return num_pages * page_size
+
+    def out_of_memory(self, what: str, need_tokens: int) -> OutOfMemoryError:
+        u = self.usage()
+        return OutOfMemoryError(what, need_tokens, u.available, u.evictable, u.protected)
+
+    def _check_page_size(self) -> None:
+        if self.allocator.page_size != self.tree_cache.page_size:
+            raise PageSizeMismatch(
+                f"page size mismatch: allocator {self.allocator.page_size}, tree cache {self.tree_cache.page_size};"
+                " every component must take memory.page_size")
+
+    # -- integrity ------------------------------------------------------------------------
+    def checker(self, policy: CheckPolicy) -> IntegrityChecker:
+        """The after-step checks of this memory under `policy` (it may install the ledger)."""
+        return IntegrityChecker(self.stack, policy)
+
+    def check(self, holders: list) -> list:
+        """The full walk of memory now, with `holders` (requests and in-flight slots) as
+        what holds memory outside the tree; returns the reports (raises on a failure)."""
+        return check_memory(self.stack, holders)
+
+    # -- the host tier --------------------------------------------------------------------
+    def host_tier(self) -> Optional[Any]:
+        """The host tier's counters (None without one)."""
+        return self.tree_cache.host_tier()
+
+    def ack_host_copies(self) -> None:
+        """Acknowledge finished host copies (their nodes unlock)."""
+        self.tree_cache.check_hicache_events()
+
+    def next_copy_end(self) -> Optional[float]:
+        """When the oldest host copy in flight ends (None: none in flight)."""
+        return self.tree_cache.next_copy_end()
+
+    def start_load_backs(self) -> Optional[float]:
+        """Start the load-backs queued by admission; when they end (None: none queued)."""
+        return self.tree_cache.ready_to_load_host_cache()
+
+    def take_transfer_stall_ms(self) -> float:
+        return self.tree_cache.take_transfer_stall_ms()
+
+    def record_load_wait(self, wait_ms: float) -> None:
+        self.host_tier().record_load_wait(wait_ms)
+
+    def finish_copies(self) -> None:
+        """Wait for the host tier's last copies (the end of a run)."""
+        self.tree_cache.finish_copies()
+
+    def set_clock(self, clock) -> None:
+        """The time the tree stamps and ages by (a zero-argument callable)."""
+        if hasattr(self.tree_cache, "clock"):
+            self.tree_cache.clock = clock
+
+    # -- what reports read ----------------------------------------------------------------
+    def take_events(self) -> list:
+        """The KV events since the last call."""
+        return self.tree_cache.take_events()
+
+    def allocator_totals(self) -> tuple[int, int]:
+        """(frees, freed tokens) over the run."""
+        return self.allocator.num_frees, self.allocator.freed_tokens
+
+
+class _FreeGroup:
+    def __init__(self, allocator):
+        self.allocator = allocator
+
+    def __enter__(self):
+        self.allocator.free_group_begin()
+        return self
+
+    def __exit__(self, *exc):
+        self.allocator.free_group_end()
+        return False
+
+
+class _Rows(NamedTuple):
+    rows: list[int]
+    length: int  # the common kv_allocated_len
+    consecutive: bool  # rows[i] == rows[0] + i
+
+
+def _uniform_rows(reqs: list) -> Optional[_Rows]:
+    """The request rows, when every request holds the same number of slots (else None)."""
+    if not reqs:
+        return None
+    length, first = reqs[0].kv.kv_allocated_len, reqs[0].kv.req_pool_idx
+    rows, consecutive = [], True
+    for i, req in enumerate(reqs):
+        kv = req.kv
+        if kv.kv_freed:
+            raise IntegrityError(f"release of request row {kv.req_pool_idx} that was already freed")
+        if kv.kv_allocated_len != length:
+            return None
+        consecutive = consecutive and kv.req_pool_idx == first + i
+        rows.append(kv.req_pool_idx)
+    return _Rows(rows, length, consecutive)
