@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 import torch
 
+from memcli import kernels
 from memcli.errors import IntegrityError, OutOfMemoryError, RequestSlotsExhausted
 from memcli.mem_cache import pages
 from memcli.mem_cache.allocator import DecodeAllocation
@@ -155,6 +156,12 @@ class MemoryManager:
         """Whether the tree shares prefixes between requests (LPM needs it)."""
         return not self.tree_cache.disable
 
+    @property
+    def keeps_no_request_state(self) -> bool:
+        """Whether a release records nothing beyond the freed slots (the bench null cache), so
+        that a snapshot of the allocator undoes it."""
+        return isinstance(self.tree_cache, NullCache)
+
     def new_record(self) -> ReqKV:
         return ReqKV(self.device)
 
@@ -168,6 +175,23 @@ class MemoryManager:
         conserved; the integrity checks verify that separately, request by request)."""
         owned = self.size - usage.available - usage.evictable - self.tree_cache.tree_protected_size()
         return owned // self.page_size
+
+    @property
+    def in_use_tokens(self) -> int:
+        """Slots the allocator has handed out (whole pages), tree and requests together."""
+        return self.allocator.in_use_tokens
+
+    def idle_state(self) -> dict:
+        """Invariant 6, for a stack no request holds memory in: every row free, available +
+        evictable == size, nothing protected, and the allocator's own checks."""
+        allocator, tree, pool = self.allocator, self.tree_cache, self.req_to_token_pool
+        available, evictable, protected = allocator.available_size(), tree.evictable_size(), tree.tree_protected_size()
+        integrity = allocator.check_integrity()
+        ok = (available + evictable == allocator.size and protected == 0 and pool.available_size() == pool.size
+              and integrity.ok)
+        return {"ok": ok, "size": allocator.size, "available": available, "evictable": evictable,
+                "protected": protected, "rows_free": pool.available_size(), "rows": pool.size,
+                "allocator_integrity": [str(c) for c in integrity.failures]}
 
     def rows_in_use(self) -> int:
         return self.req_to_token_pool.size - self.req_to_token_pool.available_size()
@@ -457,6 +481,53 @@ class MemoryManager:
             raise PageSizeMismatch(
                 f"page size mismatch: allocator {self.allocator.page_size}, tree cache {self.tree_cache.page_size};"
                 " every component must take memory.page_size")
+
+    def store_kv(self, out_cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V (layers, tokens, heads, head_dim) of new tokens at `out_cache_loc` of
+        every layer of the KV pool (which must be materialized)."""
+        pool = self.stack.kv_pool
+        kernels.store_kv(pool.k_buffer, pool.v_buffer, out_cache_loc, k, v, backend=self.stack.backend)
+
+    # -- snapshots (bench-one-batch replays one step many times) --------------------------
+    def snapshot(self) -> Any:
+        """The allocator's free list and counters, to `restore` later."""
+        return self.allocator.backup_state()
+
+    def restore(self, state: Any, reqs: list, kv_allocated_lens: Optional[list[int]] = None) -> None:
+        """The allocator back to `state`; with `kv_allocated_lens` the requests' records too
+        (their rows kept), else the rows are cleared and the records hold no row."""
+        self.allocator.restore_state(state)
+        if kv_allocated_lens is not None:
+            for req, n in zip(reqs, kv_allocated_lens):
+                req.kv.kv_allocated_len = n
+            return
+        self.req_to_token_pool.clear()
+        for req in reqs:
+            req.kv.req_pool_idx, req.kv.kv_allocated_len = None, 0
+
+    def retake_rows(self, reqs: list) -> None:
+        """After `restore` of a state taken before their release: the requests' rows, taken
+        again from a cleared table (the same rows, in the same order), and not freed."""
+        pool = self.req_to_token_pool
+        pool.clear()
+        rows = pool.alloc(len(reqs))
+        if rows != [req.kv.req_pool_idx for req in reqs]:
+            raise IntegrityError(f"restoring the finish took rows {rows[:8]}..., not the batch's rows")
+        for req in reqs:
+            req.kv.kv_freed = False
+
+    def clear_rows(self) -> None:
+        """Every request row free again, in the table's first order (no request holds one)."""
+        self.req_to_token_pool.clear()
+
+    def adopt_prefix(self, req: Any, prefix: torch.Tensor) -> None:
+        """Give the request `prefix` as its prefix slots (handed over by an earlier request)."""
+        req.kv.prefix_indices = prefix
+
+    def commit_allocated(self, reqs: list) -> None:
+        """Every allocated position of the requests holds computed K/V."""
+        for req in reqs:
+            req.kv.kv_committed_len = req.kv.kv_allocated_len
 
     # -- integrity ------------------------------------------------------------------------
     def checker(self, policy: CheckPolicy) -> IntegrityChecker:

@@ -100,6 +100,11 @@ class FakeReq:
         if self.fill_ids is None:
             self.fill_ids = self.origin_input_ids
 
+    @property
+    def kv(self) -> "FakeReq":
+        """The memory record is the fake itself (memory writes `req.kv.<field>`)."""
+        return self
+
     def token_ids(self, n: int) -> np.ndarray:
         all_ids = np.concatenate([self.origin_input_ids, np.asarray(self.output_ids, dtype=np.int64)])
         return all_ids[:n]

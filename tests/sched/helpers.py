@@ -31,3 +31,14 @@ def small_stack(page_size: int = 1, pool: int = 256, cache: str = "radix", **kw)
 def tokens(*runs) -> np.ndarray:
     """tokens((0, 5), (100, 3)) -> [0,1,2,3,4,100,101,102]."""
     return np.concatenate([np.arange(start, start + n, dtype=np.int64) for start, n in runs])
+
+
+def scheduler_for(stack, cfg, check_every_step: bool = False, page_size: int | None = None, **hooks):
+    """The scheduler over `stack`'s memory manager; `check_every_step` runs the full walk after
+    every step, other keywords are `SchedulerHooks` fields."""
+    from memcli.mem_cache.integrity import CheckPolicy
+    from memcli.sched.scheduler import Scheduler, SchedulerHooks
+
+    checks = CheckPolicy("full" if check_every_step else "none")
+    return Scheduler(stack.memory, cfg, SchedulerHooks(checks=checks, page_size=page_size or stack.scheduler_page_size,
+                                                       **hooks))

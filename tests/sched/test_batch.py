@@ -20,8 +20,8 @@ def test_decode_page_count_matches_a_direct_count_at_every_step(page_size):
     rng = np.random.default_rng(page_size)
     reqs = [Req(str(i), rng.integers(0, 1000, int(rng.integers(1, 40))), 64, stack.device) for i in range(9)]
     for r in reqs:
-        r.init_next_round_input(stack.tree_cache)
-    batch = ScheduleBatch(reqs, stack)
+        r.init_next_round_input(stack.memory)
+    batch = ScheduleBatch(reqs, stack.memory)
     batch.prepare_for_extend()
     for step in range(3 * page_size + 2):
         assert batch.decode_pages_needed(page_size) == counted(batch, page_size), step
@@ -41,7 +41,7 @@ def test_decode_page_count_matches_a_direct_count_at_every_step(page_size):
 
 def test_decode_page_count_of_an_empty_batch_is_zero():
     _, stack = small_stack(page_size=4)
-    batch = ScheduleBatch([], stack)
+    batch = ScheduleBatch([], stack.memory)
     assert batch.decode_pages_needed(4) == 0 and batch.decode_pages_needed(1) == 0
     batch.seq_lens_cpu = torch.tensor([4, 5, 8, 9])
     assert batch.decode_pages_needed(4) == 2

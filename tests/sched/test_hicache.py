@@ -4,7 +4,7 @@ admission, their simulated time, when copies are acknowledged, checks after ever
 import pytest
 
 from memcli.sched.scheduler import Scheduler
-from tests.sched.helpers import small_stack, tokens
+from tests.sched.helpers import scheduler_for, small_stack, tokens
 from tests.sched.test_scheduler import assert_all_free, shared_prefix_workload
 
 
@@ -13,7 +13,7 @@ def make(page_size=1, pool=256, loop="normal", ack="prefill_attempt", policy="wr
              "model__num_layers": 1, "model__num_kv_heads": 1, "model__head_dim": 4, "model__dtype": "float32",
              **kw}
     cfg, stack = small_stack(page_size, pool=pool, cache="hiradix", rows=8, context=128, **extra)
-    return cfg, stack, Scheduler(stack, cfg.scheduler, cfg.sim, stack.scheduler_page_size, check_every_step=True)
+    return cfg, stack, scheduler_for(stack, cfg, page_size=stack.scheduler_page_size, check_every_step=True)
 
 
 def run_one(sched, rid, ids, out=2, at=None):

@@ -91,9 +91,9 @@ def test_a_planted_double_free_of_the_extra_slot_is_caught_at_its_step(monkeypat
     planted_at = []
     release, skip = overlap.OverlapLoop.release, overlap.OverlapLoop._skip
 
-    def leaky_release(self, req, is_insert):
-        slot = overlap.common.slot_at(stack.req_to_token_pool, req.req_pool_idx, req.kv_allocated_len - 1)
-        release(self, req, is_insert)
+    def leaky_release(self, req, why):
+        slot = stack.memory.slot_at(req.req_pool_idx, req.kv_allocated_len - 1)
+        release(self, req, why)
         flight = next((f for f in self.result_queue if req in f.extra), None)
         if flight is not None and flight.extra[req] is None:
             shared_page[req] = slot
@@ -101,7 +101,7 @@ def test_a_planted_double_free_of_the_extra_slot_is_caught_at_its_step(monkeypat
     def double_free(self, flight, req):
         if req in flight.extra and flight.extra[req] is None and req in shared_page:
             planted_at.append(sched.step_count)
-            overlap.common.free_slots(stack.allocator, torch.tensor([shared_page.pop(req)]))
+            stack.memory.free_in_flight([shared_page.pop(req)])
         return skip(self, flight, req)
 
     monkeypatch.setattr(overlap.OverlapLoop, "release", leaky_release)

@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from tests.sched.helpers import scheduler_for
 from memcli.config import load_config
 from memcli.errors import StalledError
 from memcli.sched.progress import ProgressGuard
@@ -13,7 +14,7 @@ from memcli.stack import build_stack
 
 def _scheduler(max_stalled_steps: int = 1000) -> Scheduler:
     cfg = load_config(None, ["memory.kv_pool=indices", "runtime.device=cpu", "semantics.event_loop=normal"])
-    sched = Scheduler(build_stack(cfg), cfg.scheduler, cfg.sim, cfg.page_size)
+    sched = scheduler_for(build_stack(cfg), cfg, page_size=cfg.page_size)
     sched.progress_guard = ProgressGuard(max_stalled_steps)
     sched.add_request(sched.new_req("r0", list(range(1, 65)), 8))
     return sched
@@ -21,7 +22,7 @@ def _scheduler(max_stalled_steps: int = 1000) -> Scheduler:
 
 def test_a_clock_that_is_not_finite_stops_at_once(monkeypatch):
     sched = _scheduler()
-    monkeypatch.setattr(sched, "_prefill_cost_ms", lambda batch: math.nan)
+    monkeypatch.setattr(sched, "prefill_cost_ms", lambda batch: math.nan)
     with pytest.raises(StalledError) as info:
         sched.step()
     msg = str(info.value)
@@ -48,8 +49,8 @@ def test_a_normal_run_never_trips_the_guard():
 
 def test_the_overlap_loop_is_guarded_too(monkeypatch):
     cfg = load_config(None, ["memory.kv_pool=indices", "runtime.device=cpu", "semantics.event_loop=overlap"])
-    sched = Scheduler(build_stack(cfg), cfg.scheduler, cfg.sim, cfg.page_size)
+    sched = scheduler_for(build_stack(cfg), cfg, page_size=cfg.page_size)
     sched.add_request(sched.new_req("r0", list(range(1, 65)), 8))
-    monkeypatch.setattr(sched, "_prefill_cost_ms", lambda batch: math.nan)
+    monkeypatch.setattr(sched, "prefill_cost_ms", lambda batch: math.nan)
     with pytest.raises(StalledError, match="clock went from 0.0 to nan ms"):
         sched.run(max_steps=10)

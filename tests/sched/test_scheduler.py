@@ -8,12 +8,12 @@ from hypothesis import strategies as st
 from memcli.mem_cache.integrity import memory_reports
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.scheduler import Scheduler
-from tests.sched.helpers import small_stack, tokens
+from tests.sched.helpers import scheduler_for, small_stack, tokens
 
 
 def make_scheduler(stack, cfg, **kw):
     kw.setdefault("check_every_step", True)
-    return Scheduler(stack, cfg.scheduler, cfg.sim, stack.scheduler_page_size, **kw)
+    return scheduler_for(stack, cfg, page_size=stack.scheduler_page_size, **kw)
 
 
 def assert_all_free(stack):
@@ -106,7 +106,7 @@ def test_match_is_capped_before_matching():
     sched.add_request(sched.new_req("a", tokens((0, 20)), 1))
     sched.run()
     req = sched.new_req("b", tokens((0, 20)), 1)
-    req.init_next_round_input(stack.tree_cache)
+    req.init_next_round_input(stack.memory)
     assert len(req.prefix_indices) == 19 and req.extend_input_len == 1
     assert req.prefix_indices.dtype.is_floating_point is False
 
@@ -124,12 +124,12 @@ def test_retract_victims_fewest_outputs_then_longest_prompt():
     specs = [("a", 10, 3), ("b", 30, 1), ("c", 20, 1), ("d", 5, 2)]
     reqs = [sched.new_req(rid, tokens((100 * i, n)), 50) for i, (rid, n, _) in enumerate(specs)]
     for r in reqs:
-        r.init_next_round_input(stack.tree_cache)
+        r.init_next_round_input(stack.memory)
         stack.tree_cache.inc_lock_ref(r.last_node)
-    batch = ScheduleBatch(reqs, stack)
+    batch = ScheduleBatch(reqs, stack.memory)
     batch.prepare_for_extend()
     for r, (_, _, outs) in zip(reqs, specs):
-        r.kv_committed_len = r.kv_allocated_len
+        r.kv.kv_committed_len = r.kv_allocated_len
         r.output_ids = list(range(outs))
     order = sorted(range(4), key=lambda i: (len(reqs[i].output_ids), -reqs[i].input_len), reverse=True)
     assert [reqs[i].rid for i in reversed(order)] == ["b", "c", "d", "a"]

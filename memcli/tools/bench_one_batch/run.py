@@ -157,11 +157,11 @@ def run_case(stack: MemoryStack, case: Case, options: BenchOptions, floor: Optio
     if note is None:
         runner.alloc_kv_sources()
     phases, kv_prefill = _measure_prefill(runner, timed)
-    allocated = stack.allocator.in_use_tokens - runner.in_use_before_prefill
+    allocated = stack.memory.in_use_tokens - runner.in_use_before_prefill
     steps, floors, decode_allocated = _measure_decode(runner, timed, options, floor)
     kv_decode = _measure_decode_store(runner, timed)
     runner.free_kv_sources()
-    in_use = stack.allocator.in_use_tokens
+    in_use = stack.memory.in_use_tokens
     phases["free"] = timed(runner.finish, setup=runner.before_finish)
     if steps:
         phases["decode_step"] = combine_steps([s for s, _ in steps])
@@ -178,7 +178,7 @@ def run_case(stack: MemoryStack, case: Case, options: BenchOptions, floor: Optio
         backend=stack.backend, timing_method=phases["prefill"].method,
         cached_prefix_len=len(runner.reqs[0].prefix_indices), prefill_new_tokens=runner.new_tokens,
         prefill_allocated_tokens=allocated, decode_allocated_tokens=decode_allocated,
-        freed_tokens=in_use - stack.allocator.in_use_tokens, page_sizes=stack.page_sizes(), phases=phases,
+        freed_tokens=in_use - stack.memory.in_use_tokens, page_sizes=stack.page_sizes(), phases=phases,
         decode_step_us=[s.median_us for s, _ in steps], kv_store_prefill=kv_prefill, kv_store_decode=kv_decode,
         kv_store_note=note, idle=idle_state(stack),
     )
@@ -212,7 +212,7 @@ def _measure_decode(runner: CaseRunner, timed, options: BenchOptions, floor: Opt
     """(step, memory path) timings of every decode step, each from the state before it, and
     with a `floor` the launch floor timed call by call in turn with each step's memory path."""
     steps, floors = [], []
-    before = runner.allocator.in_use_tokens
+    before = runner.memory.in_use_tokens
     for _ in range(runner.decode_steps):
         restore = functools.partial(runner.restore_decode, runner.snapshot_decode())
         memory, launch = measure_beside(runner.decode_memory, None if floor is None else floor.replay,
@@ -220,7 +220,7 @@ def _measure_decode(runner: CaseRunner, timed, options: BenchOptions, floor: Opt
         if launch is not None:
             floors.append(launch)
         steps.append((timed(runner.decode_step, setup=restore), memory))
-    return steps, floors, runner.allocator.in_use_tokens - before
+    return steps, floors, runner.memory.in_use_tokens - before
 
 
 def _measure_decode_store(runner: CaseRunner, timed) -> Optional[KVStoreFigures]:
@@ -247,11 +247,4 @@ def _kv_store_note(runner: CaseRunner) -> Optional[str]:
 
 def idle_state(stack: MemoryStack) -> dict:
     """Invariant 6 after the finish: every row free, available + evictable == size."""
-    allocator, tree, pool = stack.allocator, stack.tree_cache, stack.req_to_token_pool
-    available, evictable, protected = allocator.available_size(), tree.evictable_size(), tree.tree_protected_size()
-    integrity = allocator.check_integrity()
-    ok = (available + evictable == allocator.size and protected == 0 and pool.available_size() == pool.size
-          and integrity.ok)
-    return {"ok": ok, "size": allocator.size, "available": available, "evictable": evictable,
-            "protected": protected, "rows_free": pool.available_size(), "rows": pool.size,
-            "allocator_integrity": [str(c) for c in integrity.failures]}
+    return stack.memory.idle_state()

@@ -20,18 +20,12 @@ their `prefix_indices` (a prior allocation) and own them from then on.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
 
-from memcli import kernels
 from memcli.tools.bench_one_batch.cases import Case
-from memcli.errors import IntegrityError
-from memcli.mem_cache import common
-from memcli.mem_cache.allocator import AllocatorState
-from memcli.mem_cache.null_cache import NullCache
-from memcli.mem_cache.radix_cache import RadixCache
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.req import Req
 from memcli.stack import MemoryStack
@@ -51,7 +45,7 @@ def case_tokens(case: Case, seed: int) -> np.ndarray:
 class DecodeSnapshot(NamedTuple):
     """What a decode step changes: the free list, the batch's lengths, each request's slots."""
 
-    allocator: AllocatorState
+    allocator: Any  # the memory manager's snapshot
     seq_lens: torch.Tensor
     seq_lens_cpu: torch.Tensor
     kv_allocated_lens: list[int]
@@ -62,11 +56,9 @@ class CaseRunner:
 
     def __init__(self, stack: MemoryStack, case: Case, seed: int = 0):
         self.stack = stack
+        self.memory = stack.memory
         self.case = case
         self.device = stack.device
-        self.allocator = stack.allocator
-        self.pool = stack.req_to_token_pool
-        self.tree_cache = stack.tree_cache
         self.store_kv = False  # set by alloc_kv_sources()
         # SGLang's bench runs output_len - 1 decode steps (its prefill samples the first token).
         minus_one = stack.config.behaviour.bench_decode_steps == "output_len_minus_1"
@@ -75,10 +67,10 @@ class CaseRunner:
         self.prompts = tokens[:, : case.input_len]
         self.outputs = tokens[:, case.input_len :]
         self.batch: Optional[ScheduleBatch] = None
-        self._before_prefill: Optional[AllocatorState] = None
+        self._before_prefill: Any = None
         self.in_use_before_prefill = 0  # allocator tokens in use when the prefill starts
         self._released = False
-        self._before_finish: Optional[AllocatorState] = None
+        self._before_finish: Any = None
         self._k_new = self._v_new = None
         self._k_decode = self._v_decode = None
         self.warm_prefill_s: Optional[float] = None  # wall time of the prefix warm-up's prefill
@@ -93,19 +85,20 @@ class CaseRunner:
         self.stack.reset()
         prefixes = self._warm_prefix()
         reqs = [Req(str(i), self.prompts[i], self.case.output_len, self.device) for i in range(self.case.batch_size)]
+        memory = self.memory
         for req, prefix in zip(reqs, prefixes):
-            req.init_next_round_input(self.tree_cache)
+            req.init_next_round_input(memory)
             if prefix is not None:
-                req.prefix_indices = prefix
+                memory.adopt_prefix(req, prefix)
                 req.extend_input_len = len(req.fill_ids) - len(prefix)
-            self.tree_cache.inc_lock_ref(req.last_node)
+            memory.lock(req.last_node)
         # The warm-up rows are all free again: start from the table's initial row order, so
         # that every prefill (first, timed or replayed) gets the same rows.
-        self.pool.clear()
-        self.batch = ScheduleBatch(reqs, self.stack)
+        memory.clear_rows()
+        self.batch = ScheduleBatch(reqs, memory)
         self._released = False
-        self._before_prefill = self.allocator.backup_state()
-        self.in_use_before_prefill = self.allocator.in_use_tokens
+        self._before_prefill = memory.snapshot()
+        self.in_use_before_prefill = memory.in_use_tokens
 
     def _warm_prefix(self) -> list[Optional[torch.Tensor]]:
         """Prefill every request's prefix once; return the prefix slots to hand over (or Nones)."""
@@ -115,46 +108,44 @@ class CaseRunner:
         warm = [Req(f"warm-{i}", self.prompts[i, :n], 0, self.device) for i in range(bs)]
         for req in warm:
             req.init_next_round_input(None)
-        self.warm_prefill_s = wall_time(ScheduleBatch(warm, self.stack).prepare_for_extend, self.device)
-        if isinstance(self.tree_cache, RadixCache):
-            for req in warm:
-                req.kv_committed_len = n
-            with common.free_group(self.allocator):
+        memory = self.memory
+        self.warm_prefill_s = wall_time(ScheduleBatch(warm, memory).prepare_for_extend, self.device)
+        if memory.sharing:
+            memory.commit_allocated(warm)
+            with memory.free_group():
                 for req in warm:
-                    common.release_req(self.tree_cache, req, is_insert=True)
+                    memory.release(req)
             return [None] * bs
         for req in warm:
-            common.cache_unfinished(self.tree_cache, req)
-        common.free_req_rows(self.pool, [req.req_pool_idx for req in warm])
+            memory.cache_unfinished(req)
+            memory.free_row(req)
         return [req.prefix_indices for req in warm]
 
     # -- prefill ----------------------------------------------------------------------------
     def prefill(self) -> None:
         """prepare_for_extend, then the KV store of every new token (when the pool is real)."""
-        self.batch.prepare_for_extend()
+        self._extend()
         if self.store_kv:
             self.store_prefill_kv()
+
+    def _extend(self) -> None:
+        """The batch's extend; raises `OutOfMemoryError` (with the numbers) when it does not fit."""
+        if not self.batch.prepare_for_extend():
+            self.memory.require_extend(self.batch.extend_plan)  # fails as the batch did, and says why
 
     def prefill_memory(self) -> None:
         """The memory path alone: request rows, KV slots, write_cache_indices.
 
         Needs the extend plan of an earlier `prefill()`; leaves the request fields unset.
         """
-        b = self.batch
-        common.alloc_for_extend(b.extend_plan, b.req_to_token_pool, b.token_to_kv_pool_allocator, b.tree_cache)
+        self.memory.require_extend(self.batch.extend_plan)
 
     def restore_prefill(self) -> None:
         """Back to the state `start()` left: rows and slots of the prefill given back."""
-        self.allocator.restore_state(self._before_prefill)
-        self.pool.clear()
-        for req in self.reqs:
-            req.req_pool_idx = None
-            req.kv_allocated_len = 0
+        self.memory.restore(self._before_prefill, self.reqs)
 
     def store_prefill_kv(self) -> None:
-        kv = self.stack.kv_pool
-        kernels.store_kv(kv.k_buffer, kv.v_buffer, self.batch.out_cache_loc, self._k_new, self._v_new,
-                         backend=self.stack.backend)
+        self.memory.store_kv(self.batch.out_cache_loc, self._k_new, self._v_new)
 
     def copy_prefill_kv(self) -> None:
         """A plain device copy of as many bytes as `store_prefill_kv` writes (the bandwidth
@@ -195,35 +186,30 @@ class CaseRunner:
     def decode_memory(self) -> None:
         """The memory path alone: one slot per request, written into req_to_token."""
         b = self.batch
-        common.alloc_for_decode(b.req_to_token_pool, b.token_to_kv_pool_allocator, b.tree_cache,
-                                seq_lens=b.seq_lens, seq_lens_cpu=b.seq_lens_cpu, req_pool_indices=b.req_pool_indices,
-                                num_pages=b.decode_pages_needed(b.page_size))
+        self.memory.alloc_decode(None, seq_lens=b.seq_lens, seq_lens_cpu=b.seq_lens_cpu,
+                                 req_pool_indices=b.req_pool_indices, num_pages=b.decode_pages_needed(b.page_size))
 
     def store_decode_kv(self) -> None:
-        kv = self.stack.kv_pool
-        kernels.store_kv(kv.k_buffer, kv.v_buffer, self.batch.out_cache_loc, self._k_decode, self._v_decode,
-                         backend=self.stack.backend)
+        self.memory.store_kv(self.batch.out_cache_loc, self._k_decode, self._v_decode)
 
     def snapshot_decode(self) -> DecodeSnapshot:
         b = self.batch
         # A copy of the device lengths: a decode step's graph replay increments them in place.
-        return DecodeSnapshot(self.allocator.backup_state(), b.seq_lens.clone(), b.seq_lens_cpu,
+        return DecodeSnapshot(self.memory.snapshot(), b.seq_lens.clone(), b.seq_lens_cpu,
                               [r.kv_allocated_len for r in self.reqs])
 
     def restore_decode(self, snap: DecodeSnapshot) -> None:
         """Back to the snapshot. The lengths are written into the batch's own tensor, as a
         running batch keeps them from one step to the next (a graph replay finds them in its
         buffer, as in a steady decode loop)."""
-        self.allocator.restore_state(snap.allocator)
+        self.memory.restore(snap.allocator, self.reqs, snap.kv_allocated_lens)
         self.batch.seq_lens.copy_(snap.seq_lens)
         self.batch.seq_lens_cpu = snap.seq_lens_cpu
-        for req, n in zip(self.reqs, snap.kv_allocated_lens):
-            req.kv_allocated_len = n
 
     # -- finish -----------------------------------------------------------------------------
     def finish(self) -> None:
         """Release every request (their K/V counts as computed: the tree caches it)."""
-        common.release_reqs(self.tree_cache, self.reqs, self.batch.req_pool_indices)
+        self.memory.release_all(self.reqs, self.batch.req_pool_indices)
         self._released = True
 
     def before_finish(self) -> None:
@@ -235,34 +221,28 @@ class CaseRunner:
         """
         if not self._released:
             self.ready_to_finish()
-            null = isinstance(self.tree_cache, NullCache)
-            self._before_finish = self.allocator.backup_state() if null else None
+            self._before_finish = self.memory.snapshot() if self.memory.keeps_no_request_state else None
         elif self._before_finish is not None:
             self._restore_finish(self._before_finish)
         else:
             self.replay_to_finish()
 
-    def _restore_finish(self, state: AllocatorState) -> None:
-        self.allocator.restore_state(state)
+    def _restore_finish(self, state: Any) -> None:
         # The prefill took its rows right after a clear(); taking them again gives the same ones.
-        self.pool.clear()
-        rows = self.pool.alloc(len(self.reqs))
-        if rows != [req.req_pool_idx for req in self.reqs]:
-            raise IntegrityError(f"restoring the finish took rows {rows[:8]}..., not the batch's rows")
-        for req in self.reqs:
-            req.kv_freed = False
+        self.memory.restore(state, self.reqs, [req.kv_allocated_len for req in self.reqs])
+        self.memory.retake_rows(self.reqs)
         self._released = False
 
     def ready_to_finish(self) -> None:
         """Mark every allocated token as computed and give each request its output tokens."""
         for req, out in zip(self.reqs, self.outputs):
             req.output_ids = out.tolist()
-            req.kv_committed_len = req.kv_allocated_len
+        self.memory.commit_allocated(self.reqs)
 
     def replay_to_finish(self) -> None:
         """From an idle stack, run the case's memory path up to the finish (untimed setup)."""
         self.start()
-        self.batch.prepare_for_extend()
+        self._extend()
         for _ in range(self.decode_steps):
             self.batch.prepare_for_decode()
         self.ready_to_finish()

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.sched.helpers import scheduler_for
 from memcli.config import load_config
 from memcli.mem_cache.integrity import CHECK_NAMES, failures, run_checks
 from memcli.sched.scheduler import Scheduler
@@ -26,7 +27,7 @@ def running(page_size: int = 4, cache: str = "radix", steps: int = 4):
         "scheduler.chunked_prefill_size=null",
     ])
     stack = build_stack(cfg)
-    sched = Scheduler(stack, cfg.scheduler, cfg.sim, stack.scheduler_page_size)
+    sched = scheduler_for(stack, cfg, page_size=stack.scheduler_page_size)
     for i in range(3):
         own = np.arange(100 * (i + 1), 100 * (i + 1) + 5 + i)
         sched.add_request(sched.new_req(f"r{i}", np.concatenate([SHARED, own]), 12))

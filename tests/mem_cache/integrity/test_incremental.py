@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from memcli.mem_cache import common
+from memcli.mem_cache.manager import MemoryManager
 from memcli.mem_cache.integrity import CheckPolicy, IntegrityChecker, OwnershipError
 from memcli.mem_cache.integrity.ownership import FREE, TREE
 from memcli.mem_cache.radix_cache import RadixCache
 from memcli.sched.scheduler import Scheduler
-from tests.sched.helpers import small_stack
+from tests.sched.helpers import scheduler_for, small_stack
 from tests.sched.test_scheduler import shared_prefix_workload
 
 PROFILES = ["sglang-0.5.5", "memcli"]
@@ -23,7 +23,7 @@ def scheduler(page_size=4, cache="radix", profile="sglang-0.5.5", every_step="in
     cfg, stack = small_stack(page_size, pool=512, cache=cache, rows=8, context=256, chunk=64,
                              semantics__profile=profile, **extra)
     checker = IntegrityChecker(stack, CheckPolicy(every_step, walk_every=1))
-    sched = Scheduler(stack, cfg.scheduler, cfg.sim, page_size, checker=checker, **kw)
+    sched = scheduler_for(stack, cfg, page_size=page_size, checker=checker, **kw)
     shared_prefix_workload(sched, max_out=30)
     return stack, sched
 
@@ -120,10 +120,11 @@ def test_misaligned_row_is_caught_by_row_layout_at_its_step(profile, monkeypatch
     normal loop: the request written to is then still running, so its row is checked."""
     stack, sched = scheduler(page_size=16, profile=profile, loop="normal")
     planted = []
-    alloc_for_decode = common.alloc_for_decode
+    alloc_decode = MemoryManager.alloc_decode
 
-    def misaligned(pool, allocator, tree_cache, **kw):
-        out = alloc_for_decode(pool, allocator, tree_cache, **kw)
+    def misaligned(memory, reqs, **kw):
+        out = alloc_decode(memory, reqs, **kw)
+        pool, allocator = memory.req_to_token_pool, memory.allocator
         if sched.step_count >= 8 and not planted:
             row, col = int(kw["req_pool_indices"][0]), int(kw["seq_lens_cpu"][0])
             slot = int(pool.req_to_token[row, col])
@@ -131,7 +132,7 @@ def test_misaligned_row_is_caught_by_row_layout_at_its_step(profile, monkeypatch
             planted.append(sched.step_count)
         return out
 
-    monkeypatch.setattr(common, "alloc_for_decode", misaligned)
+    monkeypatch.setattr(MemoryManager, "alloc_decode", misaligned)
     err = failing_step(sched)
     assert planted and err.step == planted[0] and err.check == "row_layout"
     assert "expected offset" in str(err) or "expected" in str(err)
@@ -149,7 +150,7 @@ def test_page_allocated_and_never_claimed_is_a_lost_page_at_the_next_check():
 def test_full_walks_on_idle_steps_are_sampled():
     cfg, stack = small_stack(4, pool=512, rows=8, context=256, chunk=64)
     checker = IntegrityChecker(stack, CheckPolicy("none", walk_every=4, walk_budget=1.0))
-    sched = Scheduler(stack, cfg.scheduler, cfg.sim, 4, checker=checker)
+    sched = scheduler_for(stack, cfg, page_size=4, checker=checker)
     shared_prefix_workload(sched, n=12, max_out=3, gap_ms=200.0)  # idle gaps between requests
     sched.run(max_steps=5000)
     idle = sched.stats.idle_steps
@@ -198,10 +199,11 @@ def test_a_bad_slot_written_into_a_row_is_caught_at_its_step(page_size, fault, m
     page (page_sharing): caught by the check of the step that wrote it."""
     stack, sched = scheduler(page_size=page_size, loop="normal")
     planted = []
-    alloc_for_decode = common.alloc_for_decode
+    alloc_decode = MemoryManager.alloc_decode
 
-    def bad_slot(pool, allocator, tree_cache, **kw):
-        out = alloc_for_decode(pool, allocator, tree_cache, **kw)
+    def bad_slot(memory, reqs, **kw):
+        out = alloc_decode(memory, reqs, **kw)
+        pool, allocator = memory.req_to_token_pool, memory.allocator
         rows = kw["req_pool_indices"]
         row, col = int(rows[0]), int(kw["seq_lens_cpu"][0])
         # Another request's page goes at the start of a page (mid-page, row_layout sees it first).
@@ -218,7 +220,7 @@ def test_a_bad_slot_written_into_a_row_is_caught_at_its_step(page_size, fault, m
             planted.append(sched.step_count)
         return out
 
-    monkeypatch.setattr(common, "alloc_for_decode", bad_slot)
+    monkeypatch.setattr(MemoryManager, "alloc_decode", bad_slot)
     err = failing_step(sched)
     assert planted and err.step == planted[0]
     assert err.check == ("page_sharing" if fault == "another request's page" else "slot_range")

@@ -19,7 +19,6 @@ from memcli.cli.bench_one_batch import LIST_FLAGS
 from memcli.cli.options import expand_list_flags
 from memcli.config import load_config, replace
 from memcli.errors import CapacityError
-from memcli.mem_cache import common
 from memcli.mem_cache.null_cache import NullCache
 from memcli.stack import build_stack
 
@@ -185,12 +184,12 @@ def test_batched_release_frees_what_per_request_release_frees(page_size, rows, w
         case_runner.ready_to_finish()
         if batched:
             index = case_runner.batch.req_pool_indices if with_index else None
-            common.release_reqs(stack.tree_cache, case_runner.reqs, index)
+            stack.memory.release_all(case_runner.reqs, index)
             assert all(r.kv_freed for r in case_runner.reqs)
         else:
-            with common.free_group(stack.allocator):
+            with stack.memory.free_group():
                 for req in case_runner.reqs:
-                    common.release_req(stack.tree_cache, req)
+                    stack.memory.release(req)
         if others:
             pool.free(others)
         assert stack.allocator.available_size() == stack.allocator.size

@@ -196,7 +196,7 @@ def test_sglang_side_runs_the_same_batch_slot_for_slot(tree_cache, page_size, pr
     seq = case.input_len + mine.decode_steps
     for a, b in zip(mine.reqs, theirs.batch.reqs):
         assert a.req_pool_idx == b.req_pool_idx
-        ours = mine.pool.req_to_token[a.req_pool_idx, :seq].to(torch.int64)
+        ours = mine.stack.req_to_token_pool.req_to_token[a.req_pool_idx, :seq].to(torch.int64)
         sglang = theirs.pool.req_to_token[b.req_pool_idx, :seq].to(torch.int64).cpu()
         assert torch.equal(ours, sglang)
     theirs.finish()  # SGLang's own finish leaves its stack idle

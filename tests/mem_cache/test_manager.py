@@ -1,10 +1,11 @@
-"""alloc_for_extend / alloc_for_decode / release: exact slots, eviction of the shortfall, OOM."""
+"""The memory manager's verbs: exact slots, eviction of the shortfall, OOM, the records it writes."""
 
 import pytest
 import torch
 
 from memcli.errors import OutOfMemoryError, RequestSlotsExhausted
-from memcli.mem_cache import common, pages
+from memcli.mem_cache import pages
+from memcli.mem_cache.manager import ExtendAllocation, ExtendPlan, PageSizeMismatch, Release, Usage
 from memcli.mem_cache.base_prefix_cache import RadixKey
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.req import Req
@@ -14,14 +15,19 @@ from tests.sched.helpers import small_stack, tokens
 def make_reqs(stack, *token_arrays, max_new=4):
     reqs = [Req(str(i), t, max_new, stack.device) for i, t in enumerate(token_arrays)]
     for r in reqs:
-        r.init_next_round_input(stack.tree_cache)
+        r.init_next_round_input(stack.memory)
     return reqs
 
 
 def extend(stack, reqs):
-    batch = ScheduleBatch(reqs, stack)
-    batch.prepare_for_extend()
+    batch = ScheduleBatch(reqs, stack.memory)
+    assert batch.prepare_for_extend()
     return batch
+
+
+def require_extend(stack, reqs):
+    """Serve the extend through `require_extend`, which raises where `alloc_extend` says None."""
+    return stack.memory.require_extend(stack.memory.plan_extend(reqs))
 
 
 def row(stack, req, n=None):
@@ -45,7 +51,7 @@ def test_extend_paged_continues_the_prefix_partial_page():
     extend(stack, [a])
     assert row(stack, a) == [4, 5, 6, 7, 8, 9]  # pages 1 and 2, position t at offset t % 4
     # A second round of the same request continues after its own slots (chunk-style prefix).
-    a.prefix_indices = torch.tensor(row(stack, a), dtype=torch.int64)
+    a.kv.prefix_indices = torch.tensor(row(stack, a), dtype=torch.int64)
     a.fill_ids = tokens((0, 9))
     a.extend_input_len = 3
     batch = extend(stack, [a])
@@ -56,7 +62,7 @@ def test_extend_paged_continues_the_prefix_partial_page():
 def test_last_loc_comes_from_prefix_indices_not_req_to_token():
     _, stack = small_stack(page_size=4, pool=64)
     (a,) = make_reqs(stack, tokens((0, 2)))
-    a.prefix_indices = torch.tensor([40], dtype=torch.int64)  # page 10, never written to req_to_token
+    a.kv.prefix_indices = torch.tensor([40], dtype=torch.int64)  # page 10, never written to req_to_token
     a.fill_ids = tokens((0, 6))
     a.extend_input_len = 5
     batch = extend(stack, [a])
@@ -125,8 +131,9 @@ def test_oom_raises_with_numbers_and_returns_request_rows():
     _, stack = small_stack(page_size=4, pool=16)
     a, b = make_reqs(stack, tokens((0, 9)), tokens((100, 9)))
     rows_before = stack.req_to_token_pool.available_size()
+    assert not ScheduleBatch([a, b], stack.memory).prepare_for_extend()
     with pytest.raises(OutOfMemoryError) as info:
-        extend(stack, [a, b])
+        require_extend(stack, [a, b])
     assert "need 24 tokens, available 16 + evictable 0, protected 0" in str(info.value)
     assert stack.req_to_token_pool.available_size() == rows_before
     assert stack.allocator.available_size() == 16
@@ -136,8 +143,9 @@ def test_oom_raises_with_numbers_and_returns_request_rows():
 def test_request_rows_exhausted_is_typed():
     _, stack = small_stack(page_size=1, pool=64, rows=1)
     reqs = make_reqs(stack, tokens((0, 2)), tokens((10, 2)))
+    assert stack.memory.alloc_extend(stack.memory.plan_extend(reqs)) is None
     with pytest.raises(RequestSlotsExhausted, match="max_running_requests"):
-        extend(stack, reqs)
+        require_extend(stack, reqs)
 
 
 def test_page_size_mismatch_is_refused():
@@ -146,7 +154,7 @@ def test_page_size_mismatch_is_refused():
 
     stack = build_stack(small_config(page_size=16, pool=256), page_size_overrides={"tree_cache": 1})
     (a,) = make_reqs(stack, tokens((0, 5)))
-    with pytest.raises(common.PageSizeMismatch, match="allocator 16, tree cache 1"):
+    with pytest.raises(PageSizeMismatch, match="allocator 16, tree cache 1"):
         extend(stack, [a])
 
 
@@ -164,12 +172,12 @@ def test_release_frees_exactly_what_was_allocated_once():
     (a,) = make_reqs(stack, tokens((0, 6)))
     batch = extend(stack, [a])
     batch.prepare_for_decode()
-    a.kv_committed_len = a.kv_allocated_len
-    common.release_req(stack.tree_cache, a)
+    a.kv.kv_committed_len = a.kv_allocated_len
+    stack.memory.release(a, Release.FINISHED)
     assert stack.allocator.available_size() == 64
     assert stack.req_to_token_pool.available_size() == stack.req_to_token_pool.size
     with pytest.raises(Exception, match="already freed"):
-        common.release_req(stack.tree_cache, a)
+        stack.memory.release(a)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -183,7 +191,7 @@ def test_triton_and_torch_backends_allocate_the_same_slots(page_size):
         first = make_reqs(stack, tokens((0, 13)), tokens((100, 6)))
         extend(stack, first)
         for r in first:
-            r.kv_committed_len = r.kv_allocated_len
+            r.kv.kv_committed_len = r.kv_allocated_len
             stack.tree_cache.cache_unfinished_req(r)
         # Second batch: one request reuses a cached prefix, one has none, one is new.
         second = make_reqs(stack, tokens((0, 13), (500, 5)), tokens((900, 3)), tokens((100, 6), (700, 2)))
@@ -198,7 +206,7 @@ def test_extend_plan_is_immutable_and_counts_once():
     import dataclasses
 
     prefix = torch.tensor([8, 9, 10], dtype=torch.int64)
-    plan = common.ExtendPlan.build([None, 3], [prefix, torch.empty(0, dtype=torch.int64)], [5, 6], page_size=4)
+    plan = ExtendPlan.build([None, 3], [prefix, torch.empty(0, dtype=torch.int64)], [5, 6], page_size=4)
     assert plan.rows == [None, 3]
     assert plan.prefix_lens_cpu.tolist() == [3, 0] and plan.seq_lens_cpu.tolist() == [5, 6]
     assert plan.extend_lens_cpu.tolist() == [2, 6] and plan.extend_num_tokens == 8
@@ -208,36 +216,53 @@ def test_extend_plan_is_immutable_and_counts_once():
         plan.num_pages = 0
 
 
-def test_alloc_for_extend_takes_a_plan_returns_an_allocation_and_writes_no_request():
+def test_alloc_extend_takes_a_plan_returns_an_allocation_and_writes_the_records():
     _, stack = small_stack(page_size=4, pool=64)
     (a,) = make_reqs(stack, tokens((0, 6)))
-    plan = common.ExtendPlan.build([None], [a.prefix_indices], [6], page_size=4)
-    got = common.alloc_for_extend(plan, stack.req_to_token_pool, stack.allocator, stack.tree_cache)
-    assert isinstance(got, common.ExtendAllocation)
+    plan = ExtendPlan.build([None], [a.prefix_indices], [6], page_size=4)
+    got = stack.memory.alloc_extend(plan, [a])
+    assert isinstance(got, ExtendAllocation)
     assert got.out_cache_loc.tolist() == [4, 5, 6, 7, 8, 9]
     assert got.rows == [0] and got.req_pool_indices.tolist() == [0] and got.seq_lens.tolist() == [6]
-    assert a.req_pool_idx is None and a.kv_allocated_len == 0  # the batch applies the result
+    assert a.req_pool_idx == 0 and a.kv_allocated_len == 6  # memory wrote the record
     assert stack.req_to_token_pool.req_to_token[0, :6].tolist() == [4, 5, 6, 7, 8, 9]
 
 
-def test_alloc_for_decode_and_check_take_the_page_count_from_the_caller():
+def test_alloc_decode_and_can_decode_take_the_page_count_from_the_caller():
     _, stack = small_stack(page_size=4, pool=12)
+    memory = stack.memory
     (a,) = make_reqs(stack, tokens((0, 8)))
     batch = extend(stack, [a])  # pages 1 and 2 of 3; one page left
-    mem = (stack.req_to_token_pool, stack.allocator, stack.tree_cache)
-    assert common.check_decode_mem(stack.allocator, stack.tree_cache, num_pages=1)
-    assert not common.check_decode_mem(stack.allocator, stack.tree_cache, num_pages=2)
-    out, after = common.alloc_for_decode(*mem, seq_lens=batch.seq_lens, seq_lens_cpu=batch.seq_lens_cpu,
-                                         req_pool_indices=batch.req_pool_indices, num_pages=1)
+    tensors = dict(seq_lens=batch.seq_lens, seq_lens_cpu=batch.seq_lens_cpu, req_pool_indices=batch.req_pool_indices)
+    assert memory.can_decode(num_pages=1)
+    assert not memory.can_decode(num_pages=2)
+    out, after = memory.alloc_decode([a], num_pages=1, **tensors)
     assert out.tolist() == [12] and stack.allocator.available_size() == 0
     assert after.tolist() == [9] and batch.seq_lens.tolist() == [8]  # the lengths after the step, a new tensor
-    with pytest.raises(OutOfMemoryError):
-        common.alloc_for_decode(*mem, seq_lens=batch.seq_lens, seq_lens_cpu=batch.seq_lens_cpu,
-                                req_pool_indices=batch.req_pool_indices, num_pages=1)
+    assert a.kv_allocated_len == 9
+    assert memory.alloc_decode([a], num_pages=1, **tensors) is None  # no page left: nothing taken
+    assert a.kv_allocated_len == 9
 
 
 def test_usage_is_named():
     _, stack = small_stack(page_size=4, pool=64)
-    u = common.usage(stack.tree_cache, stack.allocator)
-    assert isinstance(u, common.Usage)
+    u = stack.memory.usage()
+    assert isinstance(u, Usage)
     assert (u.available, u.evictable, u.protected) == (64, 0, 0) == tuple(u)
+
+
+def test_a_retracted_request_gives_back_everything_and_its_record_is_emptied():
+    _, stack = small_stack(page_size=4, pool=64)
+    (a,) = make_reqs(stack, tokens((0, 6)))
+    extend(stack, [a])
+    stack.memory.release(a, Release.RETRACTED)
+    assert stack.allocator.available_size() + stack.tree_cache.evictable_size() == 64
+    assert (a.req_pool_idx, a.kv_allocated_len, len(a.prefix_indices), a.kv_freed) == (None, 0, 0, False)
+
+
+def test_nothing_above_memory_can_write_a_request_record():
+    _, stack = small_stack(page_size=4, pool=64)
+    (a,) = make_reqs(stack, tokens((0, 6)))
+    for name in ("req_pool_idx", "prefix_indices", "kv_allocated_len", "kv_committed_len", "last_node"):
+        with pytest.raises(AttributeError):
+            setattr(a, name, None)
