@@ -135,6 +135,8 @@ class SemanticsConfig:
     docs/FIDELITY.md what each one does and why the profiles differ.
     """
 
+    # The engine the stack reproduces (`memcli.engines`; an unknown name is refused with the list).
+    engine: str = "sglang-0.5.5"
     profile: Literal["sglang-0.5.5", "memcli"] = "sglang-0.5.5"
     # Eviction when the free list is short: evict the whole need, or only the shortfall.
     evict_amount: Optional[Literal["full_need", "shortfall"]] = None
@@ -318,6 +320,10 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         raise _type_error(path, value, tp)
     if tp is bool:
         if isinstance(value, bool):
+            return value
+        raise _type_error(path, value, tp)
+    if tp is str:
+        if isinstance(value, str):
             return value
         raise _type_error(path, value, tp)
     if tp is int:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from memcli.config import Config, SemanticsConfig, host_pool_size, replace
+from memcli.devices import resolve_backend, resolve_device
 from memcli.errors import ConfigError
 from memcli.footprint import check_footprint
 from memcli.mem_cache.allocator import BaseAllocator, make_allocator
@@ -22,12 +23,11 @@ from memcli.mem_cache.chunk_cache import ChunkCache
 from memcli.mem_cache.decode_graph import DecodeGraphs
 from memcli.mem_cache.hiradix_cache import HiRadixCache
 from memcli.mem_cache.host_pool import HostKVPool
-from memcli.mem_cache.manager import MemoryManager
+from memcli.mem_cache.manager import COMPONENTS, MemoryManager
 from memcli.mem_cache.null_cache import NullCache
 from memcli.mem_cache.pools import KVPool, ReqToTokenPool
 from memcli.mem_cache.radix_cache import RadixCache
 
-COMPONENTS = ("kv_pool", "allocator", "tree_cache", "scheduler", "null_cache", "host_pool")
 
 
 @dataclass
@@ -77,29 +77,6 @@ class MemoryStack:
         self.tree_cache.reset()
         self.req_to_token_pool.clear()
         self.allocator.clear()
-
-
-def resolve_device(config: Config) -> torch.device:
-    want = config.runtime.device
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("runtime.device: cuda requested but no CUDA device is visible",
-                          hint="use --set runtime.device=cpu (or auto)")
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(want)
-
-
-def resolve_backend(config: Config, device: torch.device) -> str:
-    backend = config.runtime.kernel_backend
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda":
-        import os
-
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError("runtime.kernel_backend: triton needs a CUDA device (or TRITON_INTERPRET=1)",
-                              hint="use --set runtime.kernel_backend=torch on a CPU")
-    return backend
 
 
 def use_decode_graph(config: Config, device: torch.device, backend: str) -> bool:

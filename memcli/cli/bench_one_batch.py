@@ -146,13 +146,13 @@ def _comparison(compare: Optional[str], cfg):
                           hint="fetch it once with `memcli reference fetch` (3.4 MB from PyPI; MEMCLI_CACHE_DIR moves"
                                " the cache)")
     from memcli.reference.loader import load_reference
-    from memcli.stack import resolve_device
+    from memcli.devices import resolve_device
     from memcli.tools.bench_one_batch.sglang_side import SglangComparison
     return SglangComparison(load_reference(), resolve_device(cfg))
 
 
 def _options(tree_cache: str, repeat: Optional[int], warmup: int, rounds: int, run_name: str, cfg):
-    from memcli.stack import resolve_device
+    from memcli.devices import resolve_device
     from memcli.tools.bench_one_batch.run import BenchOptions
 
     if tree_cache not in TREE_CACHES:

@@ -44,8 +44,12 @@ from memcli.mem_cache.integrity import CheckPolicy, IntegrityChecker, InFlightSl
 from memcli.mem_cache.null_cache import NullCache
 from memcli.mem_cache.req_kv import ReqKV
 
-__all__ = ["CheckPolicy", "DecodeAllocation", "IntegrityChecker", "ExtendAllocation", "ExtendPlan", "InFlightSlot", "MemoryManager",
+__all__ = ["COMPONENTS", "CheckPolicy", "DecodeAllocation", "IntegrityChecker", "ExtendAllocation", "ExtendPlan", "InFlightSlot", "MemoryManager",
            "PageSizeMismatch", "Release", "ReqKV", "Usage"]
+
+
+# The components of a stack that hold or read a page size (check-page-size inspects each).
+COMPONENTS = ("kv_pool", "allocator", "tree_cache", "scheduler", "null_cache", "host_pool")
 
 
 class PageSizeMismatch(IntegrityError):
@@ -575,6 +579,15 @@ class MemoryManager:
     def take_events(self) -> list:
         """The KV events since the last call."""
         return self.tree_cache.take_events()
+
+    def take_evictions(self) -> list:
+        """The tree's eviction records since the last call (empty without a tree)."""
+        log = getattr(self.tree_cache, "eviction_log", None)
+        if not log:
+            return []
+        records = list(log)
+        log.clear()
+        return records
 
     def allocator_totals(self) -> tuple[int, int]:
         """(frees, freed tokens) over the run."""

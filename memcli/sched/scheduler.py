@@ -12,93 +12,18 @@ of `SimConfig`. Every arrival, admission, allocation, finish, retraction and abo
 
 from __future__ import annotations
 
-from array import array
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
-
 
 from memcli.config import REQ_INPUT_MARGIN, Config
-from memcli.mem_cache.manager import CheckPolicy, IntegrityChecker, MemoryManager, Release
+from memcli.mem_cache.manager import MemoryManager, Release
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.overlap import OverlapLoop
 from memcli.sched.progress import ProgressGuard
 from memcli.sched.policy import AddResult, AdmissionGate, PrefillAdder, order_waiting, uses_lpm
 from memcli.sched.req import Req
+from memcli.steps import Event, SchedulerHooks, SchedulerStats, StepRecord
 
-
-class Event(NamedTuple):
-    step: int
-    time_ms: float
-    kind: str  # arrive, admit, alloc, evict, finish, retract, abort, oom
-    rid: str
-    tokens: int
-
-
-class StepRecord(NamedTuple):
-    step: int
-    time_ms: float
-    kind: str  # prefill, decode, idle
-    batch_size: int
-    new_tokens: int
-    running: int
-    waiting: int
-    available: int
-    evictable: int
-    protected: int
-    held_tokens: int
-    held_pages: int
-    host_used: int = 0  # hiradix: host pool slots held by the tree
-    d2h_bytes: int = 0  # hiradix: bytes copied device -> host issued during the step
-    h2d_bytes: int = 0  # hiradix: bytes copied host -> device issued during the step
-
-
-@dataclass
-class SchedulerStats:
-    prefill_batches: int = 0
-    decode_steps: int = 0
-    idle_steps: int = 0
-    allocations: int = 0
-    allocated_tokens: int = 0
-    finished: int = 0
-    aborted: int = 0
-    retractions: int = 0
-    retracted_requests: int = 0
-    recomputed_tokens: int = 0
-    oom_events: int = 0
-    peak_request_rows: int = 0
-    checks_run: int = 0
-    forced_retractions: int = 0
-    # Every admission (first, or again after a retraction): tokens asked (prompt and output so
-    # far) and tokens matched, as vLLM's prefix-cache counters count queries and hits.
-    admission_queries: int = 0
-    admission_hits: int = 0
-    # Per prefill batch, SGLang's logged #cached-token and #new-token (`PrefillAdder.log_*`).
-    batch_cached_tokens: array = field(default_factory=lambda: array("q"))
-    batch_new_tokens: array = field(default_factory=lambda: array("q"))
-    extra: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SchedulerHooks:
-    """What a caller adds to a run: callbacks, checks and test switches (all optional).
-
-    `on_step(scheduler, record)` runs after every step; `on_admission(req, admitted)` when a
-    request is admitted (True: its prefill batch was built) or goes back to waiting (False:
-    retracted), which memcli replay uses to move the trace's future. After each step the
-    checks of `checks` run (by default sampled full walks on idle steps only), or those of a
-    prebuilt `checker`. `retract_every` forces a retraction every that many decode steps;
-    `page_size` gives the budget another page size than memory's (check-page-size's
-    injection)."""
-
-    output_token_base: int = 1 << 40
-    record_events: bool = True
-    on_step: Callable[["Scheduler", StepRecord], None] | None = None
-    on_admission: Callable[[Req, bool], None] | None = None
-    checks: CheckPolicy = CheckPolicy()
-    checker: IntegrityChecker | None = None
-    retract_every: int = 0
-    page_size: int | None = None
+__all__ = ["Event", "Scheduler", "SchedulerHooks", "SchedulerStats", "StepRecord"]
 
 
 class Scheduler:

@@ -29,7 +29,8 @@ from memcli.errors import CapacityError
 from memcli.mem_cache.host_pool import HostKVPool, _runs
 from memcli.mem_cache.pages import align_up
 from memcli.report.envelope import envelope
-from memcli.stack import build_stack, resolve_device
+from memcli import engines
+from memcli.devices import resolve_device
 from memcli.timing import Timing, time_call, torch_threads
 from memcli.tools.bench_one_batch.cases import Case
 
@@ -111,7 +112,8 @@ def run_transfer_bench(config: Config, cases: Sequence[Case], repeat: int, warmu
     pinned = False
     with torch_threads(device):
         for case in cases:
-            stack = build_stack(transfer_config(config, case))
+            cfg = transfer_config(config, case)
+            stack = engines.get(cfg).build_stack(cfg)
             host = bench_host_pool(stack, device)
             for round_number in range(1, rounds + 1):
                 if progress is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -32,7 +32,8 @@ from memcli.tools.bench_one_batch.results import (BenchResult, CaseResult, KVSto
                                                   combine_case_rounds)
 from memcli.tools.bench_one_batch.runner import CaseRunner
 from memcli.config import GIB, Config, replace
-from memcli.stack import MemoryStack, build_stack, resolve_device
+from memcli import engines
+from memcli.devices import resolve_device
 from memcli.timing import torch_threads, wall_time
 
 # (round, rounds, case number, cases, case), before each case of each round (numbers from 1).
@@ -96,7 +97,7 @@ def run_bench_one_batch(config: Config, cases: Sequence[Case], options: BenchOpt
         for round_number in range(1, options.rounds + 1):
             done = 0
             for ps, cfg in configs.items():
-                stack = build_stack(cfg)
+                stack = engines.get(cfg).build_stack(cfg)
                 for case in (c for c in cases if c.page_size == ps):
                     done += 1
                     if progress is not None:
@@ -147,7 +148,7 @@ def describe_device(device: torch.device) -> str:
     return "cpu (one torch thread)"
 
 
-def run_case(stack: MemoryStack, case: Case, options: BenchOptions, floor: Optional[GraphFloor] = None) -> CaseResult:
+def run_case(stack: Any, case: Case, options: BenchOptions, floor: Optional[GraphFloor] = None) -> CaseResult:
     """One case on `stack` (built with the case's page size); leaves the stack idle. With a
     `floor`, the launch floor is timed beside the decode memory path (`launch_floor`)."""
     runner = CaseRunner(stack, case, seed=options.seed)
@@ -245,6 +246,6 @@ def _kv_store_note(runner: CaseRunner) -> Optional[str]:
     return None
 
 
-def idle_state(stack: MemoryStack) -> dict:
+def idle_state(stack: Any) -> dict:
     """Invariant 6 after the finish: every row free, available + evictable == size."""
     return stack.memory.idle_state()

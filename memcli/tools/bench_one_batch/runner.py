@@ -26,9 +26,8 @@ import numpy as np
 import torch
 
 from memcli.tools.bench_one_batch.cases import Case
-from memcli.sched.batch import ScheduleBatch
-from memcli.sched.req import Req
-from memcli.stack import MemoryStack
+from memcli import engines
+from memcli.errors import MemcliError
 from memcli.timing import wall_time
 
 VOCAB_SIZE = 10_000
@@ -54,9 +53,13 @@ class DecodeSnapshot(NamedTuple):
 class CaseRunner:
     """Drives `case` on `stack` (built with the case's page size). Mutates the stack."""
 
-    def __init__(self, stack: MemoryStack, case: Case, seed: int = 0):
+    def __init__(self, stack: Any, case: Case, seed: int = 0):
         self.stack = stack
         self.memory = stack.memory
+        self.engine = engines.get(stack.config)
+        if self.engine.make_batch is None:
+            raise MemcliError(f"engine {self.engine.name} has no static batch to bench",
+                              "bench-one-batch runs an engine with a static batch: --engine sglang-0.5.5")
         self.case = case
         self.device = stack.device
         self.store_kv = False  # set by alloc_kv_sources()
@@ -66,7 +69,7 @@ class CaseRunner:
         tokens = case_tokens(case, seed)
         self.prompts = tokens[:, : case.input_len]
         self.outputs = tokens[:, case.input_len :]
-        self.batch: Optional[ScheduleBatch] = None
+        self.batch: Any = None  # the engine's static batch
         self._before_prefill: Any = None
         self.in_use_before_prefill = 0  # allocator tokens in use when the prefill starts
         self._released = False
@@ -76,7 +79,7 @@ class CaseRunner:
         self.warm_prefill_s: Optional[float] = None  # wall time of the prefix warm-up's prefill
 
     @property
-    def reqs(self) -> list[Req]:
+    def reqs(self) -> list:
         return self.batch.reqs
 
     # -- start: idle stack -> before prefill ------------------------------------------------
@@ -84,7 +87,8 @@ class CaseRunner:
         """Reset the stack (no request may hold memory), warm the prefix, build the batch."""
         self.stack.reset()
         prefixes = self._warm_prefix()
-        reqs = [Req(str(i), self.prompts[i], self.case.output_len, self.device) for i in range(self.case.batch_size)]
+        make_req = self.engine.make_req
+        reqs = [make_req(str(i), self.prompts[i], self.case.output_len, self.device) for i in range(self.case.batch_size)]
         memory = self.memory
         for req, prefix in zip(reqs, prefixes):
             req.init_next_round_input(memory)
@@ -95,7 +99,7 @@ class CaseRunner:
         # The warm-up rows are all free again: start from the table's initial row order, so
         # that every prefill (first, timed or replayed) gets the same rows.
         memory.clear_rows()
-        self.batch = ScheduleBatch(reqs, memory)
+        self.batch = self._batch(reqs)
         self._released = False
         self._before_prefill = memory.snapshot()
         self.in_use_before_prefill = memory.in_use_tokens
@@ -105,11 +109,11 @@ class CaseRunner:
         n, bs = self.case.prefix_len, self.case.batch_size
         if n == 0:
             return [None] * bs
-        warm = [Req(f"warm-{i}", self.prompts[i, :n], 0, self.device) for i in range(bs)]
+        warm = [self.engine.make_req(f"warm-{i}", self.prompts[i, :n], 0, self.device) for i in range(bs)]
         for req in warm:
             req.init_next_round_input(None)
         memory = self.memory
-        self.warm_prefill_s = wall_time(ScheduleBatch(warm, memory).prepare_for_extend, self.device)
+        self.warm_prefill_s = wall_time(self._batch(warm).prepare_for_extend, self.device)
         if memory.sharing:
             memory.commit_allocated(warm)
             with memory.free_group():
@@ -127,6 +131,9 @@ class CaseRunner:
         self._extend()
         if self.store_kv:
             self.store_prefill_kv()
+
+    def _batch(self, reqs: list) -> Any:
+        return self.engine.make_batch(reqs, self.memory, self.stack.config)
 
     def _extend(self) -> None:
         """The batch's extend; raises `OutOfMemoryError` (with the numbers) when it does not fit."""

@@ -18,7 +18,9 @@ from typing import Callable, Optional
 
 from memcli.tools.check_page_size.workload import AbortPlan, Workload
 from memcli.mem_cache.integrity import CHECK_NAMES, CheckResult, failed, passed, run_checks
-from memcli.sched.scheduler import Scheduler, SchedulerHooks, StepRecord
+from memcli import engines
+from memcli.engines import Scheduler
+from memcli.steps import SchedulerHooks, StepRecord
 
 FaultHook = Callable[[Scheduler, StepRecord], None]
 
@@ -115,7 +117,7 @@ def run_phase(name: str, stack, config, workload: Workload, steps: int,
 
     `progress(message)` is called every few seconds of a long phase."""
     start = time.perf_counter()
-    sched = Scheduler(stack.memory, config, SchedulerHooks(
+    sched = engines.get(config).scheduler(stack.memory, config, SchedulerHooks(
         output_token_base=workload.output_token_base, retract_every=workload.retract_every,
         page_size=stack.scheduler_page_size))
     run = _PhaseRun(sched, workload)
@@ -132,7 +134,7 @@ class _PhaseRun:
 
     def __init__(self, sched: Scheduler, workload: Workload):
         self.sched = sched
-        self.stack = sched.stack
+        self.stack = sched.memory.stack  # the components, for the fault hooks and the checks
         self.ps = self.stack.allocator.page_size
         self.reqs = []
         for spec in workload.requests:

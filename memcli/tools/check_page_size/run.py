@@ -27,7 +27,8 @@ from memcli.tools.check_page_size.workload import (
 )
 from memcli.config import Config, replace
 from memcli.errors import MemcliError
-from memcli.stack import COMPONENTS, build_stack
+from memcli import engines
+from memcli.mem_cache.manager import COMPONENTS
 
 OTHER_LOOP = {"overlap": "normal", "normal": "overlap"}  # the dynamic workload runs in both loops
 BUILTIN = "default"
@@ -228,7 +229,7 @@ def run_check_page_size(config: Config, page_sizes: Optional[Sequence[int]] = No
 def _run_page_size(config: Config, injections: dict[str, int], trace: Optional[Workload], steps: int,
                    fault_hook: Optional[FaultHook], progress: Optional[Progress]) -> PageSizeRun:
     static_config, static_adjustments = indices_only(config)
-    stack = build_stack(static_config, page_size_overrides=injections)
+    stack = engines.get(static_config).build_stack(static_config, page_size_overrides=injections)
     static = static_checks(stack)
     if trace is not None:
         dyn_config, dyn_adjustments, workload = static_config, static_adjustments, trace
@@ -238,7 +239,8 @@ def _run_page_size(config: Config, injections: dict[str, int], trace: Optional[W
         workload = builtin_workload(config.runtime.seed)
     phases = []
     if steps > 0:
-        dyn_stack = stack if dyn_config is static_config else build_stack(dyn_config, page_size_overrides=injections)
+        dyn_stack = stack if dyn_config is static_config else engines.get(dyn_config).build_stack(
+            dyn_config, page_size_overrides=injections)
         kind, loop = dyn_config.cache.kind, dyn_config.behaviour.event_loop
         phases.append(run_phase(f"workload ({kind} cache, {loop} loop)", dyn_stack, dyn_config, workload, steps,
                                 fault_hook, progress))
@@ -246,13 +248,14 @@ def _run_page_size(config: Config, injections: dict[str, int], trace: Optional[W
         bench = bench_workload(dyn_config)
         # The bench path has no tree cache of its own: its tree cache is the null cache.
         bench_injections = {k: v for k, v in injections.items() if k not in ("tree_cache", "host_pool")}
-        bench_stack = build_stack(dyn_config, cache_kind="none", page_size_overrides=bench_injections)
+        bench_stack = engines.get(dyn_config).build_stack(dyn_config, cache_kind="none",
+                                                          page_size_overrides=bench_injections)
         phases.append(run_phase(f"bench path (null cache, {loop} loop)", bench_stack, dyn_config, bench,
                                 bench.step_bound))
         _report(progress, config.page_size, phases[-1])
         # The same workload in the other scheduler loop (the lag of overlap moves every free).
         other = replace(dyn_config, semantics={"event_loop": OTHER_LOOP[loop]})
-        other_stack = build_stack(other, page_size_overrides=injections)
+        other_stack = engines.get(other).build_stack(other, page_size_overrides=injections)
         phases.append(run_phase(f"workload ({kind} cache, {OTHER_LOOP[loop]} loop)", other_stack, other, workload,
                                 steps, progress=progress))
         _report(progress, config.page_size, phases[-1])

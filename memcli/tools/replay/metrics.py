@@ -129,17 +129,14 @@ class EvictionLog:
     last_use: array = field(default_factory=lambda: array("q"))
     next_use: array = field(default_factory=lambda: array("q"))
 
-    def drain(self, tree_cache) -> None:
-        log = getattr(tree_cache, "eviction_log", None)
-        if not log:
-            return
-        for record in log:
+    def drain(self, records: list) -> None:
+        """Append the eviction records memory handed over (`MemoryManager.take_evictions`)."""
+        for record in records:
             self.tokens.append(record.tokens)
             self.age_ms.append(record.age)
             self.hits.append(record.hit_count)
             self.last_use.append(record.last_use)
             self.next_use.append(record.next_use)
-        log.clear()
 
 
 @dataclass(frozen=True)

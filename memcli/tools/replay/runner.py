@@ -26,7 +26,7 @@ import numpy as np
 
 from memcli.config import REQ_INPUT_MARGIN, Config, replace
 from memcli.errors import CapacityError, IntegrityError, MemcliError, StalledError
-from memcli.mem_cache.integrity import CheckPolicy, IntegrityChecker, check_memory
+from memcli.mem_cache.integrity import CheckPolicy
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from memcli.mem_cache.pages import align_up
 from memcli.tools.replay import ARRIVALS
@@ -37,8 +37,9 @@ from memcli.tools.replay.metrics import (EngineCounters, EvictionLog, StepSeries
                                    queue_stats)
 from memcli.tools.replay.result import (AllocationStats, IntegrityStats, ReplayResult, RunSummary, SchedulingStats,
                                   Stop, TraceInfo)
-from memcli.sched.scheduler import Scheduler, SchedulerHooks
-from memcli.stack import build_stack, resolve_device
+from memcli import engines
+from memcli.devices import resolve_device
+from memcli.steps import SchedulerHooks
 from memcli.timing import torch_threads
 from memcli.workload.future import FutureTooLarge, FutureUses, build_future, check_future_fits
 from memcli.workload.spec import Trace, output_token_base
@@ -214,9 +215,10 @@ class _Run:
         start = time.perf_counter()
         with torch_threads(resolve_device(self.config)):
             self.future = self._build_future()
-            self.stack = build_stack(self.config, future=self.future)
+            engine = engines.get(self.config)
+            self.stack = engine.build_stack(self.config, future=self.future)
             self.memory = self.stack.memory
-            self.scheduler = Scheduler(self.memory, self.config, SchedulerHooks(
+            self.scheduler = engine.scheduler(self.memory, self.config, SchedulerHooks(
                 output_token_base=output_token_base(self.trace), record_events=False, on_step=self._on_step,
                 checks=self.options.check_policy,
                 on_admission=None if self.future is None else self._on_admission,
@@ -253,8 +255,8 @@ class _Run:
                     break
                 sched.step()
                 self._after_step()
-            self.stack.tree_cache.finish_copies()  # the host tier's last copies are waited for
-            reports = check_memory(self.stack, sched.memory_holders())
+            self.memory.finish_copies()  # the host tier's last copies are waited for
+            reports = self.memory.check(sched.memory_holders())
         except IntegrityError as exc:
             self.failure_at = (getattr(exc, "step", None), getattr(exc, "check", None))
             self._stopped_mid_step()
@@ -299,7 +301,7 @@ class _Run:
         sched.add_request(sched.new_req(spec.rid, spec.input_ids(), spec.output_len, spec.extra_key, arrival_ms))
         self.next += 1
 
-    def _on_step(self, scheduler: Scheduler, record) -> None:
+    def _on_step(self, scheduler: engines.Scheduler, record) -> None:
         self.series.append(record)
 
     def _after_step(self) -> None:
@@ -311,9 +313,9 @@ class _Run:
             sched.finished.clear()
         if len(sched.records) > RECORDS_KEPT:
             sched.records.clear()
-        self.evictions.drain(self.stack.tree_cache)
+        self.evictions.drain(self.memory.take_evictions())
         if self.events is not None:
-            _write_events(self.events, self.stack.tree_cache.take_events(), sched.step_count, sched.clock_ms)
+            _write_events(self.events, self.memory.take_events(), sched.step_count, sched.clock_ms)
         if self.progress is not None:
             self._report_progress()
 
@@ -342,10 +344,12 @@ class _Run:
     def _result(self, shared: np.ndarray, failure: Optional[str], reports: tuple[dict, ...],
                 wall_s: float) -> ReplayResult:
         config, trace, sched, stats = self.config, self.trace, self.scheduler, self.scheduler.stats
-        ps, pool = config.page_size, self.stack.size
+        ps, pool = config.page_size, self.memory.size
         series = self.series.arrays(pool, ps)
         input_lens = np.fromiter((r.input_len for r in trace.requests), dtype=np.int64, count=trace.num_requests)
-        tree, alloc, rows = self.stack.tree_cache, self.stack.allocator, self.stack.req_to_token_pool
+        memory = self.memory
+        frees, freed_tokens = memory.allocator_totals()
+        end = memory.usage()
         return ReplayResult(
             trace=TraceInfo(str(trace.path), trace.format, trace.block_size, trace.num_requests,
                             trace.input_tokens, trace.output_tokens, trace.has_timestamps, trace.ignored_fields),
@@ -364,9 +368,9 @@ class _Run:
                 np.frombuffer(stats.batch_new_tokens, dtype=np.int64), stats.admission_queries, stats.admission_hits)),
             occupancy=occupancy_stats(series, pool, ps),
             allocation=AllocationStats(
-                allocations=stats.allocations, allocated_tokens=stats.allocated_tokens, frees=self.stack.allocator.num_frees,
-                freed_tokens=self.stack.allocator.freed_tokens, peak_request_rows=stats.peak_request_rows,
-                request_rows=rows.size, oom_events=stats.oom_events,
+                allocations=stats.allocations, allocated_tokens=stats.allocated_tokens, frees=frees,
+                freed_tokens=freed_tokens, peak_request_rows=stats.peak_request_rows,
+                request_rows=memory.max_running, oom_events=stats.oom_events,
             ),
             eviction=eviction_stats(self.evictions, config.cache.eviction_policy, self.log.admission_ms,
                                     self.future is not None),
@@ -375,8 +379,8 @@ class _Run:
             integrity=IntegrityStats(
                 mode=_mode(self.options),
                 checks_run=stats.checks_run + (failure is None), failure=failure, final_reports=reports,
-                end_available=alloc.available_size(), end_evictable=tree.evictable_size(),
-                end_protected=tree.protected_size(), end_rows_in_use=rows.size - rows.available_size(),
+                end_available=end.available, end_evictable=end.evictable,
+                end_protected=end.protected, end_rows_in_use=memory.rows_in_use(),
                 pool_tokens=pool, full_walks=sched.checker.stats.full_walks + (failure is None),
                 incremental_checks=sched.checker.stats.incremental,
                 check_s=sched.checker.stats.incremental_s + sched.checker.stats.walk_s,
@@ -388,7 +392,7 @@ class _Run:
             queueing_delay=delay_stats(self.log),
             stop=self.stop,
             host_tier=None if self.tiers is None else host_tier_stats(self.tiers, self.log.cached_tokens, input_lens,
-                                                                       series, tree.host_tier()),
+                                                                       series, memory.host_tier()),
         )
 
 

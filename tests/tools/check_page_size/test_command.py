@@ -97,21 +97,21 @@ def test_injected_kv_pool_also_fails_the_rows_rule():
 def _hold_page(sched):
     """A running request with an own page, and the row of req_to_token it uses."""
     req = next(r for r in sched.active_reqs() if r.kv_allocated_len > r.last_matched_prefix_len + 2)
-    return req, sched.stack.req_to_token_pool.req_to_token[req.req_pool_idx]
+    return req, sched.memory.stack.req_to_token_pool.req_to_token[req.req_pool_idx]
 
 
 def free_held_page(sched, record):
     if record.step == 40:
         req, row = _hold_page(sched)
-        sched.stack.allocator.free(row[req.kv_allocated_len - 1:req.kv_allocated_len].to(torch.int64))
+        sched.memory.stack.allocator.free(row[req.kv_allocated_len - 1:req.kv_allocated_len].to(torch.int64))
 
 
 def point_at_free_page(sched, record):
     if record.step == 40:
         req, row = _hold_page(sched)
-        ps = sched.stack.allocator.page_size
+        ps = sched.memory.stack.allocator.page_size
         start = (req.kv_allocated_len - 1) // ps * ps
-        page = int(sched.stack.allocator.free_page_ids()[0])
+        page = int(sched.memory.stack.allocator.free_page_ids()[0])
         row[start:req.kv_allocated_len] = torch.arange(req.kv_allocated_len - start, dtype=row.dtype) + page * ps
 
 

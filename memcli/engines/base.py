@@ -1,0 +1,66 @@
+"""What an engine is: a memory stack, a scheduling policy, its semantics, and its reference.
+
+Tools take an `Engine` from the registry (`memcli.engines.get`) by the config's
+`semantics.engine` and build everything through it; they never branch on its name.
+
+A scheduler an engine builds offers what the tools drive and read (`Scheduler` is the
+protocol): requests in (`new_req`, `add_request`), one `step()` at a time until `is_done()`,
+and what happened out (`records`, `stats`, `finished`, `checker`, ...), in the shared types
+of `memcli.steps`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+from memcli.config import Config
+from memcli.steps import SchedulerHooks, SchedulerStats, StepRecord
+
+
+class Scheduler(Protocol):
+    memory: Any  # the engine's memory manager
+    clock_ms: float
+    step_count: int
+    waiting: list
+    finished: list  # requests finished (or aborted) since the caller last cleared it
+    records: list[StepRecord]
+    stats: SchedulerStats
+    checker: Any  # the after-step integrity checks (`memory.checker(...)`)
+
+    def new_req(self, rid: str, input_ids, max_new_tokens: int, extra_key: Optional[str] = None,
+                arrival_ms: float = 0.0) -> Any: ...
+
+    def add_request(self, req: Any) -> None: ...
+
+    def step(self) -> StepRecord: ...
+
+    def is_done(self) -> bool: ...
+
+    def active_reqs(self) -> list: ...
+
+    def memory_holders(self) -> list: ...
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine, registered by name.
+
+    `build_stack(config, *, future=None, page_size_overrides=None, cache_kind=None)` builds its
+    memory (the value has `.memory`, the engine's memory manager, and the components that
+    check-page-size inspects); `scheduler(memory, config, hooks)` its scheduling policy over
+    that memory. `make_req` / `make_batch` build a request and a static batch (bench-one-batch;
+    None when the engine has none). `reference` runs the engine's real code beside memcli
+    step by step (`reference diff`; None without one). `profile` is the semantics profile
+    that reproduces the engine, `semantics` the keys of `semantics.*` it reads.
+    """
+
+    name: str
+    summary: str
+    build_stack: Callable[..., Any]
+    scheduler: Callable[[Any, Config, SchedulerHooks], Scheduler]
+    profile: str
+    semantics: tuple[str, ...] = ()
+    make_req: Optional[Callable[..., Any]] = None
+    make_batch: Optional[Callable[..., Any]] = None
+    reference: Optional[Callable[..., Any]] = None
