@@ -34,7 +34,7 @@ from memcli.reference.loop import ARRIVALS  # noqa: E402
 from memcli.reference.observe import StepDiff, run_side_by_side  # noqa: E402
 from memcli.report.console import print_json  # noqa: E402
 from memcli.report.envelope import envelope  # noqa: E402
-from memcli.tools.replay.runner import check_fits  # noqa: E402
+from memcli.capacity import check_fits  # noqa: E402
 from memcli.workload.readers import read_trace  # noqa: E402
 from memcli.workload.spec import output_token_base  # noqa: E402
 
@@ -60,7 +60,7 @@ def run(argv: Optional[list[str]] = None) -> tuple[StepDiff, str]:
     if args.arrivals == "timestamp" and not trace.has_timestamps:
         raise MemcliError(f"{trace.path}: --arrivals timestamp needs arrival times, and this trace has none",
                           "use --arrivals burst")
-    check_fits(config, trace)
+    check_fits(config, trace.requests, trace.path)
     result = run_side_by_side(config, trace.requests, args.arrivals, output_token_base(trace), args.max_steps)
     return result, (diff_document(result, config, args) if args.json else render(result))
 
