@@ -12,15 +12,16 @@ from typer.testing import CliRunner
 
 from memcli.cli.app import COMMANDS, app
 from memcli.cli.guard import CONFIG_COMMANDS
-from memcli.reference.diff import _parser as diff_parser
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def _options(command: str) -> set[str]:
-    if command == "reference diff":
-        return {s for action in diff_parser()._actions for s in action.option_strings}
-    click_command = typer.main.get_command(app).commands[command]
+    group = typer.main.get_command(app)
+    *groups, name = command.split()
+    for sub in groups:
+        group = group.commands[sub]
+    click_command = group.commands[name]
     return {opt for param in click_command.params for opt in param.opts}
 
 

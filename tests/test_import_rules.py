@@ -1,7 +1,8 @@
 """The layering, as rules on import statements, checked over the real tree.
 
     cli -> tools/<tool> -> sched -> mem_cache -> kernels
-                        -> workload, stack, config, reference
+                        -> workload, stack, config, capacity, reference
+    reference: SGLang's own code and the side-by-side run, imported by tools; imports no tool
     report: generic helpers, imported by tools; imports no tool
 
 Each rule is also shown to fail on a tree that breaks it, so none of them can pass vacuously.
@@ -87,6 +88,8 @@ def _problem(module: str, name: str) -> str | None:
         for bad in ("memcli.kernels", "memcli.stack", "memcli.tools", "memcli.cli", "rich"):
             if within(name, bad):
                 return "sched imports no kernels, stack builder, tool, CLI or rich"
+    if within(module, "memcli.reference") and (within(name, "memcli.tools") or within(name, "memcli.cli")):
+        return "reference imports no tool or CLI"
     if within(module, "memcli.report") and (within(name, "memcli.tools") or within(name, "memcli.cli")):
         return "report helpers import no tool"
     if within(name, "memcli.cli") and not (within(module, "memcli.cli") or module == "memcli.__main__"):
@@ -144,6 +147,8 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> dict[str, list[str]]:
     ({"memcli/sched/batch.py": "from kernels.alloc import alloc_extend\n"}, "sched imports no kernels"),
     ({"memcli/report/tables.py": "from memcli.tools.replay.result import ReplayResult\n"}, "report helpers import no tool"),
     ({"memcli/tools/replay/runner.py": "from memcli.cli.app import app\n"}, "only the CLI package imports"),
+    ({"memcli/reference/observe.py": "def run():\n    from memcli.tools.replay.runner import replay\n"},
+     "reference imports no tool"),
     ({"memcli/sched/req.py": "from memcli.workload import spec\n",
       "memcli/workload/spec.py": "from memcli.sched.req import Req\n"}, "cycle: memcli.sched -> memcli.workload -> memcli.sched"),
     ({"memcli/sched/req.py": "from ..mem_cache import allocator\n"}, "sched reaches memory only"),

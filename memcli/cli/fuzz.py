@@ -162,7 +162,7 @@ def check_config_yaml(rng: random.Random, work: Path) -> str:
 
 
 def check_trace(rng: random.Random, work: Path) -> str:
-    from memcli.tools.replay.runner import check_fits
+    from memcli.capacity import check_fits
     from memcli.workload.readers import read_trace
 
     data = random_trace(rng)
@@ -172,7 +172,7 @@ def check_trace(rng: random.Random, work: Path) -> str:
         trace = read_trace(path, format=rng.choice(["auto", "auto", "memcli", "mooncake"]),
                            block_size=rng.choice([1, 16, 512]))
         check_fits(load_config(None, ["memory.max_total_tokens=4096", "memory.max_context_len=2048"],
-                               builtin="replay"), trace)
+                               builtin="replay"), trace.requests, trace.path)
     except MemcliError:
         pass
     return data.decode("utf-8", "replace")

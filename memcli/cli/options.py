@@ -22,6 +22,8 @@ from memcli.errors import MemcliError
 
 ConfigOpt: Optional[Path] = typer.Option(None, "--config", "-c", metavar="FILE",
                                          help="YAML config (default: the built-in default)")
+ReplayConfigOpt: Optional[Path] = typer.Option(None, "--config", "-c", metavar="FILE",
+                                               help="YAML config (default: the built-in replay config)")
 SetOpt: List[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE",
                                  help="Override a config key, section.key=value (repeatable)")
 JsonOpt: bool = typer.Option(False, "--json", help="Print one JSON document on stdout")

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
 from memcli.cli.guard import guarded
-from memcli.cli.options import JsonOpt, MemcliCommand, MemcliGroup
+from memcli.cli.options import JsonOpt, MemcliCommand, MemcliGroup, ReplayConfigOpt, SetOpt
 
 app = typer.Typer(name="reference", cls=MemcliGroup, no_args_is_help=True, add_completion=False,
                   help="Fetch SGLang 0.5.5's own memory-stack code and diff memcli against it step by step.")
@@ -37,16 +35,32 @@ def fetch(
         print(f"sglang {SGLANG_VERSION}: {wheel}\nunpacked: {root}")
 
 
-@app.command("diff", cls=MemcliCommand, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def diff(ctx: typer.Context,
-         trace: str = typer.Argument(..., metavar="TRACE", help="Trace file (memcli or Mooncake JSONL)")) -> None:
+@app.command("diff", cls=MemcliCommand)
+@guarded
+def diff(
+    trace: str = typer.Argument(..., metavar="TRACE", help="Trace file (memcli or Mooncake JSONL)"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Replay only the first N requests"),
+    set_: List[str] = SetOpt,
+    arrivals: str = typer.Option("burst", "--arrivals", metavar="burst|timestamp",
+                                 help="burst: every request at t = 0; timestamp: at its trace time"),
+    config: Optional[Path] = ReplayConfigOpt,
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Compare at most N steps"),
+    json_out: bool = JsonOpt,
+) -> None:
     """Run memcli's scheduler and SGLang 0.5.5's loop side by side and print the first divergent step.
 
-    Options: --limit N, --set KEY=VALUE, --arrivals burst|timestamp, --config FILE,
-    --max-steps N, --json. The loop is semantics.event_loop (overlap, SGLang's default, or --set
+    The loop is semantics.event_loop (overlap, SGLang's default, or --set
     semantics.event_loop=normal). Exit 0 when equal, 1 when they diverge or a side raises
     (SGLang's own assertions, memcli's guards: one `failed:` line), 2 on bad input."""
-    # A process of its own: the Triton interpreter must be chosen before any kernel is
-    # imported, and this process may have imported them already (a test run, for one).
-    proc = subprocess.run([sys.executable, "-m", "memcli.reference.diff", trace, *ctx.args])
-    raise typer.Exit(proc.returncode)
+    from memcli.config import load_config
+    from memcli.report.console import print_json
+    from memcli.tools.reference_diff.report import diff_document, render
+    from memcli.tools.reference_diff.run import run_reference_diff
+
+    cfg = load_config(config, set_, builtin="replay")
+    result = run_reference_diff(cfg, trace, limit, arrivals, max_steps)
+    if json_out:
+        print_json(diff_document(result))
+    else:
+        print(render(result))
+    raise typer.Exit(result.exit_code)

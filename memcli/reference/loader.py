@@ -176,10 +176,15 @@ def _single_rank(module: types.ModuleType) -> None:
     module.torch = _SingleRankTorch()
 
 
-def _set_triton_mode(interpret: bool) -> bool:
-    """Set `TRITON_INTERPRET=1` for the whole process when asked (Triton reads it both when a
-    kernel is decorated and, lazily, inside its interpreter, so it cannot be undone after
-    the import). Returns whether kernels will be interpreted."""
+def choose_triton_mode(interpret: Optional[bool] = None) -> bool:
+    """Set `TRITON_INTERPRET=1` for the whole process when asked (None: when CUDA is
+    unavailable). Triton reads it both when a kernel is decorated and, lazily, inside its
+    interpreter, so it cannot be undone, and it binds only kernels decorated after it:
+    SGLang's (imported by `load_reference`, which calls this first) and memcli's own
+    (`memcli.kernels`, imported with `memcli.stack`), so a process that runs both calls it
+    before importing either. Returns whether kernels decorated from now on are interpreted."""
+    if interpret is None:
+        interpret = not torch.cuda.is_available()
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -204,9 +209,7 @@ def load_reference(cache_dir: Optional[Path] = None, interpret: Optional[bool] =
         return _loaded
     root = fetch_reference(cache_dir)
     _check_no_foreign_sglang(root)
-    if interpret is None:
-        interpret = not torch.cuda.is_available()
-    interpreted = _set_triton_mode(interpret)
+    interpreted = choose_triton_mode(interpret)
     finder = SglangFinder(root)
     sys.meta_path.insert(0, finder)
     modules = {}

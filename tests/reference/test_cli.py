@@ -1,13 +1,20 @@
 """`memcli reference fetch` and `memcli reference diff` from the command line."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
+import torch
 from typer.testing import CliRunner
 
 from memcli.cli.app import app
 from tests.test_json_envelope import assert_envelope
 
 TRACE = "tests/data/conversation_head300.jsonl"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_fetch_reports_the_cached_wheel(ref):
@@ -19,43 +26,58 @@ def test_fetch_reports_the_cached_wheel(ref):
     assert doc["wheel"].endswith(".whl")
 
 
-def test_diff_finds_no_divergent_step(ref, capfd):
+def test_diff_finds_no_divergent_step(ref):
     result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "6", "--set", "memory.max_total_tokens=90000",
                                       "--set", "memory.max_context_len=88000", "--set", "scheduler.chunked_prefill_size=1024"])
-    out = capfd.readouterr().out
+    out = result.stdout
     assert result.exit_code == 0, out
     assert out.startswith("0 divergent steps in ")
 
 
-def test_diff_runs_the_normal_loop_too(ref, capfd):
+def test_diff_runs_the_normal_loop_too(ref):
     result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "6", "--set", "memory.max_total_tokens=90000",
                                       "--set", "memory.max_context_len=88000", "--set", "semantics.event_loop=normal"])
-    out = capfd.readouterr().out
+    out = result.stdout
     assert result.exit_code == 0, out
     assert out.startswith("0 divergent steps in ")
 
 
-def test_diff_shows_the_memcli_profile_diverging(ref, capfd):
+def test_diff_shows_the_memcli_profile_diverging(ref):
     # Chunked prefill: the memcli profile puts a chunk into the tree in the same step.
     result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "6", "--set", "memory.max_total_tokens=90000",
                                       "--set", "memory.max_context_len=88000", "--set", "scheduler.chunked_prefill_size=1024",
                                       "--set", "semantics.profile=memcli"])
-    out = capfd.readouterr().out
+    out = result.stdout
     assert result.exit_code == 1, out
     assert "first divergent step:" in out and "sglang:" in out and "memcli:" in out
 
 
-def test_diff_bad_input_is_exit_2(ref, capfd):
-    result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--set", "memory.page_size=3"])
-    err = capfd.readouterr().err
-    assert result.exit_code == 2 and "error:" in err and "Traceback" not in err
+@pytest.mark.parametrize("args, named", [
+    (["--set", "memory.page_size=3"], "memory.page_size"),
+    (["--arrivals", "sequential"], "--arrivals sequential"),
+    (["--set", "memory.max_context_len=1000"], "more than memory.max_context_len 1000"),
+    (["--limit", "x"], "Invalid value for '--limit'"),
+    (["--config", "/nonexistent/c.yaml"], "/nonexistent/c.yaml"),
+])
+def test_diff_bad_input_is_exit_2(ref, args, named):
+    result = CliRunner().invoke(app, ["reference", "diff", TRACE, *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and named in result.stderr and "Traceback" not in result.stderr
 
 
-def test_diff_prints_one_json_document(ref, capfd):
+def test_diff_timestamp_arrivals_need_arrival_times(ref, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"rid": "a", "input_len": 40, "output_len": 4}) + "\n")
+    result = CliRunner().invoke(app, ["reference", "diff", str(trace), "--arrivals", "timestamp"])
+    assert result.exit_code == 2, result.output
+    assert "needs arrival times" in result.stderr and "hint: use --arrivals burst" in result.stderr
+
+
+def test_diff_prints_one_json_document(ref):
     result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "4", "--set", "memory.max_total_tokens=90000",
                                       "--set", "memory.max_context_len=88000", "--set", "scheduler.chunked_prefill_size=1024",
                                       "--set", "semantics.profile=memcli", "--json"])
-    doc = json.loads(capfd.readouterr().out)
+    doc = json.loads(result.stdout)
     assert result.exit_code == 1
     assert list(doc)[:4] == ["command", "memcli_version", "profile", "config"]
     assert doc["command"] == "reference diff" and doc["profile"] == "memcli"
@@ -67,29 +89,29 @@ HOST_TIER = ["--set", "cache.kind=hiradix", "--set", "memory.max_total_tokens=90
              "--set", "memory.max_context_len=88000"]
 
 
-def test_diff_runs_the_host_tier_and_says_how_copies_are_timed(ref, capfd):
+def test_diff_runs_the_host_tier_and_says_how_copies_are_timed(ref):
     result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "6", *HOST_TIER, "--json"])
-    doc = json.loads(capfd.readouterr().out)
+    doc = json.loads(result.stdout)
     assert result.exit_code == 0, doc
     assert doc["divergent"] is False and doc["config"]["cache"]["kind"] == "hiradix"
     assert len(doc["notes"]) == 1 and "sim.host_bandwidth_gbps" in doc["notes"][0]
 
 
-def test_diff_refuses_host_tier_settings_sglang_cannot_share(ref, capfd):
+def test_diff_refuses_host_tier_settings_sglang_cannot_share(ref):
     for extra, named in ((["--set", "cache.host_size_gib=4"], "cache.host_size_gib"),
                          (["--set", "cache.load_back_threshold=32"], "load_back_threshold=10"),
                          (["--set", "cache.host_ratio=1.0", "--set", "semantics.host_pool_floor=any"],
                           "raise cache.host_ratio")):
         result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "2", *HOST_TIER, *extra])
-        err = capfd.readouterr().err
+        err = result.stderr
         assert result.exit_code == 2, err
         assert "error:" in err and named in err and "Traceback" not in err
 
 
-def test_diff_reports_a_side_that_raises_as_a_failure_not_a_traceback(ref, capsys, monkeypatch):
+def test_diff_reports_a_side_that_raises_as_a_failure_not_a_traceback(ref, monkeypatch):
     """SGLang's own assertion (or memcli's guard) in the middle of a run ends the comparison
     with one `failed:` line naming the side and the step, and exit 1."""
-    from memcli.reference import diff, observe
+    from memcli.reference import observe
 
     real_step = observe._step
 
@@ -99,17 +121,19 @@ def test_diff_reports_a_side_that_raises_as_a_failure_not_a_traceback(ref, capsy
         return real_step(loop)
 
     monkeypatch.setattr(observe, "_step", failing)
-    argv = [TRACE, "--limit", "4", "--set", "memory.max_total_tokens=90000", "--set", "memory.max_context_len=88000"]
-    assert diff.main(argv) == 1
-    out = capsys.readouterr().out
-    assert "failed: SGLang's loop raised at step 3: AssertionError: a check of SGLang's" in out
-    assert diff.main([*argv, "--json"]) == 1
-    doc = json.loads(capsys.readouterr().out)
+    args = ["reference", "diff", TRACE, "--limit", "4", "--set", "memory.max_total_tokens=90000",
+            "--set", "memory.max_context_len=88000"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert "failed: SGLang's loop raised at step 3: AssertionError: a check of SGLang's" in result.stdout
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 1, result.output
+    doc = json.loads(result.stdout)
     assert doc["failure"].startswith("SGLang's loop raised at step 3") and doc["divergent"] is False
 
 
-def test_diff_names_memcli_when_its_scheduler_raises(ref, capsys, monkeypatch):
-    from memcli.reference import diff, observe
+def test_diff_names_memcli_when_its_scheduler_raises(ref, monkeypatch):
+    from memcli.reference import observe
 
     real_step = observe.MemcliSide.step
 
@@ -119,7 +143,29 @@ def test_diff_names_memcli_when_its_scheduler_raises(ref, capsys, monkeypatch):
         return real_step(self)
 
     monkeypatch.setattr(observe.MemcliSide, "step", failing)
-    argv = [TRACE, "--limit", "4", "--set", "memory.max_total_tokens=90000", "--set", "memory.max_context_len=88000"]
-    assert diff.main(argv) == 1
-    out = capsys.readouterr().out
-    assert "failed: memcli's scheduler raised at step 2: IndexError: a bug of memcli's (test_cli.py:" in out
+    result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "4", "--set", "memory.max_total_tokens=90000",
+                                      "--set", "memory.max_context_len=88000"])
+    assert result.exit_code == 1, result.output
+    assert "failed: memcli's scheduler raised at step 2: IndexError: a bug of memcli's (test_cli.py:" in result.stdout
+
+
+# The Triton interpreter is chosen in-process, before either side's kernels are decorated: a
+# fresh interpreter that never set TRITON_INTERPRET runs the diff with memcli's Triton kernels
+# too (interpreted on a CPU), and prints one JSON document.
+PROBE = """
+import sys
+from memcli.cli.app import app
+app(sys.argv[1:], prog_name="memcli")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is chosen only without CUDA")
+def test_diff_chooses_the_triton_interpreter_in_process(ref):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [TRACE, "--limit", "3", "--set", "memory.max_total_tokens=90000", "--set", "memory.max_context_len=88000",
+            "--set", "runtime.kernel_backend=triton", "--json"]
+    proc = subprocess.run([sys.executable, "-c", PROBE, "reference", "diff", *args], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["divergent"] is False and doc["failure"] is None and doc["config"]["runtime"]["kernel_backend"] == "triton"

@@ -22,9 +22,9 @@ from memcli.tools.check_page_size import DEFAULT_STEPS, TRACE_DEFAULT_REQUESTS
 from memcli.tools.check_page_size.dynamic import FaultHook, PhaseResult, run_phase
 from memcli.tools.check_page_size.static import PageCost, StaticResult, page_cost, static_checks
 from memcli.tools.check_page_size.workload import (
-    Adjustment, Workload, bench_workload, builtin_config, builtin_workload, check_fits,
-    indices_only, trace_workload,
+    Adjustment, Workload, bench_workload, builtin_config, builtin_workload, indices_only, trace_workload,
 )
+from memcli.capacity import check_fits
 from memcli.config import Config, replace
 from memcli.errors import MemcliError
 from memcli import engines
@@ -233,7 +233,7 @@ def _run_page_size(config: Config, injections: dict[str, int], trace: Optional[W
     static = static_checks(stack)
     if trace is not None:
         dyn_config, dyn_adjustments, workload = static_config, static_adjustments, trace
-        check_fits(workload, dyn_config)
+        check_fits(dyn_config, workload.requests, workload.name, fewer_flag="--requests")
     else:
         dyn_config, dyn_adjustments = builtin_config(config)
         workload = builtin_workload(config.runtime.seed)

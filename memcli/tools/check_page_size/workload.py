@@ -21,7 +21,6 @@ from typing import Any, Literal
 import numpy as np
 
 from memcli.config import Config, replace
-from memcli.errors import CapacityError
 from memcli.workload.readers import read_trace
 from memcli.workload.spec import RequestSpec, output_token_base
 
@@ -175,25 +174,3 @@ def trace_workload(path: str | Path, num_requests: int) -> Workload:
     trace = read_trace(path, limit=num_requests)
     description = f"trace {path}: first {trace.num_requests} requests ({trace.format})"
     return Workload(str(path), description, trace.requests, (), 0, output_token_base(trace))
-
-
-def check_fits(workload: Workload, config: Config) -> None:
-    """Every request must fit one request row and the pool; raise `CapacityError` (exit 2) if not.
-    The hint's config holds the longest request of the whole workload."""
-    context, pool = config.memory.max_context_len, config.pool_size
-    for index, spec in enumerate(workload.requests):
-        need = spec.input_len + spec.output_len
-        whole = config.context_need(spec.input_len, spec.output_len)  # SGLang's request limits add 2
-        if whole <= context and need < pool:
-            continue
-        limit = (f"memory.max_context_len is {context}" if whole > context else f"the pool holds {pool} tokens")
-        if whole > need:
-            limit += f" (it runs whole with {whole} under semantics.request_limits {config.behaviour.request_limits})"
-        fit = 1 << (max(config.context_need(r.input_len, r.output_len) for r in workload.requests) - 1).bit_length()
-        raise CapacityError(
-            f"request {spec.rid} (number {index + 1} of {workload.name}) needs {need} tokens (input"
-            f" {spec.input_len} + output {spec.output_len}) but {limit}",
-            hint=(f"replay fewer requests (--requests {index})" if index else "use another trace")
-            + f", or a config that holds it: --set memory.max_context_len={fit}"
-            f" --set memory.max_total_tokens={2 * fit} --set memory.kv_budget_gib=null",
-        )

@@ -10,7 +10,7 @@ Arrivals (`ReplayOptions.arrivals`):
 
 Requests are handed to the scheduler only when they arrive, and dropped once finished, so a
 145 M-token trace never holds more than the running and waiting prompts in memory. Nothing
-starts before every request is known to fit (`check_fits`).
+starts before every request is known to fit (`memcli.capacity.check_fits`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from memcli.config import REQ_INPUT_MARGIN, Config, replace
-from memcli.errors import CapacityError, IntegrityError, MemcliError, StalledError
+from memcli.capacity import check_fits
+from memcli.config import Config, replace
+from memcli.errors import IntegrityError, MemcliError, StalledError
 from memcli.mem_cache.integrity import CheckPolicy
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from memcli.mem_cache.pages import align_up
 from memcli.tools.replay import ARRIVALS
 from memcli.tools.replay.ceiling import shared_prefix_lens
 from memcli.tools.replay.requests import RequestLog, delay_stats
@@ -105,59 +105,6 @@ def check_options(trace: Trace, config: Config, options: ReplayOptions) -> None:
             check_future_fits(trace, config.page_size)
 
 
-def check_fits(config: Config, trace: Trace) -> None:
-    """Raise `CapacityError` for the first request that can never run whole: longer than a
-    request row (`memory.max_context_len`), than SGLang's request limits allow under
-    `semantics.request_limits: max_req_len` (which would clip its output or abort it), or more
-    than an empty pool admits or holds. The hint's values hold every request of the trace (the
-    largest need), so that following it is enough."""
-    ps, pool, context = config.page_size, config.pool_size, config.memory.max_context_len
-    sglang = config.behaviour.request_limits == "max_req_len"
-    for index, spec in enumerate(trace.requests):
-        need = spec.input_len + spec.output_len
-        whole = config.context_need(spec.input_len, spec.output_len)
-        where = f"{trace.path}:{spec.line}: request {spec.rid} (#{index + 1})" if spec.line else \
-            f"{trace.path}: request {spec.rid} (#{index + 1})"
-        if whole > context:
-            what = f", more than memory.max_context_len {context}"
-            if sglang:
-                what += (f" holds under SGLang 0.5.5's request limits: it runs whole only with max_context_len >= {whole}"
-                         f" (the longest request, max_req_len, is one token under the context; an output is clipped"
-                         f" to max_req_len - input - 1 and a prompt of max_req_len - {REQ_INPUT_MARGIN} tokens or"
-                         f" more is aborted; semantics.request_limits, which the memcli profile sets to row:"
-                         f" input + output)")
-            raise CapacityError(f"{where} needs {need} tokens (input {spec.input_len} + output {spec.output_len}){what}",
-                                _fit_hint(config, trace, index))
-        if _pool_need(config, spec.input_len, spec.output_len) > pool:
-            raise CapacityError(
-                f"{where} needs {align_up(need, ps)} tokens ({need} rounded to pages of {ps}) but the pool holds {pool}",
-                _fit_hint(config, trace, index))
-
-
-def _pool_need(config: Config, input_len: int, output_len: int) -> int:
-    """The smallest pool (tokens, whole pages) that admits and holds one request alone. (SGLang's
-    request limits also bound a request by the pool, but the context, which the config keeps
-    within the pool, is the tighter bound: `check_fits` tests it first.)"""
-    ps, clip = config.page_size, config.scheduler.max_new_tokens_clip
-    return max(align_up(input_len + output_len, ps), align_up(input_len + min(output_len, clip) + 1, ps))
-
-
-def _fit_hint(config: Config, trace: Trace, index: int) -> str:
-    """Settings that hold the largest request of the whole trace, or fewer requests."""
-    mem = config.memory
-    context = max(max(config.context_need(s.input_len, s.output_len) for s in trace.requests), mem.max_context_len)
-    pool = max(max(_pool_need(config, s.input_len, s.output_len) for s in trace.requests),
-               align_up(context, config.page_size), config.pool_size)
-    settings = []
-    if context > mem.max_context_len:
-        settings.append(f"--set memory.max_context_len={context}")
-    if pool > config.pool_size:
-        settings.append(f"--set memory.max_total_tokens={pool}"
-                        + (" --set memory.kv_budget_gib=null" if mem.kv_budget_gib is not None else ""))
-    fewer = f"replay fewer requests (--limit {index}), or " if index else ""
-    return f"{fewer}hold every request of the trace: {' '.join(settings)}"
-
-
 def replay(config: Config, trace: Trace, options: ReplayOptions, progress: Optional[ProgressFn] = None,
            shared: Optional[np.ndarray] = None) -> ReplayResult:
     """Replay `trace`; returns the result, also when an integrity check failed (then
@@ -167,7 +114,7 @@ def replay(config: Config, trace: Trace, options: ReplayOptions, progress: Optio
     cannot work. `shared` is the ceiling of the trace (`shared_prefix_lens`), computed when None.
     """
     check_options(trace, config, options)
-    check_fits(config, trace)
+    check_fits(config, trace.requests, trace.path)
     if options.events_path is not None and not config.cache.kv_events:
         config = replace(config, cache={"kv_events": True})
     if shared is None:

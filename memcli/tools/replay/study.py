@@ -17,10 +17,11 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
+from memcli.capacity import check_fits
 from memcli.config import Config
 from memcli.tools.replay.grid import Point, point_key, point_overrides
 from memcli.tools.replay.result import ReplayResult
-from memcli.tools.replay.runner import ReplayOptions, check_fits, check_options, replay
+from memcli.tools.replay.runner import ReplayOptions, check_options, replay
 from memcli.tools.replay.unlimited import reference_row
 from memcli.workload.spec import Trace
 
@@ -94,7 +95,7 @@ def plan_study(points: list[Point], make_config: Callable[[list[str]], Config], 
     for index, point in enumerate(points):
         config = make_config(point_overrides(point, base))
         check_options(trace, config, options)
-        check_fits(config, trace)
+        check_fits(config, trace.requests, trace.path)
         tasks.append(Task(index, "point", point, config))
     page_sizes = sorted({task.config.page_size for task in tasks})
     for offset, ps in enumerate(page_sizes):

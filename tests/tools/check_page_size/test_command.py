@@ -152,8 +152,17 @@ def test_trace_replay_runs_and_drains(tmp_path):
 def test_trace_request_that_does_not_fit_is_bad_input():
     result = invoke("--workload", TRACE, "--requests", 5)
     assert result.exit_code == 2
-    assert "error: request 1 (number 1 of" in result.stderr and "max_context_len is 4096" in result.stderr
-    assert "hint:" in result.stderr and "--set memory.max_context_len=8192" in result.stderr
+    assert result.stderr.startswith(f"error: {TRACE}:1: request 1 (#1) needs 7258 tokens")
+    assert "more than memory.max_context_len 4096" in result.stderr
+    assert "hint: hold every request of the trace: --set memory.max_context_len=8032" in result.stderr
+
+
+def test_trace_hint_names_the_requests_before_the_one_that_does_not_fit():
+    result = invoke("--workload", TRACE, "--requests", 5, "--set", "memory.max_context_len=7300",
+                    "--set", "memory.max_total_tokens=16384")
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"error: {TRACE}:2: request 2 (#2) needs 7812 tokens")
+    assert "hint: replay fewer requests (--requests 1), or hold every request" in result.stderr
 
 
 def test_json_is_one_document():
@@ -291,13 +300,16 @@ def test_trace_request_at_the_context_needs_sglangs_two_tokens(tmp_path):
     memcli profile runs it."""
     from memcli.config import load_config
     from memcli.errors import CapacityError
-    from memcli.tools.check_page_size.workload import check_fits, trace_workload
+    from memcli.capacity import check_fits
+    from memcli.tools.check_page_size.workload import trace_workload
 
     trace = tmp_path / "t.jsonl"
     trace.write_text(json.dumps({"rid": "a", "input_len": 4000, "output_len": 96}) + "\n")
     workload = trace_workload(trace, 1)
     with pytest.raises(CapacityError) as exc:
-        check_fits(workload, load_config(None, ["memory.max_context_len=4096", "memory.max_total_tokens=16384"]))
-    assert "runs whole with 4098 under semantics.request_limits max_req_len" in exc.value.message
-    check_fits(workload, load_config(None, ["memory.max_context_len=4096", "memory.max_total_tokens=16384",
-                                            "semantics.profile=memcli"]))
+        check_fits(load_config(None, ["memory.max_context_len=4096", "memory.max_total_tokens=16384"]),
+                   workload.requests, workload.name, "--requests")
+    assert "runs whole only with max_context_len >= 4098" in exc.value.message
+    assert "semantics.request_limits" in exc.value.message
+    check_fits(load_config(None, ["memory.max_context_len=4096", "memory.max_total_tokens=16384",
+                                  "semantics.profile=memcli"]), workload.requests, workload.name, "--requests")

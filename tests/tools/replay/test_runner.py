@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from memcli.capacity import check_fits
 from memcli.errors import CapacityError, MemcliError
-from memcli.tools.replay.runner import ReplayOptions, check_fits, replay
+from memcli.tools.replay.runner import ReplayOptions, replay
 from memcli.tools.replay.unlimited import unlimited_config, unlimited_pool_tokens
 from memcli.sched.scheduler import Scheduler
 from memcli.workload.generate import generate_trace, write_trace
@@ -96,14 +97,19 @@ def test_burst_puts_every_request_in_the_waiting_queue_at_once(shrunk):
 MEMCLI_PROFILE = {"semantics": {"profile": "memcli"}}
 
 
+def fits(config, trace):
+    """The check every command runs before a replay, on a whole trace."""
+    check_fits(config, trace.requests, trace.path)
+
+
 def test_capacity_errors_name_the_request_and_the_fix(shrunk):
     with pytest.raises(CapacityError) as exc:
-        check_fits(small_config(16, pool=20_000, context=2_000, **MEMCLI_PROFILE), shrunk)
+        fits(small_config(16, pool=20_000, context=2_000, **MEMCLI_PROFILE), shrunk)
     assert "max_context_len 2000" in exc.value.message and "request" in exc.value.message
     assert "--set memory.max_context_len=" in exc.value.hint
     longest = max(r.input_len + r.output_len for r in shrunk.requests)
     with pytest.raises(CapacityError) as exc:
-        check_fits(small_config(1, pool=longest, context=longest, **MEMCLI_PROFILE), shrunk)
+        fits(small_config(1, pool=longest, context=longest, **MEMCLI_PROFILE), shrunk)
     assert "pool holds" in exc.value.message and "max_total_tokens" in exc.value.hint
 
 
@@ -113,15 +119,15 @@ def test_sglang_request_limits_need_two_tokens_more_and_the_hint_gives_them(shru
     request under the memcli profile is refused, and the hint's context is accepted."""
     longest = max(r.input_len + r.output_len for r in shrunk.requests)
     with pytest.raises(CapacityError) as exc:
-        check_fits(small_config(1, pool=longest + 2, context=longest), shrunk)
+        fits(small_config(1, pool=longest + 2, context=longest), shrunk)
     message = exc.value.message
     assert f"more than memory.max_context_len {longest} holds" in message
     assert f"max_context_len >= {longest + 2}" in message
     assert "semantics.request_limits" in message
     assert f"--set memory.max_context_len={longest + 2}" in exc.value.hint
-    check_fits(small_config(1, pool=longest + 2, context=longest + 2), shrunk)
+    fits(small_config(1, pool=longest + 2, context=longest + 2), shrunk)
     with pytest.raises(CapacityError) as exc:  # one token short of the two
-        check_fits(small_config(1, pool=longest + 1, context=longest + 1), shrunk)
+        fits(small_config(1, pool=longest + 1, context=longest + 1), shrunk)
     assert f"--set memory.max_context_len={longest + 2}" in exc.value.hint
 
 
@@ -132,10 +138,10 @@ def test_sglang_request_limits_keep_a_prompt_seven_tokens_under_the_context(tmp_
     path.write_text(json.dumps({"rid": "a", "input_len": 994, "output_len": 3}) + "\n")
     trace = read_trace(path)
     with pytest.raises(CapacityError) as exc:
-        check_fits(small_config(1, pool=4_000, context=1_000), trace)
+        fits(small_config(1, pool=4_000, context=1_000), trace)
     assert "max_context_len >= 1001" in exc.value.message and "max_req_len - 5" in exc.value.message
-    check_fits(small_config(1, pool=4_000, context=1_001), trace)
-    check_fits(small_config(1, pool=4_000, context=997, **MEMCLI_PROFILE), trace)  # row: input + output
+    fits(small_config(1, pool=4_000, context=1_001), trace)
+    fits(small_config(1, pool=4_000, context=997, **MEMCLI_PROFILE), trace)  # row: input + output
 
 
 def test_timestamp_arrivals_need_times(generated, tmp_path):
@@ -199,5 +205,5 @@ def test_capacity_errors_name_the_file_and_line(tmp_path):
     path.write_text('{"input_length": 10, "output_length": 5, "hash_ids": [1]}\n\n\n'
                     '{"input_length": 3000, "output_length": 5, "hash_ids": [1, 2, 3, 4, 5, 6]}\n')
     with pytest.raises(CapacityError) as exc:
-        check_fits(small_config(16, pool=20_000, context=2_000), read_trace(path))
+        fits(small_config(16, pool=20_000, context=2_000), read_trace(path))
     assert exc.value.message.startswith(f"{path}:4: request 4 (#2) needs 3005 tokens")

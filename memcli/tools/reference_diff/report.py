@@ -1,0 +1,44 @@
+"""Output of `reference diff`: the text report and the `--json` document (docs/JSON.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from memcli.report.envelope import envelope
+from memcli.tools.reference_diff.results import ReferenceDiffResult
+
+
+def diff_document(result: ReferenceDiffResult) -> dict[str, Any]:
+    """The --json document: the envelope, then the run and, when they diverged, both sides'
+    observations at the first divergent step."""
+    diff = result.diff
+    divergence = None
+    if diff.divergence is not None:
+        sglang, memcli = diff.divergence
+        divergence = {"step": sglang.step, "fields": sglang.differing(memcli),
+                      "sglang": dataclasses.asdict(sglang), "memcli": dataclasses.asdict(memcli)}
+    return envelope("reference diff", {
+        "trace": result.trace, "limit": result.limit, "arrivals": result.arrivals, "event_loop": diff.event_loop,
+        "steps": diff.steps, "divergent": diff.divergence is not None, "first_divergence": divergence,
+        "reference_s": round(diff.reference_s, 3), "memcli_s": round(diff.memcli_s, 3),
+        "notes": list(diff.notes), "failure": diff.failure,
+    }, result.config)
+
+
+def render(result: ReferenceDiffResult) -> str:
+    """The first divergent step with both sides' observations, `0 divergent steps in S steps`,
+    or one `failed:` line; each with the loop and both sides' run times."""
+    diff = result.diff
+    times = f"{diff.event_loop} loop; reference {diff.reference_s:.2f} s, memcli {diff.memcli_s:.2f} s"
+    notes = [f"note: {note}" for note in diff.notes]
+    if diff.failure is not None:
+        return "\n".join([*notes, f"failed: {diff.failure}", f"{diff.steps} steps compared before it ({times})"])
+    if diff.divergence is None:
+        return "\n".join([*notes, f"0 divergent steps in {diff.steps} steps ({times})"])
+    sglang, memcli = diff.divergence
+    lines = [*notes, f"first divergent step: {sglang.step} (fields: {', '.join(sglang.differing(memcli)) or 'done'})",
+             "  sglang:"] + [f"    {line}" for line in sglang.lines()]
+    lines += ["  memcli:"] + [f"    {line}" for line in memcli.lines()]
+    lines.append(f"{diff.steps} steps run ({times})")
+    return "\n".join(lines)
