@@ -1,7 +1,7 @@
 """The layering, as rules on import statements, checked over the real tree.
 
-    cli -> tools/<tool> -> sched -> mem_cache -> kernels
-                        -> workload, stack, config, capacity, reference
+    cli -> tools/<tool> -> engines (the registry) -> sglang-0.5.5: sched, stack -> mem_cache -> kernels
+                        -> workload, config, capacity, steps, devices, reference
     reference: SGLang's own code and the side-by-side run, imported by tools; imports no tool
     report: generic helpers, imported by tools; imports no tool
 
@@ -17,9 +17,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Modules of mem_cache that the scheduler may import: the allocation entry points, the
-# prefix-cache interface, the read-only integrity checks and the page arithmetic.
-SCHED_MAY_IMPORT = ("common", "base_prefix_cache", "integrity", "pages")
+# Modules of mem_cache that the scheduler and the tools may import: the memory manager and its
+# value types (the page arithmetic, the KV events, the integrity checks' results).
+MEMORY_FACE = ("manager", "pages", "kv_events", "integrity")
+# Component benchmarks time one component on its own, so they build it directly.
+COMPONENT_BENCHES = {"memcli.tools.bench_radix": ("radix_cache", "base_prefix_cache"),
+                     "memcli.tools.bench_one_batch.hicache_bench": ("host_pool",)}
+# What the registry offers (`from memcli.engines import get`); any other lower-case name under
+# memcli.engines is an engine's own module.
+REGISTRY_NAMES = ("get", "names", "register", "unregister")
+# What only an engine may import: its scheduling policy and its stack builder.
+ENGINE_INSIDES = ("memcli.sched", "memcli.stack")
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -80,12 +88,21 @@ def _problem(module: str, name: str) -> str | None:
         for bad in ("memcli.sched", "memcli.tools", "memcli.cli", "memcli.report", "memcli.stack", "rich"):
             if within(name, bad):
                 return "mem_cache imports no scheduler, tool, CLI, report or rich"
-    if within(module, "memcli.sched"):
+    if within(module, "memcli.sched") or within(module, "memcli.tools") or within(module, "memcli.cli"):
         if within(name, "memcli.mem_cache") and name != "memcli.mem_cache":
             sub = name.split(".")[2]
-            if sub not in SCHED_MAY_IMPORT:
-                return f"sched reaches memory only through {', '.join(SCHED_MAY_IMPORT)}"
-        for bad in ("memcli.kernels", "memcli.stack", "memcli.tools", "memcli.cli", "rich"):
+            allowed = next((subs for home, subs in COMPONENT_BENCHES.items() if within(module, home)), ())
+            if sub not in MEMORY_FACE and sub not in allowed:
+                return f"sched and tools reach memory only through {', '.join(MEMORY_FACE)}"
+    if within(module, "memcli.tools") or within(module, "memcli.cli"):
+        if within(name, "memcli.kernels"):
+            return "tools reach kernels only through memory"
+        engine_module = within(name, "memcli.engines") and name.split(".")[2:3] not in ([], ["base"]) \
+            and name.split(".")[2][:1].islower() and name.split(".")[2] not in REGISTRY_NAMES
+        if any(within(name, inside) for inside in ENGINE_INSIDES) or engine_module:
+            return "tools reach an engine only through the registry (memcli.engines)"
+    if within(module, "memcli.sched"):
+        for bad in ("memcli.kernels", "memcli.stack", "memcli.tools", "memcli.cli", "memcli.engines", "rich"):
             if within(name, bad):
                 return "sched imports no kernels, stack builder, tool, CLI or rich"
     if within(module, "memcli.reference") and (within(name, "memcli.tools") or within(name, "memcli.cli")):
@@ -142,7 +159,16 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> dict[str, list[str]]:
     ({"kernels/alloc.py": "from memcli.config import Config\n"}, "kernels import nothing of memcli"),
     ({"memcli/mem_cache/radix_cache.py": "from memcli.sched.req import Req\n"}, "mem_cache imports no scheduler"),
     ({"memcli/mem_cache/radix_cache.py": "def show():\n    from rich.tree import Tree\n"}, "mem_cache imports no scheduler"),
-    ({"memcli/sched/batch.py": "from memcli.mem_cache.allocator import cdiv\n"}, "sched reaches memory only"),
+    ({"memcli/sched/batch.py": "from memcli.mem_cache.allocator import cdiv\n"}, "sched and tools reach memory only"),
+    ({"memcli/tools/replay/runner.py": "from memcli.mem_cache.radix_cache import RadixCache\n"},
+     "sched and tools reach memory only"),
+    ({"memcli/tools/replay/runner.py": "from memcli.sched.scheduler import Scheduler\n"}, "only through the registry"),
+    ({"memcli/tools/replay/runner.py": "from memcli.stack import build_stack\n"}, "only through the registry"),
+    ({"memcli/tools/replay/runner.py": "from memcli.engines.sglang_055 import ENGINE\n"}, "only through the registry"),
+    ({"memcli/tools/bench_one_batch/runner.py": "from memcli import kernels\n"}, "kernels only through memory"),
+    ({"memcli/mem_cache/radix_cache.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+      "    from memcli.steps import StepRecord\n",
+      "memcli/steps.py": "from memcli.mem_cache.radix_cache import RadixCache\n"}, "cycle: memcli.mem_cache -> memcli.steps"),
     ({"memcli/sched/batch.py": "import memcli.kernels\n"}, "sched imports no kernels"),
     ({"memcli/sched/batch.py": "from kernels.alloc import alloc_extend\n"}, "sched imports no kernels"),
     ({"memcli/report/tables.py": "from memcli.tools.replay.result import ReplayResult\n"}, "report helpers import no tool"),
@@ -151,7 +177,7 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> dict[str, list[str]]:
      "reference imports no tool"),
     ({"memcli/sched/req.py": "from memcli.workload import spec\n",
       "memcli/workload/spec.py": "from memcli.sched.req import Req\n"}, "cycle: memcli.sched -> memcli.workload -> memcli.sched"),
-    ({"memcli/sched/req.py": "from ..mem_cache import allocator\n"}, "sched reaches memory only"),
+    ({"memcli/sched/req.py": "from ..mem_cache import allocator\n"}, "sched and tools reach memory only"),
 ])
 def test_each_rule_fails_on_a_planted_violation(tmp_path, files, expected):
     violations = rule_violations(_plant(tmp_path, files))
@@ -159,7 +185,8 @@ def test_each_rule_fails_on_a_planted_violation(tmp_path, files, expected):
 
 
 def test_a_clean_planted_tree_passes(tmp_path):
-    graph = _plant(tmp_path, {"memcli/sched/batch.py": "from memcli.mem_cache import common\n",
-                              "memcli/mem_cache/common.py": "import torch\nfrom memcli.kernels import alloc\n",
+    graph = _plant(tmp_path, {"memcli/sched/batch.py": "from memcli.mem_cache import manager\n",
+                              "memcli/tools/replay/runner.py": "from memcli import engines\n",
+                              "memcli/mem_cache/manager.py": "import torch\nfrom memcli.kernels import alloc\n",
                               "kernels/alloc.py": "import triton\n"})
     assert rule_violations(graph) == []

@@ -32,7 +32,7 @@ from memcli.mem_cache.integrity import CheckResult, IntegrityReport
 from memcli.mem_cache.pools import TORCH_DTYPES
 
 
-def _runs(host_indices: torch.Tensor) -> list[tuple[int, int, int]]:
+def runs(host_indices: torch.Tensor) -> list[tuple[int, int, int]]:
     """Runs of consecutive host slots: (first slot, length, position in `host_indices`)."""
     idx = host_indices.detach().reshape(-1).cpu().numpy()
     if not len(idx):
@@ -166,7 +166,7 @@ class HostKVPool:
                 continue
             idx = device_indices.to(dev_buf.device, torch.int64)
             gathered = dev_buf.index_select(1, idx).transpose(0, 1)  # [n, layers, heads, dim]
-            for start, length, pos in _runs(host_indices):
+            for start, length, pos in runs(host_indices):
                 host_buf[start:start + length].copy_(gathered[pos:pos + length], non_blocking=nb)
 
     def load_to_device(self, kv_pool, host_indices: torch.Tensor, device_indices: torch.Tensor,
@@ -182,7 +182,7 @@ class HostKVPool:
                 continue
             idx = device_indices.to(dev_buf.device, torch.int64)
             staging = torch.empty((len(idx), *host_buf.shape[1:]), dtype=host_buf.dtype, device=dev_buf.device)
-            for start, length, pos in _runs(host_indices):
+            for start, length, pos in runs(host_indices):
                 staging[pos:pos + length].copy_(host_buf[start:start + length], non_blocking=nb)
             dev_buf.index_copy_(1, idx, staging.transpose(0, 1))
 

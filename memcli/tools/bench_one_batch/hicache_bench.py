@@ -26,7 +26,7 @@ import torch
 
 from memcli.config import Config, replace
 from memcli.errors import CapacityError
-from memcli.mem_cache.host_pool import HostKVPool, _runs
+from memcli.mem_cache.host_pool import HostKVPool, runs
 from memcli.mem_cache.pages import align_up
 from memcli.report.envelope import envelope
 from memcli import engines
@@ -190,10 +190,10 @@ def _time_case(stack, host: HostKVPool, case: Case, device: torch.device, repeat
         elif name == "load_back":
             _check_copy(kv.k_buffer[:, device_slots[:8]].transpose(0, 1), want,
                         "the device K/V after the load-back differs from what was backed up")
-    runs = len(_runs(host_slots))
+    num_runs = len(runs(host_slots))
     stack.allocator.free(device_slots)
     host.free(host_slots)
-    return {name: t.median_us for name, t in timings.items()}, runs
+    return {name: t.median_us for name, t in timings.items()}, num_runs
 
 
 def _check_copy(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
