@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from memcli import kernels
-from memcli.mem_cache.integrity import CheckResult, IntegrityReport
+from memcli.check_result import CheckResult, IntegrityReport
 from memcli.mem_cache.integrity.ownership import LOOSE
 from memcli.mem_cache.pages import decode_new_pages, extend_new_pages
 

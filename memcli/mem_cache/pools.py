@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from memcli.mem_cache.integrity import CheckResult, IntegrityReport
+from memcli.check_result import CheckResult, IntegrityReport
 
 TORCH_DTYPES = {
     "float32": torch.float32,
