@@ -24,6 +24,10 @@ Transitions, and who makes them:
     free_req_rows (hand-over)      r -> CARRIED            `carry_row`
     request row freed              (r must own nothing)    `rows_released`
 
+The ledger is the allocator's `AllocationObserver` (`handed_out`, `taken_back`, `cleared`,
+`snapshot`, `restore`) and the request table's `RowObserver` (`rows_released`); the owner codes
+are those of `owners`. The trees and the allocation entry points call the rest.
+
 A transition from an unexpected owner raises `IntegrityError` at once, naming the page, its
 owner and the operation: a double free, a free of a page still in use, a page handed out
 twice, a row released with pages it still owns (a lost page). What an operation cannot see
@@ -235,6 +239,25 @@ class OwnershipLedger:
             self.row_pages[owner] += n
         else:
             self.counts[owner] += n
+
+    # -- the allocator's and the request table's observer -------------------------------------
+
+    def handed_out(self, pages: Any, claimed: bool) -> None:
+        """`AllocationObserver`: the allocator handed out `pages`; `claimed`, the caller claims
+        them at once (`hand_out`), else they are loose until claimed (`take`)."""
+        if claimed:
+            self.hand_out(pages)
+        else:
+            self.take(pages, "allocator.alloc")
+
+    def taken_back(self, pages: Any, owner: Any, op: str, sorted_pages: bool = False) -> None:
+        """`AllocationObserver`: the allocator took `pages` back from `owner` (None: pages already
+        released, LOOSE), in one transition (`free_from`)."""
+        self.free_from(pages, LOOSE if owner is None else owner, op, sorted_pages)
+
+    def cleared(self) -> None:
+        """`AllocationObserver`: every page is free again."""
+        self.reset()
 
     # -- the transitions ---------------------------------------------------------------------
 
