@@ -4,6 +4,11 @@
                         -> workload, config, capacity, steps, devices, reference
     reference: SGLang's own code and the side-by-side run, imported by tools; imports no tool
     report: generic helpers, imported by tools; imports no tool
+    check_result, errors: vocabularies every layer may import
+
+No cycle between packages (`mem_cache/integrity` counts as a package of its own, so it
+imports no other module of mem_cache), nor between the modules of `mem_cache`;
+`TYPE_CHECKING` and function-level imports count like the others.
 
 Each rule is also shown to fail on a tree that breaks it, so none of them can pass vacuously.
 """
@@ -71,6 +76,8 @@ def package_of(module: str) -> str:
     parts = module.split(".")
     if parts[:2] == ["memcli", "tools"] and len(parts) > 2:
         return ".".join(parts[:3])
+    if parts[:3] == ["memcli", "mem_cache", "integrity"]:
+        return "memcli.mem_cache.integrity"
     return ".".join(parts[:2])
 
 
@@ -78,12 +85,14 @@ def rule_violations(graph: dict[str, list[str]]) -> list[str]:
     out = [f"{module} imports {name}: {problem}"
            for module, names in graph.items() for name in names
            if (problem := _problem(module, name))]
-    return out + cycle_violations(graph)
+    return out + cycle_violations(graph) + module_cycle_violations(graph)
 
 
 def _problem(module: str, name: str) -> str | None:
     if within(module, "memcli.kernels") and within(name, "memcli") and not within(name, "memcli.kernels"):
         return "kernels import nothing of memcli"
+    if module in ("memcli.mem_cache.allocator", "memcli.mem_cache.pools") and within(name, "memcli.mem_cache.integrity"):
+        return "the allocator and the request table tell an observer; they import nothing of integrity"
     if within(module, "memcli.mem_cache"):
         for bad in ("memcli.sched", "memcli.tools", "memcli.cli", "memcli.report", "memcli.stack", "rich"):
             if within(name, bad):
@@ -124,13 +133,28 @@ def cycle_violations(graph: dict[str, list[str]]) -> list[str]:
                 dst = package_of(name)
                 if dst != src and any(within(m, dst) for m in graph):
                     edges.setdefault(src, set()).add(dst)
+    return ["cycle: " + cycle for cycle in cycles(edges)]
+
+
+def module_cycle_violations(graph: dict[str, list[str]]) -> list[str]:
+    """Cycles between the modules of `memcli.mem_cache` (a package counts as its `__init__`)."""
+    edges: dict[str, set[str]] = {}
+    for module, names in graph.items():
+        if within(module, "memcli.mem_cache"):
+            edges[module] = {name for name in names
+                             if within(name, "memcli.mem_cache") and name in graph and name != module}
+    return ["module cycle: " + cycle for cycle in cycles(edges)]
+
+
+def cycles(edges: dict[str, set[str]]) -> list[str]:
+    """`a -> b -> a` for each back edge a depth-first walk of `edges` meets (none: no cycle)."""
     out, state = [], {}
 
     def visit(node: str, stack: list[str]) -> None:
         state[node] = "open"
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == "open":
-                out.append("cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+                out.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = "done"
@@ -178,6 +202,19 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> dict[str, list[str]]:
     ({"memcli/sched/req.py": "from memcli.workload import spec\n",
       "memcli/workload/spec.py": "from memcli.sched.req import Req\n"}, "cycle: memcli.sched -> memcli.workload -> memcli.sched"),
     ({"memcli/sched/req.py": "from ..mem_cache import allocator\n"}, "sched and tools reach memory only"),
+    ({"memcli/mem_cache/pools.py": "from memcli.mem_cache.integrity.ownership import FREE\n"},
+     "the allocator and the request table tell an observer"),
+    ({"memcli/mem_cache/radix_cache.py": "from memcli.mem_cache.integrity.owners import TREE\n",
+      "memcli/mem_cache/integrity/requests.py": "from memcli.mem_cache.pages import cdiv\n"},
+     "cycle: memcli.mem_cache -> memcli.mem_cache.integrity -> memcli.mem_cache"),
+    ({"memcli/mem_cache/integrity/__init__.py": "from memcli.mem_cache.integrity import radix\n",
+      "memcli/mem_cache/integrity/radix.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                              "    from memcli.mem_cache.radix_cache import RadixCache\n",
+      "memcli/mem_cache/radix_cache.py": "from memcli.mem_cache.integrity import IntegrityReport\n"},
+     "module cycle: memcli.mem_cache.integrity -> memcli.mem_cache.integrity.radix -> memcli.mem_cache.radix_cache"),
+    ({"memcli/mem_cache/radix_cache.py": "from memcli.mem_cache.tree_checks import radix_checks\n",
+      "memcli/mem_cache/tree_checks.py": "def walk():\n    from memcli.mem_cache.radix_cache import RadixCache\n"},
+     "module cycle: memcli.mem_cache.radix_cache -> memcli.mem_cache.tree_checks -> memcli.mem_cache.radix_cache"),
 ])
 def test_each_rule_fails_on_a_planted_violation(tmp_path, files, expected):
     violations = rule_violations(_plant(tmp_path, files))

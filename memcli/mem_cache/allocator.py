@@ -18,14 +18,13 @@ Slot 0 (page 0 when paged) is padding and never handed out.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple, Optional, Protocol
 
 import numpy as np
 import torch
 
 from memcli import kernels
-from memcli.mem_cache.integrity import CheckResult, IntegrityReport
-from memcli.mem_cache.integrity.ownership import LOOSE
+from memcli.check_result import CheckResult, IntegrityReport
 from memcli.mem_cache.pages import decode_new_pages, extend_new_pages
 
 
@@ -35,7 +34,32 @@ class AllocatorState(NamedTuple):
     free_pages: torch.Tensor
     release_pages: torch.Tensor
     in_use_pages: int
-    ledger: object = None  # the ownership ledger's state, when one is attached
+    ledger: object = None  # the observer's state (`AllocationObserver.snapshot`), when one is attached
+
+
+class AllocationObserver(Protocol):
+    """Told what an allocator hands out and takes back (the ownership ledger, while checking).
+
+    Pages are page ids (slots when page_size == 1): a numpy array or a tensor, read during the
+    call and never kept. Each method may raise (a page given twice, freed behind its owner's
+    back); the allocator has not changed its free list yet when it does."""
+
+    def handed_out(self, pages: Any, claimed: bool) -> None:
+        """`pages` left the free list; `claimed`: the caller claims them at once, in its next
+        call on the observer (the fused extend and decode paths)."""
+
+    def taken_back(self, pages: Any, owner: Any, op: str, sorted_pages: bool = False) -> None:
+        """`pages` return to the free list from `owner`, as the caller of `free` named it (None:
+        nobody, pages already released), in operation `op`; `sorted_pages`: sorted ids."""
+
+    def cleared(self) -> None:
+        """Every page is free again (`clear`)."""
+
+    def snapshot(self) -> Any:
+        """A copy of the observer's state, kept with a `backup_state`."""
+
+    def restore(self, state: Any) -> None:
+        """Back to a `snapshot` (`restore_state`)."""
 
 
 class DecodeAllocation(NamedTuple):
@@ -51,9 +75,10 @@ class BaseAllocator:
     """Shared bookkeeping; subclasses define the free-list order."""
 
     page_size: int
-    # The ownership ledger (`integrity.track`), attached only while checking incrementally:
-    # the allocator moves pages FREE -> LOOSE when it hands them out, LOOSE -> FREE when freed.
-    ledger = None
+    # The observer of what this allocator hands out and takes back: the ownership ledger
+    # (`integrity.track`), attached only while checking incrementally. The allocation entry
+    # points and the trees reach the ledger's other verbs (claims, moves) through it too.
+    ledger: Optional[AllocationObserver] = None
     # The decode step as a CUDA-graph replay (`decode_graph.DecodeGraphs`), when enabled.
     decode_graphs = None
 
@@ -95,13 +120,10 @@ class BaseAllocator:
 
     def _advance(self, n: int, claimed: bool = False) -> None:
         """Remove the first `n` free entries after a kernel read them through `_head_view`.
-        With a ledger they are recorded as handed out: claimed by the caller at once
-        (`hand_out`), or loose until claimed (`take`)."""
+        The observer, when attached, is told (`handed_out`): claimed by the caller at once,
+        or loose until claimed."""
         if self.ledger is not None:
-            if claimed:
-                self.ledger.hand_out(self._head_host(n))
-            else:
-                self.ledger.take(self._head_host(n), "allocator.alloc")
+            self.ledger.handed_out(self._head_host(n), claimed)
         self._move_head(n)
         self._num_free -= n
 
@@ -110,7 +132,7 @@ class BaseAllocator:
         raise NotImplementedError
 
     def _head_host(self, n: int):
-        """`_head_view(n)` for the ownership ledger: a numpy view on the CPU (slicing a tensor
+        """`_head_view(n)` for the observer: a numpy view on the CPU (slicing a tensor
         costs more than the ledger's work on a decode step), else the tensor view."""
         return self._head_view(n)
 
@@ -142,7 +164,7 @@ class BaseAllocator:
         self.num_frees = 0  # calls that returned pages (a free group counts once)
         self.freed_tokens = 0
         if self.ledger is not None:
-            self.ledger.reset()
+            self.ledger.cleared()
 
     @property
     def num_free_pages(self) -> int:
@@ -167,7 +189,7 @@ class BaseAllocator:
         self._release, self._num_release = [], 0
 
     def free(self, indices: torch.Tensor, distinct_pages: bool = False, _grouped: bool = False, *,
-             owner=LOOSE, op: str = "allocator.free") -> None:
+             owner: Any = None, op: str = "allocator.free") -> None:
         """Free KV slots. Paged: frees the whole page of every slot given (de-duplicated).
 
         `distinct_pages`: the caller guarantees that no two of `indices` share a page (one
@@ -176,16 +198,16 @@ class BaseAllocator:
         sync. `indices` may have any shape and integer dtype. Inside a free group the
         guarantee is dropped (other frees may share pages).
 
-        `owner` / `op` (with a ledger only): who owned the pages until now, and the operation,
-        when the caller frees them straight from their owner (a row, the tree, one row per
-        entry as an array): the ledger moves them owner -> FREE in one transition. The default
-        (LOOSE) is a plain free of pages already released.
+        `owner` / `op` (with an observer only): who owned the pages until now (an owner code of
+        `memcli.mem_cache.integrity.owners`, a row, or one row per entry as an array), and the operation,
+        when the caller frees them straight from their owner: the observer is told in one call
+        (`taken_back`). The default (None) is a plain free of pages already released.
         """
         if indices.numel() == 0:
             return
         if self._group is not None:
             if self.ledger is not None:  # each call on its own: the group's cat would merge a double free
-                self._ledger_free(indices, distinct_pages, owner, op)
+                self._observe_free(indices, distinct_pages, owner, op)
             # Kept until the group ends: an int32 view of a request row (which may be reused
             # before then) is copied, as the int64 conversion the group's cat needs anyway.
             self._group.append(indices.reshape(-1).to(torch.int64))
@@ -193,9 +215,9 @@ class BaseAllocator:
         entries, divisor = self._freed_entries(indices, distinct_pages)
         if self.ledger is not None and not _grouped:  # raises on a double free, or a free behind the owner's back
             if not isinstance(owner, np.ndarray):
-                self._ledger_free(entries, distinct_pages, owner, op, divisor)
+                self._observe_free(entries, distinct_pages, owner, op, divisor)
             else:
-                self._ledger_free(indices, distinct_pages, owner, op)
+                self._observe_free(indices, distinct_pages, owner, op)
         n = entries.numel()
         if self._in_use_pages - n < 0:
             raise ValueError(
@@ -214,18 +236,19 @@ class BaseAllocator:
         if self.debug:
             self.check_integrity().raise_if_failed()
 
-    def _ledger_free(self, indices: torch.Tensor, distinct_pages: bool, owner, op: str, divisor: int = 0) -> None:
-        """The ledger's side of a free: the freed pages, owner -> FREE. `divisor` 0: `indices`
+    def _observe_free(self, indices: torch.Tensor, distinct_pages: bool, owner: Any, op: str,
+                      divisor: int = 0) -> None:
+        """The observer's side of a free: the freed pages, from `owner`. `divisor` 0: `indices`
         are the caller's slots (not yet `_freed_entries`)."""
         if isinstance(owner, np.ndarray):  # one row per entry: the caller's order, one slot per page
-            self.ledger.free_from(indices // self.page_size if self.page_size > 1 else indices, owner, op)
+            self.ledger.taken_back(indices // self.page_size if self.page_size > 1 else indices, owner, op)
             return
         if not divisor:
             indices, divisor = self._freed_entries(indices, distinct_pages)
         pages = indices // divisor if divisor > 1 else indices
         # Paged, the entries are sorted: de-duplicated by `unique`, or (the caller's word,
         # `distinct_pages`) checked by comparing neighbours, not with the scratch array.
-        self.ledger.free_from(pages, owner, op, sorted_pages=self.page_size > 1)
+        self.ledger.taken_back(pages, owner, op, sorted_pages=self.page_size > 1)
 
     def free_group_begin(self) -> None:
         self._group = []
@@ -233,7 +256,7 @@ class BaseAllocator:
     def free_group_end(self) -> None:
         group, self._group = self._group, None
         if group:
-            self.free(torch.cat(group), _grouped=True)  # the ledger saw each call already
+            self.free(torch.cat(group), _grouped=True)  # the observer saw each call already
 
     def backup_state(self) -> AllocatorState:
         release = torch.cat(self._release) if self._release else self._buf[:0].clone()
@@ -258,8 +281,8 @@ class BaseAllocator:
         new pages, counted by the caller from the same CPU lengths. None when they are not free.
         The kernel's inputs are checked in debug mode only (the callers build them right), and
         it may read exactly `num_pages` free entries: a miscount shows as slot -1, never as a
-        page handed out twice. `claimed`: the caller claims the new slots in the ownership
-        ledger right after (`OwnershipLedger.extended`), which folds the hand-out into the claim.
+        page handed out twice. `claimed`: the caller claims the new slots in the observer
+        right after (the ownership ledger's `extended`), which folds the hand-out into the claim.
         """
         if not self._ensure(num_pages):
             return None

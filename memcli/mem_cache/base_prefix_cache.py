@@ -20,7 +20,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 import numpy as np
 import torch
 
-from memcli.mem_cache.integrity import IntegrityReport
+from memcli.check_result import IntegrityReport
 
 
 class MatchResult(NamedTuple):

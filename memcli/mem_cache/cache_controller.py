@@ -31,7 +31,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from memcli.mem_cache.integrity.ownership import LOOSE, TREE
+from memcli.mem_cache.integrity.owners import LOOSE, TREE
 
 
 class Ack(NamedTuple):

@@ -15,9 +15,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from memcli.check_result import CheckResult, IntegrityReport
 from memcli.errors import IntegrityError
 from memcli.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, RadixKey
-from memcli.mem_cache.integrity import CheckResult, IntegrityReport
 
 
 def free_row_pages(req_to_token_pool: Any, allocator: Any, rows: list[int], length: int,

@@ -42,13 +42,13 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
+from memcli.check_result import IntegrityReport
 from memcli.errors import IntegrityError
 from memcli.mem_cache.base_prefix_cache import MatchResult, RadixKey
 from memcli.mem_cache.cache_controller import CacheController
 from memcli.mem_cache.eviction import EvictionQueue
-from memcli.mem_cache.integrity import IntegrityReport
-from memcli.mem_cache.integrity.ownership import TREE
 from memcli.mem_cache.radix_cache import EvictionRecord, RadixCache, TreeNode
+from memcli.mem_cache.tree_checks import hiradix_checks, host_tier_checks
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
@@ -543,10 +543,16 @@ class HiRadixCache(RadixCache):
     def iter_nodes(self) -> Iterator[HiTreeNode]:
         return self._iter_nodes()
 
+    def host_tier_checks(self) -> list:
+        """The host-tier invariants that need no walk of the tree: host conservation by
+        counters, copies in flight locked (O(copies in flight); `tree_checks.host_tier_checks`)."""
+        return host_tier_checks(self)
+
+    def _view_queues(self) -> tuple:
+        return (("device", self._queue), ("host", self._host_queue))
+
     def check_integrity(self) -> IntegrityReport:
         """Walk the tree: device sizes, locks, shapes, slots, both eviction queues, and the host
         tier (host pool conservation, evicted nodes backed up, nothing on the device below an
         evicted node, copies in flight locked)."""
-        from memcli.mem_cache.integrity.hicache import hiradix_checks
-
-        return IntegrityReport("hiradix cache", hiradix_checks(self))
+        return IntegrityReport("hiradix cache", hiradix_checks(self.view(), self))

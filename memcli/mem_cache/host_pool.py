@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from memcli.mem_cache.integrity import CheckResult, IntegrityReport
+from memcli.check_result import CheckResult, IntegrityReport
 from memcli.mem_cache.pools import TORCH_DTYPES
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from memcli.check_result import IntegrityReport
 from memcli.mem_cache.chunk_cache import ChunkCache
-from memcli.mem_cache.integrity import IntegrityReport
 
 
 class NullCache(ChunkCache):

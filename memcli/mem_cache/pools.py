@@ -10,9 +10,11 @@
 
 from __future__ import annotations
 
+from typing import Iterable, Optional, Protocol
+
 import torch
 
-from memcli.mem_cache.integrity import CheckResult, IntegrityReport
+from memcli.check_result import CheckResult, IntegrityReport
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -23,10 +25,19 @@ TORCH_DTYPES = {
 }
 
 
+class RowObserver(Protocol):
+    """Told when request rows go back to the pool (the ownership ledger, while checking)."""
+
+    def rows_released(self, rows: Iterable[int]) -> None:
+        """`rows` return to the free rows; may raise (a row that still owns pages: a lost page),
+        before the pool changed anything."""
+
+
 class ReqToTokenPool:
     """`size` request rows of `cols` int32 slot ids on `device`; rows are handed out FIFO."""
 
-    ledger = None  # the ownership ledger, while checking incrementally (`integrity.track`)
+    # The observer of rows given back: the ownership ledger, while checking incrementally (`integrity.track`).
+    ledger: Optional[RowObserver] = None
 
     def __init__(self, size: int, cols: int, device: torch.device):
         self.size = size

@@ -23,15 +23,15 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import numpy as np
 import torch
 
+from memcli.check_result import IntegrityReport
 from memcli.errors import IntegrityError
 from memcli.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, RadixKey
 from memcli.mem_cache.clock import LogicalClock
 from memcli.mem_cache.eviction import EvictionQueue, get_eviction_policy, is_evictable_leaf
-from memcli.mem_cache.integrity import IntegrityReport
+from memcli.mem_cache.integrity.owners import TREE
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, chain_page_hashes, stored_events
-from memcli.mem_cache.integrity.ownership import TREE
-from memcli.mem_cache.integrity.radix import radix_checks
 from memcli.mem_cache.pages import align_down
+from memcli.mem_cache.tree_checks import TreeView, radix_checks
 
 _EMPTY_TOKENS = np.empty((0,), dtype=np.int64)
 _UNKNOWN = object()  # a handle not computed yet (None is the future's "nobody uses it")
@@ -606,6 +606,18 @@ class RadixCache(BasePrefixCache):
             stack.extend((child, hashes[-1]) for child in node.children.values())
         return events
 
+    def view(self) -> TreeView:
+        """The tree as it is now, read-only, for a walk (`memcli.mem_cache.tree_checks`)."""
+        return TreeView(self.root, list(self._iter_nodes()), self._total, self._evictable, self._protected,
+                        self._num_nodes, self.page_size, self._registered_key, self._view_queues(), self.allocator,
+                        self.empty_indices())
+
+    def _registered_key(self, node: TreeNode) -> Any:
+        return self._child_key(node.extra_key, node.key, 0)
+
+    def _view_queues(self) -> tuple:
+        return (("", self._queue),)
+
     def check_integrity(self) -> IntegrityReport:
         """Walk the whole tree and check sizes, locks, shapes, child keys and slot ownership.
 
@@ -613,7 +625,4 @@ class RadixCache(BasePrefixCache):
         node_count, lock_refs, key_value_lengths, child_keys, unique_slots,
         slots_not_free, eviction_queue, and page_layout when page_size > 1.
         """
-        return IntegrityReport("radix cache", radix_checks(self))
-
-
-# -- integrity walk -------------------------------------------------------------------------
+        return IntegrityReport("radix cache", radix_checks(self.view()))

@@ -20,13 +20,13 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
+from memcli.check_result import CheckResult, failed, passed
 from memcli.errors import IntegrityError
 from memcli.mem_cache.integrity.checks import check_memory
 from memcli.mem_cache.integrity.incremental import step_failure
 from memcli.mem_cache.integrity.layout import take_layout
 from memcli.mem_cache.integrity.ownership import FREE, IN_FLIGHT, TREE, OwnershipError, OwnershipLedger, owner_name
 from memcli.mem_cache.integrity.requests import InFlightSlot, holds_memory
-from memcli.mem_cache.integrity.result import CheckResult, failed, passed
 
 EVERY_STEP = ("none", "incremental", "full", "both")
 
@@ -167,5 +167,5 @@ def verify_ledger(ledger: OwnershipLedger, stack: Any, running: list) -> CheckRe
     if not len(bad):
         return passed("ledger", f"{np.count_nonzero(known)} pages: the ledger agrees with the walk")
     page = int(bad[0])
-    return failed("ledger", f"{ledger._what(page)}: the walk sees {owner_name(int(expected[page]))}, the ledger"
+    return failed("ledger", f"{ledger.page_label(page)}: the walk sees {owner_name(int(expected[page]))}, the ledger"
                             f" {owner_name(int(ledger.owner[page]))} ({len(bad)} pages disagree)")

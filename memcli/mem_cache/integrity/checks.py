@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from memcli.check_result import CheckResult, IntegrityReport, joined
 from memcli.errors import IntegrityError
 from memcli.mem_cache.integrity.conservation import check_conservation, check_idle, memory_report
 from memcli.mem_cache.integrity.layout import (
     check_free_list, check_no_lost_page, check_page_sharing, check_row_layout, check_slot_range, take_layout,
 )
 from memcli.mem_cache.integrity.radix import check_tree
-from memcli.mem_cache.integrity.result import CheckResult, IntegrityReport, joined
 
 CHECK_NAMES = (
     "row_layout",

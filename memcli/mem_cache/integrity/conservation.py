@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from memcli.check_result import CheckResult, IntegrityReport, failures, joined
 from memcli.mem_cache.integrity.requests import held_by_request, holds_memory, request_rows_check, rows_in_use
-from memcli.mem_cache.integrity.result import CheckResult, IntegrityReport, failures, joined
 
 IDLE_REPORT_NAME = "idle: everything free"  # the idle check's name in the "memory" report
 

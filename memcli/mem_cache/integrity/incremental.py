@@ -25,10 +25,10 @@ from typing import Any, Iterable, NamedTuple, Optional
 import numpy as np
 import torch
 
+from memcli.check_result import CheckResult, failed, passed
 from memcli.mem_cache.integrity.hicache import host_tier_step_check
 from memcli.mem_cache.integrity.ownership import CARRIED, FREE, IN_FLIGHT, LOOSE, TREE, OwnershipLedger, owner_name
 from memcli.mem_cache.integrity.requests import InFlightSlot
-from memcli.mem_cache.integrity.result import CheckResult, failed, passed
 
 INCREMENTAL_NAMES = ("lost_page", "free_list", "tree", "conservation", "row_layout", "slot_range", "page_sharing")
 
@@ -108,7 +108,7 @@ def _lost_pages(ledger: OwnershipLedger, quiet: bool) -> Optional[CheckResult]:
     if not loose:
         return None if quiet else passed("lost_page", "every page out of the allocator has an owner")
     pages = np.flatnonzero(ledger.owner == LOOSE)  # O(pool), only on the way to a failure
-    what = ", ".join(ledger._what(int(p)) for p in pages[:3])
+    what = ", ".join(ledger.page_label(int(p)) for p in pages[:3])
     return failed("lost_page", f"memory leak detected: {loose} pages are out of the allocator but owned by nobody"
                                f" (allocated and never claimed, or released and never freed), e.g. {what}",
                   slots=tuple(int(p) for p in pages[:8]))
@@ -199,7 +199,7 @@ def _written_rows(ledger: OwnershipLedger, stack: Any, held: _Held, quiet: bool)
         return [passed("row_layout", "not checked: a slot is out of range"), in_range,
                 passed("page_sharing", "not checked: a slot is out of range")]
     i = int(bad[0])
-    sharing = failed("page_sharing", f"row {spans.row_at(i)} position {spans.pos_at(i)}: {ledger._what(int(pages[i]))}"
+    sharing = failed("page_sharing", f"row {spans.row_at(i)} position {spans.pos_at(i)}: {ledger.page_label(int(pages[i]))}"
                                      f" is owned by {owner_name(int(found[i]))}, expected"
                                      f" {owner_name(int(expected[i]))}",
                      positions=(spans.pos_at(i),), slots=(int(slots[i]),))

@@ -21,8 +21,8 @@ from typing import Any, Iterable, NamedTuple, Optional
 
 import numpy as np
 
+from memcli.check_result import CheckResult, failed, passed
 from memcli.mem_cache.integrity.requests import Rows, take_rows
-from memcli.mem_cache.integrity.result import CheckResult, failed, passed
 
 
 class OwnedRuns(NamedTuple):

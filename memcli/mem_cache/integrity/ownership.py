@@ -24,6 +24,10 @@ Transitions, and who makes them:
     free_req_rows (hand-over)      r -> CARRIED            `carry_row`
     request row freed              (r must own nothing)    `rows_released`
 
+The ledger is the allocator's `AllocationObserver` (`handed_out`, `taken_back`, `cleared`,
+`snapshot`, `restore`) and the request table's `RowObserver` (`rows_released`); the owner codes
+are those of `owners`. The trees and the allocation entry points call the rest.
+
 A transition from an unexpected owner raises `IntegrityError` at once, naming the page, its
 owner and the operation: a double free, a free of a page still in use, a page handed out
 twice, a row released with pages it still owns (a lost page). What an operation cannot see
@@ -39,11 +43,8 @@ import numpy as np
 import torch
 
 from memcli.errors import IntegrityError
+from memcli.mem_cache.integrity.owners import CARRIED, FREE, IN_FLIGHT, LOOSE, OUTSIDE, PADDING, TREE, owner_name
 
-FREE, LOOSE, TREE, CARRIED, PADDING, IN_FLIGHT, OUTSIDE = -1, -2, -3, -4, -5, -6, -7
-_NAMES = {FREE: "free", LOOSE: "nobody (allocated, unclaimed)", TREE: "the tree", CARRIED: "a chunked request (carried)",
-          PADDING: "padding (page 0)", IN_FLIGHT: "a decode slot in flight (overlap)",
-          OUTSIDE: "nobody (outside the pool)"}
 MAX_DIRTY = 4096  # dirty row ranges kept per step before they are merged per row
 
 
@@ -62,10 +63,6 @@ class LedgerState(NamedTuple):
     row_pages: np.ndarray
     row_len: np.ndarray
     counts: dict
-
-
-def owner_name(owner: int) -> str:
-    return _NAMES.get(int(owner), f"request row {int(owner)}")
 
 
 def _host(values: Any) -> np.ndarray:
@@ -177,13 +174,13 @@ class OwnershipLedger:
         return int(twice.nonzero()[0][0])
 
     def _given_twice(self, pages: np.ndarray, i: int, op: str) -> "OwnershipError":
-        return self.error("double_free", f"{op}: {self._what(int(pages[i]))} given twice in one call")
+        return self.error("double_free", f"{op}: {self.page_label(int(pages[i]))} given twice in one call")
 
     def error(self, check: str, message: str) -> "OwnershipError":
         where = f"step {self.step}: " if self.step is not None else ""
         return OwnershipError(f"{where}{check}: {message}", self.step, check)
 
-    def _what(self, page: int) -> str:
+    def page_label(self, page: int) -> str:
         if self.page_size == 1:
             return f"slot {page}"
         return f"page {page} (slots {page * self.page_size}..{page * self.page_size + self.page_size - 1})"
@@ -206,7 +203,7 @@ class OwnershipLedger:
         i = int(np.flatnonzero(bad)[0])
         page, owner = int(pages[i]), int(found[i])
         check = "double_free" if owner == FREE or op in ("allocator.free", "free_row_pages") else "owned_twice"
-        return self.error(check, f"{check} in {op}: {self._what(page)} is owned by {owner_name(owner)}, expected"
+        return self.error(check, f"{check} in {op}: {self.page_label(page)} is owned by {owner_name(owner)}, expected"
                               f" {expected} ({int(bad.sum())} of {len(pages)} pages affected)")
 
     def _transition(self, pages: np.ndarray, src: int, dst: int, op: str, distinct: bool = False) -> None:
@@ -242,6 +239,25 @@ class OwnershipLedger:
             self.row_pages[owner] += n
         else:
             self.counts[owner] += n
+
+    # -- the allocator's and the request table's observer -------------------------------------
+
+    def handed_out(self, pages: Any, claimed: bool) -> None:
+        """`AllocationObserver`: the allocator handed out `pages`; `claimed`, the caller claims
+        them at once (`hand_out`), else they are loose until claimed (`take`)."""
+        if claimed:
+            self.hand_out(pages)
+        else:
+            self.take(pages, "allocator.alloc")
+
+    def taken_back(self, pages: Any, owner: Any, op: str, sorted_pages: bool = False) -> None:
+        """`AllocationObserver`: the allocator took `pages` back from `owner` (None: pages already
+        released, LOOSE), in one transition (`free_from`)."""
+        self.free_from(pages, LOOSE if owner is None else owner, op, sorted_pages)
+
+    def cleared(self) -> None:
+        """`AllocationObserver`: every page is free again."""
+        self.reset()
 
     # -- the transitions ---------------------------------------------------------------------
 
@@ -450,7 +466,7 @@ class OwnershipLedger:
                 pages = np.flatnonzero(self.owner == row)  # O(pool), only on the way to an error
                 raise self.error("lost_page",
                     f"lost page in {op}: request row {row} is released but still owns {int(self.row_pages[row])}"
-                    f" pages, e.g. {', '.join(self._what(int(p)) for p in pages[:3])}; they were never freed")
+                    f" pages, e.g. {', '.join(self.page_label(int(p)) for p in pages[:3])}; they were never freed")
             self.row_len[row] = 0
 
     # -- what the whole-stack walk sees ----------------------------------------------------------

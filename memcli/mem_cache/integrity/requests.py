@@ -20,8 +20,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from memcli.mem_cache.pages import cdiv
-from memcli.mem_cache.integrity.result import CheckResult
+from memcli.check_result import CheckResult
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,8 @@ def held_by_request(req: Any, page_size: int) -> tuple[int, int]:
         return 0, 0
     tree_owned = req.last_matched_prefix_len
     tokens = req.kv_allocated_len - tree_owned
-    pages = cdiv(req.kv_allocated_len, page_size) - tree_owned // page_size
+    # Pages rounded up by hand: this package imports no other memory module (`pages.cdiv`).
+    pages = -(-req.kv_allocated_len // page_size) - tree_owned // page_size
     return tokens, pages
 
 

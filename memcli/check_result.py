@@ -4,6 +4,10 @@ in an `IntegrityReport`.
 A check never raises by itself: it answers a `CheckResult` that says whether the invariant
 holds, with the numbers behind the verdict. Callers that want an exception call
 `IntegrityReport.raise_if_failed()` or `raise_failures()`.
+
+A leaf shared by every layer, as `memcli.errors`: the memory components answer their own
+`check_integrity()` in it (allocator, request table, caches), the stack-wide checks of
+`memcli.mem_cache.integrity` and the tools build on it.
 """
 
 from __future__ import annotations
