@@ -130,7 +130,7 @@ def test_replay_runs_on_a_registered_toy_engine(toy_engine):
     summary = doc["summary"]
     assert summary["finished"] == 5 and summary["prefill_steps"] == 5
     assert summary["decode_steps"] == summary["output_tokens"] > 0
-    assert doc["integrity"]["end_available"] == doc["integrity"]["pool_tokens"]  # everything given back
+    assert doc["integrity"]["everything_free_at_end"] and doc["integrity"]["end"]["rows_in_use"] == 0
 
 
 def test_an_unknown_engine_is_refused_with_the_names():
