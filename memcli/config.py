@@ -20,6 +20,7 @@ from typing import Any, Literal, NamedTuple, Optional, Union, get_args, get_orig
 import yaml
 
 from memcli.errors import ConfigError
+from memcli.mem_cache.pages import align_down
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 GIB = 1 << 30
@@ -75,7 +76,7 @@ class CacheConfig:
             tokens = int(self.host_size_gib * GIB // bytes_per_token)
         else:
             tokens = int(device_tokens * self.host_ratio)
-        return tokens // page_size * page_size
+        return align_down(tokens, page_size)
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,7 @@ class Config:
     @property
     def pool_size(self) -> int:
         """Usable KV slots: the requested size rounded down to a page multiple."""
-        return self.requested_total_tokens // self.page_size * self.page_size
+        return align_down(self.requested_total_tokens, self.page_size)
 
     @property
     def max_req_len(self) -> Optional[int]:
@@ -451,7 +452,7 @@ def validate(config: Config) -> None:
     if chunk is not None and (chunk < ps or chunk % ps):
         raise ConfigError(
             f"scheduler.chunked_prefill_size: {sched.chunked_prefill_size} is not a positive multiple of page_size {ps}",
-            hint=f"use a multiple of {ps}, for example {max(ps, sched.chunked_prefill_size // ps * ps)}",
+            hint=f"use a multiple of {ps}, for example {max(ps, align_down(sched.chunked_prefill_size, ps))}",
         )
     if config.cache.kind == "hiradix":
         _validate_host_pool(config)

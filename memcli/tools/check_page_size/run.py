@@ -27,6 +27,7 @@ from memcli.tools.check_page_size.workload import (
 )
 from memcli.config import Config, replace
 from memcli.errors import MemcliError
+from memcli.mem_cache.pages import align_down
 from memcli.stack import COMPONENTS, build_stack
 
 OTHER_LOOP = {"overlap": "normal", "normal": "overlap"}  # the dynamic workload runs in both loops
@@ -265,7 +266,7 @@ def _chunk_tokens(config: Config) -> int:
     prefill budget, floored to a page."""
     s, ps = config.scheduler, config.page_size
     budget = min(s.chunked_prefill_size or s.max_prefill_tokens, s.max_prefill_tokens)
-    return max(budget // ps * ps, ps)
+    return max(align_down(budget, ps), ps)
 
 
 def _report(progress: Optional[Progress], page_size: int, phase: PhaseResult) -> None:

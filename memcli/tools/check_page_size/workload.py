@@ -22,6 +22,7 @@ import numpy as np
 
 from memcli.config import Config, replace
 from memcli.errors import CapacityError
+from memcli.mem_cache.pages import cdiv
 from memcli.workload.readers import read_trace
 from memcli.workload.spec import RequestSpec, output_token_base
 
@@ -68,7 +69,7 @@ class Workload:
         chunks (of `chunk_tokens`; None: one chunk), its decode steps, and one idle step before it
         (the scheduler waits for its arrival). Concurrent requests need fewer; a retraction more."""
         def chunks(n: int) -> int:
-            return 1 if not chunk_tokens or chunk_tokens < 1 else -(-n // chunk_tokens)
+            return 1 if not chunk_tokens or chunk_tokens < 1 else cdiv(n, chunk_tokens)
         return sum(chunks(r.input_len) + r.output_len + 1 for r in self.requests)
 
 
