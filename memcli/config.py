@@ -105,7 +105,6 @@ class SimConfig:
     prefill_token_us: float = 40.0
     decode_req_us: float = 50.0
     kv_read_ns: float = 20.0
-    write_kv: bool = False
     # hiradix transfers between device and host pools (one copy engine each way):
     # a copy of b bytes takes host_latency_us + b / host_bandwidth_gbps.
     host_bandwidth_gbps: float = 40.0
@@ -339,6 +338,14 @@ def _type_error(path: str, value: Any, tp: Any) -> ConfigError:
     return ConfigError(f"{path}: invalid value {value!r}", hint=f"{path} must be {_describe(tp)}")
 
 
+# Keys that were part of the schema once: still unknown keys (a config error naming them),
+# with a hint that says why they went and what to do instead.
+RETIRED_KEYS = {
+    "sim.write_kv": "sim.write_kv was retired: the simulated forward step never wrote K/V"
+                    " (bench-one-batch times real K/V stores); delete the key",
+}
+
+
 def _build_section(name: str, cls: type, raw: Any) -> Any:
     if raw is None:
         raw = {}
@@ -350,7 +357,8 @@ def _build_section(name: str, cls: type, raw: Any) -> Any:
     for key, value in raw.items():
         path = f"{name}.{key}"
         if key not in hints:
-            raise ConfigError(f"unknown config key {path!r}", hint=f"valid keys of {name}: {', '.join(valid)}")
+            hint = RETIRED_KEYS.get(path, f"valid keys of {name}: {', '.join(valid)}")
+            raise ConfigError(f"unknown config key {path!r}", hint=hint)
         values[key] = _coerce(path, value, hints[key])
     return cls(**values)
 
@@ -493,7 +501,6 @@ def _host_floor(config: Config, key: str) -> str:
 # A section name stands for every key of the section.
 IGNORED_BY: dict[str, dict[str, str]] = {
     "replay": {
-        "sim.write_kv": "the simulated forward step writes no K/V (bench-one-batch times K/V stores)",
         "runtime.seed": "token ids come from the trace",
     },
     "bench-one-batch": {

@@ -103,8 +103,6 @@ def with_changes(config: Config, changes: dict[str, tuple[Any, str]]) -> tuple[C
 
 def indices_only(config: Config) -> tuple[Config, list[Adjustment]]:
     """No K/V buffers: the checks read slot ids only and the simulated forward writes no K/V."""
-    if config.sim.write_kv:
-        return config, []
     return with_changes(config, {"memory.kv_pool": ("indices", "the checks read slot ids, never K/V")})
 
 
