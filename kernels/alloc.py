@@ -1,11 +1,16 @@
-"""Paged KV-slot allocation: ``alloc_extend``, ``alloc_decode``, fused ``alloc_decode_write``.
+"""Paged KV-slot allocation, fused: ``alloc_extend_write``, ``alloc_decode_write``, ``alloc_decode_step``.
+
+Each op picks the slots of a batch's new tokens and records them in the request rows of
+``req_to_token`` in one launch; these three are the memory path's kernels (the allocator runs
+them; ``memcli.mem_cache.decode_graph`` captures ``alloc_decode_step``). Each has its torch
+reference beside it (same signature, same validation), which the tests compare it with.
 
 Slots live in pages of ``page_size`` consecutive slots; page ``p`` holds slots
 ``[p * page_size, (p + 1) * page_size)``. ``free_pages`` is the allocator's free list from its
 head (page ids; with ``page_size == 1`` they are slots). These ops only *read* the free list:
 the caller knows on the host how many pages a batch takes and advances the list itself.
 
-Layout of one request in ``alloc_extend`` (positions ``pre .. seq-1``)::
+Layout of one request's new slots in ``alloc_extend_write`` (positions ``pre .. seq-1``)::
 
     | prefix's last page   | whole new pages ...          | trailing partial page |
     [pre, cdiv(pre,ps)*ps)  [cdiv(pre,ps)*ps, seq//ps*ps)  [seq//ps*ps, seq)
@@ -36,7 +41,7 @@ from ._common import (
     exclusive_cumsum,
 )
 
-# Tokens per loop step in alloc_extend, and the most requests per loop step in the decode kernels.
+# Tokens per loop step in alloc_extend_write, and the most requests per loop step in the decode kernels.
 _EXTEND_BLOCK = 256
 _DECODE_BLOCK = 1024
 
@@ -48,79 +53,8 @@ def _decode_block(bs: int) -> int:
     compile per power of two."""
     return min(_DECODE_BLOCK, max(16, triton.next_power_of_2(bs)))
 
-_INDEX_PTRS = ["free_pages_ptr", "out_ptr"]
 
-
-# ----------------------------------------------------------------------------- alloc_extend
-
-
-@triton.jit(
-    do_not_specialize=["bs", "num_free_pages", "out_numel"],
-    do_not_specialize_on_alignment=_INDEX_PTRS + ["running_sums_ptr"],
-)
-def _alloc_extend_kernel(
-    prefix_lens_ptr,
-    seq_lens_ptr,
-    last_loc_ptr,
-    running_sums_ptr,
-    free_pages_ptr,
-    out_ptr,
-    bs: tl.int64,
-    num_free_pages: tl.int64,
-    out_numel: tl.int64,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    pre = tl.load(prefix_lens_ptr + pid)
-    seq = tl.load(seq_lens_ptr + pid)
-    last_loc = tl.load(last_loc_ptr + pid)
-    first_new_page = (pre + PAGE_SIZE - 1) // PAGE_SIZE  # == number of prefix pages
-    end_page = (seq + PAGE_SIZE - 1) // PAGE_SIZE
-    # Inclusive running sums of seq, pre, cdiv(seq, ps), cdiv(pre, ps) -> exclusive offsets.
-    seq_before = tl.load(running_sums_ptr + pid) - seq
-    pre_before = tl.load(running_sums_ptr + bs + pid) - pre
-    end_pages_before = tl.load(running_sums_ptr + 2 * bs + pid) - end_page
-    pre_pages_before = tl.load(running_sums_ptr + 3 * bs + pid) - first_new_page
-    out_start = seq_before - pre_before
-    page_start = end_pages_before - pre_pages_before
-
-    # Positions before first_new_pos finish the prefix's partially filled last page.
-    first_new_pos = first_new_page * PAGE_SIZE
-    extend_len = seq - pre
-    for start in range(0, extend_len, BLOCK):
-        k = start + tl.arange(0, BLOCK)
-        mask = (k < extend_len) & (out_start + k < out_numel)
-        pos = pre + k
-        on_new_page = pos >= first_new_pos
-        page_idx = page_start + pos // PAGE_SIZE - first_new_page
-        page = tl.load(
-            free_pages_ptr + page_idx,
-            mask=mask & on_new_page & (page_idx < num_free_pages),
-            other=-1,
-        )
-        slot = tl.where(on_new_page, page * PAGE_SIZE + pos % PAGE_SIZE, last_loc + 1 + k)
-        tl.store(out_ptr + out_start + k, slot, mask=mask)
-
-
-def _check_alloc_extend(prefix_lens, seq_lens, last_loc, free_pages, page_size, extend_num_tokens):
-    check_tensor("prefix_lens", prefix_lens, contiguous=True)
-    device, bs = prefix_lens.device, prefix_lens.shape[0]
-    check_tensor("seq_lens", seq_lens, device=device, length=bs, contiguous=True)
-    check_tensor("last_loc", last_loc, device=device, length=bs, contiguous=True)
-    check_tensor("free_pages", free_pages, device=device, contiguous=True)
-    check_page_size(page_size)
-    check_count("extend_num_tokens", extend_num_tokens)
-
-
-def _running_sums(prefix_lens, seq_lens, page_size):
-    """Inclusive prefix sums of seq, pre, cdiv(seq, ps), cdiv(pre, ps) as one [4, bs] tensor.
-
-    One cumsum (five small launches, no sync) gives every offset the kernel needs: the
-    output offset and free-list offset of request i are differences of these sums.
-    """
-    lens = torch.stack((seq_lens, prefix_lens))
-    return torch.cumsum(torch.cat((lens, (lens + (page_size - 1)) // page_size)), dim=1)
+# ----------------------------------------------------------------------------- the extend layout, in torch
 
 
 def _extend_offsets(prefix_lens, seq_lens, page_size):
@@ -130,40 +64,21 @@ def _extend_offsets(prefix_lens, seq_lens, page_size):
     return out_start, page_start
 
 
-def alloc_extend_triton(
-    prefix_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    last_loc: torch.Tensor,
-    free_pages: torch.Tensor,
-    page_size: int,
-    extend_num_tokens: int,
-) -> torch.Tensor:
-    """Triton ``alloc_extend``; see :func:`alloc_extend`."""
-    _check_alloc_extend(prefix_lens, seq_lens, last_loc, free_pages, page_size, extend_num_tokens)
-    check_triton_device(prefix_lens.device, _alloc_extend_kernel)
-    out = torch.empty(extend_num_tokens, dtype=torch.int64, device=prefix_lens.device)
-    bs = prefix_lens.shape[0]
-    if bs == 0 or extend_num_tokens == 0:
-        return out
-    running_sums = _running_sums(prefix_lens, seq_lens, page_size)
-    _alloc_extend_kernel[(bs,)](
-        prefix_lens, seq_lens, last_loc, running_sums,
-        free_pages, out, bs, free_pages.shape[0], extend_num_tokens,
-        PAGE_SIZE=page_size, BLOCK=_EXTEND_BLOCK,
-    )
-    return out
+def _extend_slots_torch(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
+                        free_pages: torch.Tensor, page_size: int, extend_num_tokens: int) -> torch.Tensor:
+    """The new slots of an extend batch (int64, ``extend_num_tokens``): the slot half of
+    :func:`alloc_extend_write_torch`, on inputs it built (not validated).
 
+    Request ``i`` (prefix length ``prefix_lens[i]``, new length ``seq_lens[i]``, ``last_loc[i]``
+    the slot of its last prefix token or -1) gets ``out[off_i : off_i + seq_i - pre_i]`` with
+    ``off_i = sum(seq_j - pre_j for j < i)``, and consumes
+    ``free_pages[page_start_i : page_start_i + new_pages_i]`` where
+    ``new_pages_j = cdiv(seq_j, ps) - cdiv(pre_j, ps)`` and ``page_start_i`` is their
+    exclusive prefix sum; pages past the end of ``free_pages`` read as page -1.
 
-def alloc_extend_torch(
-    prefix_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    last_loc: torch.Tensor,
-    free_pages: torch.Tensor,
-    page_size: int,
-    extend_num_tokens: int,
-) -> torch.Tensor:
-    """Torch reference of ``alloc_extend``; see :func:`alloc_extend`."""
-    _check_alloc_extend(prefix_lens, seq_lens, last_loc, free_pages, page_size, extend_num_tokens)
+    Example (ps 4, free_pages [1, 2, 3, 4, ...]; (pre, seq, last_loc) = (0, 6, -1),
+    (5, 11, 40), (8, 9, 47)): ``[4, 5, 6, 7, 8, 9, 41, 42, 43, 12, 13, 14, 16]``.
+    """
     device, bs = prefix_lens.device, prefix_lens.shape[0]
     if bs == 0 or extend_num_tokens == 0:
         return torch.empty(extend_num_tokens, dtype=torch.int64, device=device)
@@ -174,7 +89,7 @@ def alloc_extend_torch(
 
 def _alloc_extend_tokens(prefix_lens, seq_lens, last_loc, free_pages, page_size: int,
                          extend_num_tokens: int) -> torch.Tensor:
-    """``alloc_extend_torch`` as passes over every token, with no host sync (any device)."""
+    """``_extend_slots_torch`` as passes over every token, with no host sync (any device)."""
     device, bs = prefix_lens.device, prefix_lens.shape[0]
     out_start, page_start = _extend_offsets(prefix_lens, seq_lens, page_size)
     req = torch.repeat_interleave(
@@ -191,7 +106,7 @@ def _alloc_extend_tokens(prefix_lens, seq_lens, last_loc, free_pages, page_size:
 
 def _alloc_extend_rows_cpu(prefix_lens, seq_lens, last_loc, free_pages, page_size: int,
                            extend_num_tokens: int) -> torch.Tensor:
-    """``alloc_extend_torch`` request by request, on a CPU, where reading the lengths costs
+    """``_extend_slots_torch`` request by request, on a CPU, where reading the lengths costs
     nothing. A request's new tokens are the rest of its last prefix page (the slots after
     ``last_loc``), then a run of its new pages laid out slot by slot; with every new page
     expanded once, that run is one slice. So two slice copies per request replace a dozen
@@ -235,35 +150,51 @@ def _gather_or_minus_one(values: torch.Tensor, idx: torch.Tensor, start: int = 0
     return torch.where(in_range, values[ring], -1)
 
 
-def alloc_extend(
-    prefix_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    last_loc: torch.Tensor,
-    free_pages: torch.Tensor,
-    page_size: int,
-    extend_num_tokens: int,
-    backend: str = "triton",
-) -> torch.Tensor:
-    """Slots for the new tokens of an extend batch; returns ``out`` (int64, ``extend_num_tokens``).
-
-    Request ``i`` (prefix length ``prefix_lens[i]``, new length ``seq_lens[i]``, ``last_loc[i]``
-    the slot of its last prefix token or -1) gets ``out[off_i : off_i + seq_i - pre_i]`` with
-    ``off_i = sum(seq_j - pre_j for j < i)``, and consumes
-    ``free_pages[page_start_i : page_start_i + new_pages_i]`` where
-    ``new_pages_j = cdiv(seq_j, ps) - cdiv(pre_j, ps)`` and ``page_start_i`` is their
-    exclusive prefix sum. ``extend_num_tokens`` must equal ``sum(seq - pre)`` and
-    ``free_pages`` must hold at least ``sum(new_pages)`` entries (not checked: that would
-    need a host sync). Does not modify any input. Raises ``ValueError`` on bad input.
-
-    Example (ps 4, free_pages [1, 2, 3, 4, ...]; (pre, seq, last_loc) = (0, 6, -1),
-    (5, 11, 40), (8, 9, 47)): ``[4, 5, 6, 7, 8, 9, 41, 42, 43, 12, 13, 14, 16]``.
-    """
-    check_backend(backend)
-    fn = alloc_extend_triton if backend == "triton" else alloc_extend_torch
-    return fn(prefix_lens, seq_lens, last_loc, free_pages, page_size, extend_num_tokens)
+def _write_rows_torch(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc, prefix_flat) -> None:
+    """Each request's prefix slots and new slots into its ``req_to_token`` row (int32): row
+    ``req_pool_indices[i]`` gets ``prefix_flat[poff_i : poff_i + pre_i]`` in columns
+    ``[0, pre_i)`` and ``out_cache_loc[off_i : off_i + seq_i - pre_i]`` in ``[pre_i, seq_i)``,
+    ``poff`` and ``off`` being exclusive prefix sums of ``prefix_lens`` and ``seq_lens -
+    prefix_lens``; the rest of the row is untouched. The row half of
+    :func:`alloc_extend_write_torch`, on inputs it built (not validated)."""
+    if req_pool_indices.shape[0] == 0:
+        return
+    if req_to_token.device.type == "cpu":
+        _write_rows_cpu(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc, prefix_flat)
+        return
+    # One (row, column, value) triple per written cell; the sizes are the flat tensors'
+    # lengths, so no host sync is needed to build them.
+    rows_pre, cols_pre = _cells(req_pool_indices, torch.zeros_like(prefix_lens), prefix_lens,
+                                prefix_flat.shape[0])
+    rows_new, cols_new = _cells(req_pool_indices, prefix_lens, seq_lens, out_cache_loc.shape[0])
+    req_to_token[rows_pre, cols_pre] = prefix_flat.to(torch.int32)
+    req_to_token[rows_new, cols_new] = out_cache_loc.to(torch.int32)
 
 
-# ----------------------------------------------------------------------------- alloc_decode
+def _write_rows_cpu(req_to_token, req_pool_indices, prefix_lens, seq_lens, out_cache_loc, prefix_flat):
+    """The same writes as two slice copies per request: on a CPU reading the lengths costs
+    nothing, and slices beat building an index per cell."""
+    pre_off = new_off = 0
+    for row, pre, seq in zip(req_pool_indices.tolist(), prefix_lens.tolist(), seq_lens.tolist()):
+        dest = req_to_token[row]
+        if pre:  # an empty slice copy still costs a dispatch
+            dest[:pre] = prefix_flat[pre_off : pre_off + pre]
+        dest[pre:seq] = out_cache_loc[new_off : new_off + seq - pre]
+        pre_off += pre
+        new_off += seq - pre
+
+
+def _cells(req_pool_indices, begin, end, total):
+    """Row and column of every cell in ``[begin_i, end_i)`` of row ``req_pool_indices[i]``."""
+    lens = end - begin
+    req = torch.repeat_interleave(
+        torch.arange(lens.shape[0], device=lens.device), lens, output_size=total
+    )
+    within = torch.arange(total, device=lens.device) - exclusive_cumsum(lens)[req]
+    return req_pool_indices[req], begin[req] + within
+
+
+# ----------------------------------------------------------------------------- decode slots (both decode ops)
 
 
 @triton.jit
@@ -294,95 +225,10 @@ def _decode_slots(
     return slot, tl.sum(needs_i64, axis=0)
 
 
-@triton.jit(
-    do_not_specialize=["bs", "num_free_pages"],
-    do_not_specialize_on_alignment=_INDEX_PTRS,
-)
-def _alloc_decode_kernel(
-    seq_lens_ptr,
-    last_loc_ptr,
-    free_pages_ptr,
-    out_ptr,
-    bs: tl.int64,
-    num_free_pages: tl.int64,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # One program walks the batch so the page offsets form one running prefix sum.
-    pages_before = tl.full([], 0, tl.int64)
-    for start in range(0, bs, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        mask = i < bs
-        seq = tl.load(seq_lens_ptr + i, mask=mask, other=1)
-        needs_page = (seq - 1) % PAGE_SIZE == 0
-        last_loc = tl.load(last_loc_ptr + i, mask=mask & ~needs_page, other=0)
-        slot, taken = _decode_slots(
-            mask, needs_page, last_loc, pages_before, free_pages_ptr, 0, num_free_pages, num_free_pages,
-            PAGE_SIZE,
-        )
-        tl.store(out_ptr + i, slot, mask=mask)
-        pages_before += taken
-
-
-def _check_alloc_decode(seq_lens, last_loc, free_pages, page_size):
-    check_tensor("seq_lens", seq_lens, contiguous=True)
-    device, bs = seq_lens.device, seq_lens.shape[0]
-    check_tensor("last_loc", last_loc, device=device, length=bs, contiguous=True)
-    check_tensor("free_pages", free_pages, device=device, contiguous=True)
-    check_page_size(page_size)
-
-
-def alloc_decode_triton(
-    seq_lens: torch.Tensor, last_loc: torch.Tensor, free_pages: torch.Tensor, page_size: int
-) -> torch.Tensor:
-    """Triton ``alloc_decode``; see :func:`alloc_decode`."""
-    _check_alloc_decode(seq_lens, last_loc, free_pages, page_size)
-    check_triton_device(seq_lens.device, _alloc_decode_kernel)
-    bs = seq_lens.shape[0]
-    out = torch.empty(bs, dtype=torch.int64, device=seq_lens.device)
-    if bs == 0:
-        return out
-    _alloc_decode_kernel[(1,)](
-        seq_lens, last_loc, free_pages, out, bs, free_pages.shape[0],
-        PAGE_SIZE=page_size, BLOCK=_decode_block(bs),
-    )
-    return out
-
-
 def _decode_slots_torch(needs_page, last_loc, free_pages, page_size, free_start=0, num_free=None):
     needs = needs_page.to(torch.int64)
     page = _gather_or_minus_one(free_pages, exclusive_cumsum(needs), free_start, num_free)
     return torch.where(needs_page, page * page_size, last_loc + 1)
-
-
-def alloc_decode_torch(
-    seq_lens: torch.Tensor, last_loc: torch.Tensor, free_pages: torch.Tensor, page_size: int
-) -> torch.Tensor:
-    """Torch reference of ``alloc_decode``; see :func:`alloc_decode`."""
-    _check_alloc_decode(seq_lens, last_loc, free_pages, page_size)
-    return _decode_slots_torch((seq_lens - 1) % page_size == 0, last_loc, free_pages, page_size)
-
-
-def alloc_decode(
-    seq_lens: torch.Tensor,
-    last_loc: torch.Tensor,
-    free_pages: torch.Tensor,
-    page_size: int,
-    backend: str = "triton",
-) -> torch.Tensor:
-    """One new slot per request for a decode step; returns ``out`` (int64, ``bs``).
-
-    ``seq_lens`` are lengths *after* adding the new token, ``last_loc`` the slot of token
-    ``seq - 2``. Request ``i`` opens a new page iff ``(seq_i - 1) % ps == 0``; then
-    ``out[i] = free_pages[k] * ps`` with ``k`` the number of earlier requests that also open
-    one, else ``out[i] = last_loc[i] + 1``. Reads but does not modify ``free_pages``, which
-    must hold at least that many pages. Raises ``ValueError`` on bad input.
-
-    Example (ps 4): seq_lens [7, 9, 12] -> [last_loc[0] + 1, free_pages[0] * 4, last_loc[2] + 1].
-    """
-    check_backend(backend)
-    fn = alloc_decode_triton if backend == "triton" else alloc_decode_torch
-    return fn(seq_lens, last_loc, free_pages, page_size)
 
 
 # ----------------------------------------------------------------------------- alloc_decode_write
@@ -582,8 +428,9 @@ def alloc_decode_write(
 
     ``seq_lens_before`` are lengths *before* the new token, which goes to column
     ``seq_lens_before[i]`` of row ``req_pool_indices[i]``. The slot follows
-    :func:`alloc_decode` with ``last_loc = req_to_token[row, seq - 1]`` (new page iff
-    ``seq_before % ps == 0``). Mutates ``req_to_token`` (that one column per request, int32)
+    ``seq_before % ps == 0`` opens a page: the request gets ``free_pages[k] * ps`` with ``k``
+    the number of earlier requests that open one; else ``req_to_token[row, seq - 1] + 1``, the
+    slot after its last one. Mutates ``req_to_token`` (that one column per request, int32)
     and returns the slots (int64, ``bs``); with ``ps == 1`` they are the first ``bs`` free
     entries. The free list is read, not advanced: ``num_free`` entries (default: all) of
     ``free_pages`` read as a ring from ``free_start`` (wrapping to index 0), so an allocator
@@ -813,7 +660,7 @@ def _alloc_extend_write_kernel(
         mask = k < pre
         tl.store(row_ptr + k, tl.load(prefix_ptr + k, mask=mask).to(tl.int32), mask=mask)
 
-    # Columns [pre, seq): new slots, the layout of alloc_extend (module docstring).
+    # Columns [pre, seq): new slots, the layout of the module docstring.
     last_loc = tl.load(prefix_ptr + pre - 1, mask=pre > 0, other=-1)
     first_new_page = (pre + PAGE_SIZE - 1) // PAGE_SIZE
     first_new_pos = first_new_page * PAGE_SIZE
@@ -913,9 +760,8 @@ def alloc_extend_write_torch(
     free_start: int = 0,
     num_free: int | None = None,
 ) -> ExtendWrite:
-    """Torch reference of ``alloc_extend_write``: ``alloc_extend`` then ``write_cache_indices``."""
-    from .cache_indices import write_cache_indices_torch
-
+    """Torch reference of ``alloc_extend_write``: the new slots (``_extend_slots_torch``), then
+    the rows (``_write_rows_torch``)."""
     num_free = free_pages.shape[0] if num_free is None else num_free
     if validate:
         _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
@@ -943,10 +789,9 @@ def alloc_extend_write_torch(
     else:
         # last_loc: the slot before each request's new tokens, -1 (the sentinel) without a prefix.
         last_index = torch.from_numpy(np.where(pre > 0, np.cumsum(pre) - 1, total_prefix)).to(device)
-        out = alloc_extend_torch(prefix_lens, seq_lens, prefix_flat[last_index], head, page_size,
-                                 extend_num_tokens)
-    write_cache_indices_torch(req_to_token, rows_t, prefix_lens, seq_lens, out, prefix_flat[:total_prefix],
-                              validate=validate)
+        out = _extend_slots_torch(prefix_lens, seq_lens, prefix_flat[last_index], head, page_size,
+                                  extend_num_tokens)
+    _write_rows_torch(req_to_token, rows_t, prefix_lens, seq_lens, out, prefix_flat[:total_prefix])
     return ExtendWrite(out, rows_t, prefix_lens, seq_lens)
 
 
@@ -968,7 +813,7 @@ def alloc_extend_write(
 
     Request ``i`` uses row ``rows[i]``; its prefix slots ``prefixes[i]`` (int64, length
     ``prefix_lens_cpu[i]``, on the device) go to columns ``[0, pre_i)`` and its new slots,
-    laid out as :func:`alloc_extend` does with ``last_loc = prefixes[i][-1]`` (-1 without a
+    laid out as the module docstring draws (``last_loc = prefixes[i][-1]``, -1 without a
     prefix), to columns ``[pre_i, seq_i)`` and to ``out_cache_loc`` in batch order. Lengths
     and rows are host values (CPU int64 tensors, a list of ints), so every offset is computed
     on the host and the triton backend makes one copy and one launch, with no sync.

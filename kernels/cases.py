@@ -38,11 +38,6 @@ class DecodeCase(NamedTuple):
     page_size: int
 
     @property
-    def seq_lens(self) -> torch.Tensor:
-        """Lengths after the new token (``alloc_decode``'s input)."""
-        return self.seq_lens_before + 1
-
-    @property
     def last_loc(self) -> torch.Tensor:
         """Slot of token ``seq_before - 1`` (-1 for an empty sequence)."""
         rows = self.req_to_token[self.req_pool_indices].to(torch.int64)
@@ -96,7 +91,7 @@ def random_extend_case(
     spare_pages: int = 3,
     device: Optional[torch.device] = None,
 ) -> ExtendCase:
-    """A valid ``alloc_extend`` batch mixing empty, page-aligned and mid-page prefixes.
+    """A valid extend batch (``alloc_extend_write``'s input) mixing empty, page-aligned and mid-page prefixes.
 
     Prefix lengths are at most ``max_prefix_len``, extend lengths in ``[1, max_extend_len]``.
     """

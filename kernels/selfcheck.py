@@ -1,11 +1,12 @@
-"""GPU self-check: every Triton op against its torch reference over a sweep of sizes.
+"""GPU self-check: the Triton ops against their torch references over a sweep of sizes
+(``alloc_decode_write``, ``alloc_extend_write``, ``store_kv``).
 
 Run ``python -m memcli.kernels.selfcheck`` on a CUDA host. Prints Triton's start-up time (the
 first launch of a one-line kernel), then one line per op: PASS or FAIL, the number of cases,
 the wall time of the first Triton call per compile key (page size or dtype; it includes
 compilation unless Triton's on-disk cache already held the binary; the torch reference runs
 first on the same inputs, so CUDA start-up is not counted), and how many binaries the JIT
-cache holds afterwards (one per page size for the index kernels). Exits 0 when every op
+cache holds afterwards (one per page size for the allocation kernels). Exits 0 when every op
 matches, 1 on any mismatch, 2 without CUDA.
 """
 
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import alloc, cache_indices, kv_store
+from . import alloc, kv_store
 from ._common import num_compiled_variants
 from .cases import random_decode_case, random_extend_case
 
@@ -71,32 +72,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-def check_alloc_extend(gen, device) -> OpCheck:
-    check = OpCheck("alloc_extend", alloc._alloc_extend_kernel, device)
-    for ps in PAGE_SIZES:
-        for bs in BATCH_SIZES:
-            for max_len in MAX_LENS:
-                c = random_extend_case(gen, bs, ps, max_len, max_len, device=device)
-                args = (c.prefix_lens, c.seq_lens, c.last_loc, c.free_pages, ps,
-                        c.extend_num_tokens)
-                expected = alloc.alloc_extend_torch(*args)
-                got = check.call(f"ps{ps}", lambda: alloc.alloc_extend_triton(*args))
-                check.compare(f"ps={ps} bs={bs} len<={max_len}", got, expected)
-    return check
-
-
-def check_alloc_decode(gen, device) -> OpCheck:
-    check = OpCheck("alloc_decode", alloc._alloc_decode_kernel, device)
-    for ps in PAGE_SIZES:
-        for bs in DECODE_BATCH_SIZES:
-            c = random_decode_case(gen, bs, ps, max_len=2048, device=device)
-            args = (c.seq_lens, c.last_loc, c.free_pages, ps)
-            expected = alloc.alloc_decode_torch(*args)
-            got = check.call(f"ps{ps}", lambda: alloc.alloc_decode_triton(*args))
-            check.compare(f"ps={ps} bs={bs}", got, expected)
-    return check
-
-
 def check_alloc_decode_write(gen, device) -> OpCheck:
     check = OpCheck("alloc_decode_write", alloc._alloc_decode_write_kernel, device)
     for ps in PAGE_SIZES:
@@ -144,38 +119,6 @@ def check_alloc_extend_write(gen, device) -> OpCheck:
     return check
 
 
-def check_write_cache_indices(gen, device) -> OpCheck:
-    check = OpCheck("write_cache_indices", cache_indices._write_cache_indices_kernel, device)
-    for ps in PAGE_SIZES:
-        for bs in BATCH_SIZES:
-            for max_len in MAX_LENS:
-                c = random_extend_case(gen, bs, ps, max_len, max_len, device=device)
-                out_cache_loc = alloc.alloc_extend_torch(
-                    c.prefix_lens, c.seq_lens, c.last_loc, c.free_pages, ps, c.extend_num_tokens
-                )
-                rows = torch.randperm(bs + 7, generator=gen)[:bs].to(device)
-                cols = 2 * max_len + 3  # longer than any request: max prefix + max extend
-                table = torch.full((bs + 7, cols), -7, dtype=torch.int32, device=device)
-                ref_table = table.clone()
-                args = (rows, c.prefix_lens, c.seq_lens, out_cache_loc, c.prefix_flat)
-                cache_indices.write_cache_indices_torch(ref_table, *args)
-                check.call("all", lambda: cache_indices.write_cache_indices_triton(table, *args))
-                check.compare(f"ps={ps} bs={bs} len<={max_len}", table, ref_table)
-    return check
-
-
-def check_get_last_loc(gen, device) -> OpCheck:
-    check = OpCheck("get_last_loc", cache_indices._get_last_loc_kernel, device)
-    for bs in DECODE_BATCH_SIZES:
-        c = random_decode_case(gen, bs, 16, max_len=2048, device=device)
-        args = (c.req_to_token, c.req_pool_indices, c.seq_lens_before)
-        expected = cache_indices.get_last_loc_torch(*args)
-        got = check.call("all", lambda: cache_indices.get_last_loc_triton(*args))
-        check.compare(f"bs={bs}", got, expected)
-        check.compare(f"bs={bs} vs case", got, c.last_loc)
-    return check
-
-
 def check_store_kv(gen, device) -> OpCheck:
     check = OpCheck("store_kv", kv_store._store_kv_kernel, device)
     for dtype in KV_DTYPES:
@@ -197,12 +140,8 @@ def check_store_kv(gen, device) -> OpCheck:
 
 
 CHECKS = (
-    check_alloc_extend,
-    check_alloc_decode,
     check_alloc_decode_write,
     check_alloc_extend_write,
-    check_write_cache_indices,
-    check_get_last_loc,
     check_store_kv,
 )
 

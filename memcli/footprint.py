@@ -19,6 +19,7 @@ import torch
 
 from memcli.config import GIB, RANGES, Config, host_pool_size
 from memcli.errors import CapacityError
+from memcli.mem_cache.pages import align_down, whole_pages
 
 USABLE_SHARE = 0.9  # leave room for the trace, torch and the rest of the process
 FREE_LIST_BYTES_PER_PAGE = 3 * 8  # int64 buffer + the arange that fills it + a merge/sort copy
@@ -59,7 +60,7 @@ def estimate_stack_bytes(config: Config, kv_pool: str | None = None, device_type
     materialized = (kv_pool or mem.kv_pool) == "materialized"
     kv = model.bytes_per_token * (size + ps) if materialized else 0
     rows = mem.max_running_requests * config.req_to_token_cols * 4
-    free = (size // ps + 1) * FREE_LIST_BYTES_PER_PAGE
+    free = (whole_pages(size, ps) + 1) * FREE_LIST_BYTES_PER_PAGE
     tree = size * TREE_BYTES_PER_TOKEN if config.cache.kind in ("radix", "hiradix") else 0
     host_tokens = host_pool_size(config)
     host_kv = model.bytes_per_token if materialized and device_type == "cuda" else 0  # `stack.make_host_pool`
@@ -136,7 +137,7 @@ def _hint(config: Config, need: StackBytes, usable: int) -> str:
     kv_per_token = config.model.bytes_per_token if need.kv_buffers else 0
     fixed = need.req_to_token + FREE_LIST_BYTES_PER_PAGE + kv_per_token * ps
     per_token = kv_per_token + FREE_LIST_BYTES_PER_PAGE / ps + (TREE_BYTES_PER_TOKEN if need.tree else 0)
-    tokens = int((usable - fixed) // per_token) // ps * ps if usable > fixed else 0
+    tokens = align_down(int((usable - fixed) // per_token), ps) if usable > fixed else 0
     if tokens >= max(ps, config.memory.max_context_len):
         extra = "" if config.memory.max_total_tokens is not None else " and memory.kv_budget_gib=null"
         return f"the largest pool that fits: --set memory.max_total_tokens={tokens}{extra}"

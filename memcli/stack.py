@@ -25,6 +25,7 @@ from memcli.mem_cache.hiradix_cache import HiRadixCache
 from memcli.mem_cache.host_pool import HostKVPool
 from memcli.mem_cache.manager import COMPONENTS, MemoryManager
 from memcli.mem_cache.null_cache import NullCache
+from memcli.mem_cache.pages import align_down
 from memcli.mem_cache.pools import KVPool, ReqToTokenPool
 from memcli.mem_cache.radix_cache import RadixCache
 
@@ -158,7 +159,7 @@ def make_host_pool(config: Config, device: torch.device, page_size: int) -> Host
     """The hiradix host pool: indices only, or K/V in pinned host memory when the device pool
     is materialized on a GPU. `page_size` differs from the config's only under injection."""
     model = config.model
-    size = host_pool_size(config) // page_size * page_size
+    size = align_down(host_pool_size(config), page_size)
     materialized = config.memory.kv_pool == "materialized" and device.type == "cuda"
     return HostKVPool(size, page_size, model.num_layers, model.num_kv_heads, model.head_dim, model.dtype,
                       materialized=materialized, pin_memory=materialized)

@@ -49,11 +49,17 @@ def test_gen_trace_refuses_a_huge_trace_before_generating(tmp_path):
     assert not (tmp_path / "t.jsonl").exists()
 
 
-def test_write_kv_is_reported_as_ignored_by_replay():
-    result = run("replay", TRACE, "--limit", "2", "--set", "sim.write_kv=true", "--json")
+def test_a_key_replay_does_not_read_is_reported_as_ignored():
+    result = run("replay", TRACE, "--limit", "2", "--set", "runtime.seed=7", "--json")
     assert result.exit_code == 0, result.output
-    assert result.stderr.startswith("note: sim.write_kv is ignored by replay: ")
-    assert '"ignored_keys": [\n    "sim.write_kv"\n  ]' in result.stdout
+    assert result.stderr.startswith("note: runtime.seed is ignored by replay: ")
+    assert '"ignored_keys": [\n    "runtime.seed"\n  ]' in result.stdout
+
+
+def test_the_retired_write_kv_key_is_a_config_error_with_a_hint():
+    result = run("replay", TRACE, "--limit", "2", "--set", "sim.write_kv=true")
+    assert_bad_input(result, "unknown config key 'sim.write_kv'")
+    assert "hint: sim.write_kv was retired" in result.stderr
 
 
 def test_an_unexpected_exception_is_one_error_line_and_exit_1(capsys, monkeypatch):

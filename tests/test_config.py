@@ -141,11 +141,11 @@ def test_overrides_apply_on_top_of_the_file_without_mutating_it():
 
 def test_load_config_with_overrides():
     cfg = load_config(None, ["memory.page_size=16", "memory.max_total_tokens=null",
-                             "memory.kv_budget_gib=0.5", "sim.write_kv=true", "scheduler.policy=lpm"])
+                             "memory.kv_budget_gib=0.5", "sim.kv_read_ns=12", "scheduler.policy=lpm"])
     assert cfg.page_size == 16
     assert cfg.memory.max_total_tokens is None
     assert cfg.pool_size == GIB // 2 // 2048 == 262144
-    assert cfg.sim.write_kv is True and cfg.scheduler.policy == "lpm"
+    assert cfg.sim.kv_read_ns == 12.0 and cfg.scheduler.policy == "lpm"
 
 
 def test_int_is_accepted_for_float_fields():
@@ -417,3 +417,9 @@ def test_show_config_names_the_semantics_in_force():
     text = CliRunner().invoke(app, ["show-config", "--set", "semantics.lfu_hits=count"]).stdout
     assert "semantics in force: sglang-0.5.5 + lfu_hits=count" in " ".join(text.split())
     assert "count (set)" in text
+
+
+def test_a_retired_key_is_an_unknown_key_whose_hint_says_why():
+    with pytest.raises(ConfigError, match="unknown config key 'sim.write_kv'") as info:
+        load_config(None, ["sim.write_kv=false"])
+    assert "retired" in info.value.hint and "delete the key" in info.value.hint

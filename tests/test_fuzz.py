@@ -1,7 +1,7 @@
 """Property tests: random bytes, YAML, JSON lines and `--set` strings never end in a traceback.
 
-Each draws a seed and runs one input of `memcli.cli.fuzz` (the generators behind
-`python -m memcli.cli.fuzz --count 10000`); examples are bounded to keep the suite fast.
+Each draws a seed and runs one input of `tests/fuzz.py` (the generators behind
+`python -m tests.fuzz --count 10000`); examples are bounded to keep the suite fast.
 """
 
 import random
@@ -9,11 +9,11 @@ import random
 from hypothesis import HealthCheck, given, settings, strategies as st
 from typer.testing import CliRunner
 
-from memcli.cli import fuzz
 from memcli.cli.app import app
 from memcli.config import load_config
 from memcli.errors import MemcliError
 from memcli.workload.readers import read_trace
+from tests import fuzz
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

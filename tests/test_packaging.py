@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_kernels_folder_is_memcli_kernels():
     origin = Path(memcli.kernels.__file__).resolve().parent
     assert origin.name == "kernels"
-    for name in ("alloc_extend", "alloc_decode", "alloc_decode_write", "write_cache_indices", "get_last_loc", "store_kv"):
+    for name in ("alloc_extend_write", "alloc_decode_write", "alloc_decode_step", "store_kv"):
         assert callable(getattr(memcli.kernels, name)), name
 
 

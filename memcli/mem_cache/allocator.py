@@ -25,7 +25,7 @@ import torch
 
 from memcli import kernels
 from memcli.check_result import CheckResult, IntegrityReport
-from memcli.mem_cache.pages import decode_new_pages, extend_new_pages
+from memcli.mem_cache.pages import decode_new_pages
 
 
 class AllocatorState(NamedTuple):
@@ -114,8 +114,8 @@ class BaseAllocator:
         raise NotImplementedError
 
     def _head_view(self, n: int) -> torch.Tensor:
-        """The first `n` free entries, without removing them (for kernels). The fused kernels
-        read the buffer itself from `_head` instead (a ring of `_num_free` entries)."""
+        """The first `n` free entries, without removing them (for `alloc` and the ledger). The
+        fused kernels read the buffer itself from `_head` (a ring of `_num_free` entries)."""
         raise NotImplementedError
 
     def _advance(self, n: int, claimed: bool = False) -> None:
@@ -165,11 +165,6 @@ class BaseAllocator:
         self.freed_tokens = 0
         if self.ledger is not None:
             self.ledger.cleared()
-
-    @property
-    def num_free_pages(self) -> int:
-        """Pages in the free list proper (not the pending release list)."""
-        return self._num_free
 
     def available_size(self) -> int:
         """Free slots in tokens (free list plus pending release list)."""
@@ -409,14 +404,6 @@ class TokenToKVPoolAllocator(BaseAllocator):
         self._commit_alloc(n)
         return out
 
-    def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
-                     extend_num_tokens: int, num_pages: int | None = None) -> torch.Tensor | None:
-        """With page size 1 an extend is a plain `alloc` of its new tokens."""
-        return self.alloc(extend_num_tokens)
-
-    def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc) -> torch.Tensor | None:
-        return self.alloc(seq_lens.numel())
-
     def alloc_decode_write(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token,
                            num_pages: int | None = None, claimed: bool = False) -> DecodeAllocation | None:
         """Allocate one slot per request and write it at column `seq_lens` (one kernel)."""
@@ -487,36 +474,6 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         offsets = torch.arange(self.page_size, device=pages.device)
         return (pages[:, None] * self.page_size + offsets).reshape(-1)
 
-    def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
-                     extend_num_tokens: int, num_pages: int | None = None) -> torch.Tensor | None:
-        """Slots for the new tokens of every request, page layout of the reference (3.3.2).
-
-        The page count comes from the CPU lengths (or `num_pages`, when the caller counted
-        them), so the capacity check happens before the kernel is launched; on None nothing
-        changed.
-        """
-        ps = self.page_size
-        if num_pages is None:
-            num_pages = self.get_num_new_pages(prefix_lens_cpu, seq_lens_cpu)
-        if not self._ensure(num_pages):
-            return None
-        out = kernels.alloc_extend(prefix_lens, seq_lens, last_loc, self._head_view(num_pages), ps,
-                                   extend_num_tokens, backend=self.backend)
-        self._advance(num_pages)
-        self._commit_alloc(num_pages)
-        return out
-
-    def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc) -> torch.Tensor | None:
-        """One slot per request; `seq_lens` already count the new token."""
-        num_pages = decode_new_pages(seq_lens_cpu - 1, self.page_size)
-        if not self._ensure(num_pages):
-            return None
-        out = kernels.alloc_decode(seq_lens, last_loc, self._head_view(num_pages), self.page_size,
-                                   backend=self.backend)
-        self._advance(num_pages)
-        self._commit_alloc(num_pages)
-        return out
-
     def alloc_decode_write(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token,
                            num_pages: int | None = None, claimed: bool = False) -> DecodeAllocation | None:
         """Fused decode step: `seq_lens` are the lengths before the new token, whose slot is
@@ -527,10 +484,6 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         if num_pages > self._num_free and not self._ensure(num_pages):
             return None
         return self._decode_write(seq_lens, req_pool_indices, req_to_token, num_pages, claimed)
-
-    def get_num_new_pages(self, prefix_lens_cpu, seq_lens_cpu) -> int:
-        return extend_new_pages(prefix_lens_cpu, seq_lens_cpu, self.page_size)
-
 
 def make_allocator(size: int, page_size: int, device: torch.device, backend: str,
                    need_sort: bool = False, debug: bool = False) -> BaseAllocator:

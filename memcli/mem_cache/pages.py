@@ -13,8 +13,12 @@ kernel. A request opens a page when its new position starts one: `seq_len % page
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # annotations only: config.py and workload/ use these helpers without torch
+    import torch
 
 
 def cdiv(a, b):
@@ -25,6 +29,11 @@ def cdiv(a, b):
 def num_pages(num_tokens, page_size: int):
     """Pages that hold `num_tokens` tokens (a partial last page counts as one)."""
     return cdiv(num_tokens, page_size)
+
+
+def whole_pages(num_tokens, page_size: int):
+    """Whole pages within `num_tokens` tokens (a partial last page does not count)."""
+    return num_tokens // page_size
 
 
 def align_down(num_tokens, page_size: int):

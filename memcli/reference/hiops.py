@@ -39,6 +39,7 @@ from memcli.mem_cache.cache_controller import CacheController
 from memcli.mem_cache.clock import LogicalClock
 from memcli.mem_cache.hiradix_cache import HiRadixCache as MemcliHiRadix
 from memcli.mem_cache.host_pool import HostKVPool
+from memcli.mem_cache.pages import align_down, num_pages, whole_pages
 from memcli.reference.loader import Reference, load_reference
 from memcli.reference.ops import Divergence, Op, _compare, _in_tree, record_frees
 from memcli.stack import radix_semantics
@@ -111,7 +112,7 @@ def _sglang_side(ref: Reference, size: int, page_size: int, policy: str, write_p
 def _memcli_side(size: int, page_size: int, policy: str, write_policy: str, ratio: float,
                  profile: SemanticsConfig) -> _Side:
     allocator = make_allocator(size, page_size, torch.device("cpu"), "torch")
-    host_size = int(size * ratio) // page_size * page_size
+    host_size = align_down(int(size * ratio), page_size)
     host_pool = HostKVPool(host_size, page_size, 1, 1, 1, "float32")
     behaviour = profile.resolved()
     semantics = radix_semantics(behaviour)
@@ -230,7 +231,7 @@ def ops_from_trace(requests: list, page_size: int, max_tokens: int, events_every
     ops: list[Op] = []
     for i, tokens in enumerate(requests):
         tokens = tuple(int(t) for t in tokens[:max_tokens])
-        tokens = tokens[: len(tokens) // page_size * page_size]
+        tokens = tokens[: align_down(len(tokens), page_size)]
         if not tokens:
             continue
         match = len(ops)
@@ -253,7 +254,7 @@ def random_tokens(rng: Any, page_size: int, known: list[tuple[int, ...]], block:
     tokens = tuple(t for b in blocks for t in b)
     if known and rng.random() < 0.7:
         base = rng.choice(known)
-        cut = rng.randint(1, len(base) // page_size) * page_size
+        cut = rng.randint(1, whole_pages(len(base), page_size)) * page_size
         tokens = base[:cut] + tokens[: rng.randint(0, 2) * block * page_size]
     return tokens
 
@@ -261,7 +262,7 @@ def random_tokens(rng: Any, page_size: int, known: list[tuple[int, ...]], block:
 def block_pages(page_size: int) -> int:
     """Pages per block of the random keys: a block holds at least 12 tokens, so a node of one
     block is over SGLang's load-back threshold (10 tokens) and most host hits load back."""
-    return max(1, -(-12 // page_size))
+    return max(1, num_pages(12, page_size))
 
 
 def generate_hi_ops(seed: int, page_size: int, num_ops: int, block: Optional[int] = None) -> list[Op]:

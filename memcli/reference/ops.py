@@ -31,6 +31,7 @@ from memcli.config import SemanticsConfig
 from memcli.mem_cache.allocator import make_allocator
 from memcli.mem_cache.base_prefix_cache import RadixKey as MemcliKey
 from memcli.mem_cache.clock import LogicalClock
+from memcli.mem_cache.pages import align_down, whole_pages
 from memcli.mem_cache.radix_cache import RadixCache as MemcliRadixCache
 from memcli.reference.loader import Reference, load_reference
 from memcli.stack import radix_semantics
@@ -264,7 +265,7 @@ def _random_key(rng: random.Random, page_size: int, known: list[tuple[int, ...]]
     tokens = tuple(t for page in pages for t in page)
     if known and rng.random() < 0.7:
         base = rng.choice(known)
-        cut = rng.randint(1, len(base) // page_size) * page_size
+        cut = rng.randint(1, whole_pages(len(base), page_size)) * page_size
         tokens = base[:cut] + tokens[: rng.randint(0, 2) * page_size]
         if page_size > 1 and rng.random() < 0.3:  # differ inside a page: paged match floors
             pos = rng.randrange(len(tokens))
@@ -292,7 +293,7 @@ def generate_ops(seed: int, page_size: int, num_ops: int, policy: str = "lru") -
             matches.append(index)
         else:
             key = _random_key(rng, page_size, known, aligned=True)
-            key = key[: len(key) // page_size * page_size]
+            key = key[: align_down(len(key), page_size)]
             known.append(key)
             ops.append(Op("insert", key))
     return ops

@@ -40,6 +40,7 @@ from typing import Any, Optional
 import numpy as np
 
 from memcli.errors import MemcliError
+from memcli.mem_cache.pages import align_down, whole_pages
 from memcli.workload.spec import Trace
 
 MAX_PAGE_ENTRIES = 40_000_000
@@ -113,7 +114,7 @@ class FutureUses:
 def check_future_fits(trace: Trace, page_size: int) -> None:
     """Raise `FutureTooLarge` when `build_future` would (before anything is built)."""
     if trace.format != "mooncake":
-        _check_pages(sum(max(r.input_len - 1, 0) // page_size for r in trace.requests), page_size)
+        _check_pages(sum(whole_pages(max(r.input_len - 1, 0), page_size) for r in trace.requests), page_size)
 
 
 def _check_pages(pages: int, page_size: int) -> None:
@@ -209,10 +210,10 @@ class _PageFuture(FutureUses):
     def __init__(self, trace: Trace, caps: np.ndarray, page_size: int):
         super().__init__(trace.num_requests, caps)
         self.page_size = page_size
-        _check_pages(sum(max(int(c), 0) // page_size for c in caps.tolist()), page_size)
+        _check_pages(sum(whole_pages(max(int(c), 0), page_size) for c in caps.tolist()), page_size)
         keys, owners = [], []
         for j, req in enumerate(trace.requests):
-            cap = int(caps[j]) // page_size * page_size
+            cap = align_down(int(caps[j]), page_size)
             if cap <= 0:
                 continue
             ends = np.arange(page_size, cap + 1, page_size, dtype=np.int64)

@@ -1,18 +1,14 @@
-"""alloc_extend / alloc_decode / alloc_decode_write: worked examples, kernel vs reference."""
+"""alloc_decode_write, and the torch pieces of alloc_extend_write's reference: worked examples,
+kernel vs reference vs a literal spec. (alloc_extend_write itself: test_kernel_extend_write.py.)"""
 
 import pytest
 import torch
 
 from memcli.kernels import (
-    alloc_decode,
-    alloc_decode_torch,
-    alloc_decode_triton,
     alloc_decode_write,
     alloc_decode_write_torch,
     alloc_decode_write_triton,
-    alloc_extend,
-    alloc_extend_torch,
-    alloc_extend_triton,
+    alloc_extend_write,
 )
 from memcli.kernels.cases import random_decode_case, random_extend_case
 
@@ -55,56 +51,7 @@ def spec_decode_slots(needs_page, last_loc, free_pages, ps):
     return out
 
 
-def extend_args(case):
-    return (case.prefix_lens, case.seq_lens, case.last_loc, case.free_pages, case.page_size,
-            case.extend_num_tokens)
-
-
 # ----------------------------------------------------------------------------- worked examples
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_alloc_extend_worked_example(backend):
-    free_pages = torch.arange(1, 9, device=DEVICE)
-    out = alloc_extend(i64([0, 5, 8]), i64([6, 11, 9]), i64([-1, 40, 47]), free_pages, 4, 13,
-                       backend=backend)
-    assert out.dtype == torch.int64
-    assert out.tolist() == [4, 5, 6, 7, 8, 9, 41, 42, 43, 12, 13, 14, 16]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_alloc_extend_page_size_one_takes_free_slots_in_order(backend):
-    free_slots = i64([9, 3, 7, 1, 8, 2, 6, 5, 4])
-    out = alloc_extend(i64([0, 2, 5]), i64([3, 4, 8]), i64([-1, 11, 12]), free_slots, 1, 8,
-                       backend=backend)
-    assert out.tolist() == free_slots[:8].tolist()
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_alloc_extend_inside_prefix_page_takes_no_page(backend):
-    # ps 16, prefix of 5 ending at slot 84 (page 5); 3 new tokens stay on page 5.
-    out = alloc_extend(i64([5]), i64([8]), i64([84]), i64([7]), 16, 3, backend=backend)
-    assert out.tolist() == [85, 86, 87]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_alloc_extend_empty_batch(backend):
-    empty = i64([])
-    assert alloc_extend(empty, empty, empty, i64([1]), 4, 0, backend=backend).numel() == 0
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_alloc_decode_worked_example(backend):
-    out = alloc_decode(i64([7, 9, 12]), i64([21, 99, 42]), i64([6, 2]), 4, backend=backend)
-    assert out.tolist() == [22, 24, 43]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_alloc_decode_counts_earlier_new_pages(backend):
-    # ps 4: requests 0, 2 and 3 open pages, request 1 does not.
-    out = alloc_decode(i64([5, 6, 1, 9]), i64([15, 33, -1, 7]), i64([3, 8, 2, 11]), 4,
-                       backend=backend)
-    assert out.tolist() == [12, 34, 32, 8]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -133,50 +80,20 @@ def test_alloc_decode_write_page_size_one_takes_free_slots(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_short_free_list_reads_as_negative_slots(backend):
     # Capacity is the caller's job; a broken promise must not read outside the free list.
-    out = alloc_extend(i64([0]), i64([6]), i64([-1]), i64([3]), 4, 6, backend=backend)
-    assert out.tolist() == [12, 13, 14, 15, -4, -3]
-    assert alloc_decode(i64([1, 5]), i64([-1, 7]), i64([]), 4, backend=backend).tolist() == \
-        [-4, -4]
+    table = torch.zeros((2, 8), dtype=torch.int32, device=DEVICE)
+    cpu = torch.tensor
+    got = alloc_extend_write(table, [0], cpu([0]), cpu([6]), [i64([])], i64([3]), 4, backend=backend)
+    assert got.out_cache_loc.tolist() == [12, 13, 14, 15, -4, -3]
+    assert alloc_decode_write(i64([0, 4]), i64([1, 0]), table, i64([]), 4, backend=backend).tolist() == [-4, -4]
 
 
 # ----------------------------------------------------------------------------- random cases
 
 
-def _check_extend_layout(case, out):
-    """Every position t sits at offset t % ps; slots are distinct and come from the right pages."""
-    ps, out = case.page_size, out.tolist()
-    pages = set(case.free_pages.tolist())
-    assert len(set(out)) == len(out)
-    k = 0
-    for pre, seq, last in zip(case.prefix_lens.tolist(), case.seq_lens.tolist(),
-                              case.last_loc.tolist()):
-        for pos in range(pre, seq):
-            slot = out[k]
-            assert slot % ps == pos % ps
-            if pos < cdiv(pre, ps) * ps:
-                assert slot // ps == last // ps
-            else:
-                assert slot // ps in pages
-            k += 1
-
-
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_alloc_extend_random_matches_reference_and_spec(page_size):
-    gen = torch.Generator().manual_seed(1000 + page_size)
-    for bs in (1, 2, 7, 64):
-        case = random_extend_case(gen, bs, page_size, device=DEVICE)
-        expected = spec_alloc_extend(case.prefix_lens.tolist(), case.seq_lens.tolist(),
-                                     case.last_loc.tolist(), case.free_pages.tolist(), page_size)
-        reference = alloc_extend_torch(*extend_args(case))
-        assert reference.tolist() == expected
-        assert torch.equal(alloc_extend_triton(*extend_args(case)), reference)
-        _check_extend_layout(case, reference)
-
-
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_alloc_extend_by_request_on_a_cpu_matches_the_pass_per_token(page_size):
-    """The CPU path of the torch reference (two slice copies per request) against its path for
-    other devices (passes over every token), short free lists included."""
+    """The CPU path of alloc_extend_write's torch reference (two slice copies per request)
+    against its path for other devices (passes over every token), short free lists included."""
     from memcli.kernels.alloc import _alloc_extend_rows_cpu, _alloc_extend_tokens
 
     gen = torch.Generator().manual_seed(900 + page_size)
@@ -190,28 +107,12 @@ def test_alloc_extend_by_request_on_a_cpu_matches_the_pass_per_token(page_size):
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_alloc_decode_random_matches_reference_and_spec(page_size):
-    gen = torch.Generator().manual_seed(2000 + page_size)
-    for bs in (1, 5, 64):
-        case = random_decode_case(gen, bs, page_size, device=DEVICE)
-        needs = [(s - 1) % page_size == 0 for s in case.seq_lens.tolist()]
-        expected = spec_decode_slots(needs, case.last_loc.tolist(), case.free_pages.tolist(),
-                                     page_size)
-        reference = alloc_decode_torch(case.seq_lens, case.last_loc, case.free_pages, page_size)
-        assert reference.tolist() == expected
-        assert torch.equal(
-            alloc_decode_triton(case.seq_lens, case.last_loc, case.free_pages, page_size),
-            reference,
-        )
-
-
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_alloc_decode_write_random_matches_reference(page_size):
     gen = torch.Generator().manual_seed(3000 + page_size)
     for bs in (1, 6, 64):
         case = random_decode_case(gen, bs, page_size, device=DEVICE)
-        expected_out = alloc_decode_torch(case.seq_lens, case.last_loc, case.free_pages,
-                                          page_size)
+        needs = [s % page_size == 0 for s in case.seq_lens_before.tolist()]
+        expected_out = i64(spec_decode_slots(needs, case.last_loc.tolist(), case.free_pages.tolist(), page_size))
         tables = {}
         for name, fn in (("torch", alloc_decode_write_torch),
                          ("triton", alloc_decode_write_triton)):
@@ -223,6 +124,31 @@ def test_alloc_decode_write_random_matches_reference(page_size):
         expected_table[case.req_pool_indices, case.seq_lens_before] = expected_out.to(torch.int32)
         assert torch.equal(tables["torch"], expected_table)
         assert torch.equal(tables["triton"], expected_table)
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_row_writes_on_a_cpu_match_the_cell_by_cell_path(page_size):
+    """The CPU path of alloc_extend_write's row writes (two slice copies per request) against
+    its path for other devices (one index per written cell)."""
+    from memcli.kernels.alloc import _cells, _write_rows_cpu, _write_rows_torch
+
+    gen = torch.Generator().manual_seed(950 + page_size)
+    for bs in (1, 4, 11):
+        case = random_extend_case(gen, bs, page_size, max_prefix_len=60, max_extend_len=40, device="cpu")
+        n = int((case.seq_lens - case.prefix_lens).sum())
+        rows = torch.randperm(bs + 3, generator=gen)[:bs]
+        new = torch.randint(1, 10_000, (n,), generator=gen)
+        args = (rows, case.prefix_lens, case.seq_lens, new, case.prefix_flat)
+        by_request, by_cell = (torch.full((bs + 3, 110), -7, dtype=torch.int32) for _ in range(2))
+        _write_rows_cpu(by_request, *args)
+        for begin, end, values in ((torch.zeros_like(case.prefix_lens), case.prefix_lens, case.prefix_flat),
+                                   (case.prefix_lens, case.seq_lens, new)):
+            r, c = _cells(rows, begin, end, values.shape[0])
+            by_cell[r, c] = values.to(torch.int32)
+        assert torch.equal(by_request, by_cell)
+        via_dispatch = torch.full((bs + 3, 110), -7, dtype=torch.int32)
+        _write_rows_torch(via_dispatch, *args)
+        assert torch.equal(via_dispatch, by_request)
 
 
 def test_alloc_decode_write_needs_more_than_one_block():
@@ -247,13 +173,7 @@ def test_gpu_large_batches_match_reference(page_size):
     gen = torch.Generator().manual_seed(page_size)
     cuda = torch.device("cuda")
     for bs in (1, 33, 256):
-        case = random_extend_case(gen, bs, page_size, max_prefix_len=2048, max_extend_len=2048,
-                                  device=cuda)
-        assert torch.equal(alloc_extend_triton(*extend_args(case)),
-                           alloc_extend_torch(*extend_args(case)))
         dec = random_decode_case(gen, bs, page_size, max_len=2048, device=cuda)
-        dec_args = (dec.seq_lens, dec.last_loc, dec.free_pages, page_size)
-        assert torch.equal(alloc_decode_triton(*dec_args), alloc_decode_torch(*dec_args))
         t_table, r_table = dec.req_to_token.clone(), dec.req_to_token.clone()
         args = (dec.seq_lens_before, dec.req_pool_indices)
         assert torch.equal(alloc_decode_write_triton(*args, t_table, dec.free_pages, page_size),
@@ -263,19 +183,22 @@ def test_gpu_large_batches_match_reference(page_size):
 
 @pytest.mark.gpu
 def test_gpu_one_compile_per_page_size():
+    from memcli.kernels import alloc_extend_write_triton
     from memcli.kernels._common import num_compiled_variants
-    from memcli.kernels.alloc import _alloc_extend_kernel
+    from memcli.kernels.alloc import _alloc_extend_write_kernel
 
     cuda = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     page_size = 32  # a page size no other test uses, so the count starts at this test
-    before = num_compiled_variants(_alloc_extend_kernel, cuda)
+    before = num_compiled_variants(_alloc_extend_write_kernel, cuda)
     for bs, max_len in ((1, 10), (3, 100), (17, 1000), (200, 3000)):
         case = random_extend_case(gen, bs, page_size, max_len, max_len, device=cuda)
         # A free list that starts at an odd offset must not trigger an alignment variant.
-        case = case._replace(free_pages=torch.cat([case.free_pages[:1], case.free_pages])[1:])
-        alloc_extend_triton(*extend_args(case))
-    assert num_compiled_variants(_alloc_extend_kernel, cuda) == before + 1
+        free = torch.cat([case.free_pages[:1], case.free_pages])[1:]
+        table = torch.zeros((bs, 2 * max_len + 1), dtype=torch.int32, device=cuda)
+        alloc_extend_write_triton(table, list(range(bs)), case.prefix_lens.cpu(), case.seq_lens.cpu(),
+                                  case.prefix_slots, free, page_size)
+    assert num_compiled_variants(_alloc_extend_write_kernel, cuda) == before + 1
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)

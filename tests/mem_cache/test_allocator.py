@@ -16,6 +16,7 @@ from memcli.mem_cache.allocator import (
     TokenToKVPoolAllocator,
     make_allocator,
 )
+from memcli.mem_cache.pages import extend_new_pages
 
 CPU = torch.device("cpu")
 # These allocators live on the CPU: there the triton backend runs interpreted, which
@@ -53,15 +54,27 @@ def page_slots(pages, page_size=4):
 
 
 def extend(allocator, prefix_lens, seq_lens, last_loc):
-    """`alloc_extend` with the CPU twins and the token count derived from the lengths."""
+    """An extend batch through `alloc_extend_write` (the path of `common.alloc_for_extend`) on
+    scratch rows, request i in row i: each prefix is `prefix_lens[i]` slots ending at
+    `last_loc[i]`. The new slots, or None."""
     pre, seq = i64(prefix_lens), i64(seq_lens)
-    return allocator.alloc_extend(pre, pre.clone(), seq, seq.clone(), i64(last_loc),
-                                  int((seq - pre).sum()))
+    prefixes = [i64([0] * (p - 1) + [last]) if p else i64([]) for p, last in zip(prefix_lens, last_loc)]
+    rows = torch.zeros((len(seq_lens), max(seq_lens, default=0) + 1), dtype=torch.int32)
+    num_pages = extend_new_pages(pre, seq, allocator.page_size)
+    got = allocator.alloc_extend_write(rows, list(range(len(seq_lens))), pre, seq, prefixes, num_pages)
+    return None if got is None else got.out_cache_loc
 
 
 def decode(allocator, seq_lens, last_loc):
-    seq = i64(seq_lens)
-    return allocator.alloc_decode(seq, seq.clone(), i64(last_loc))
+    """A decode step through `alloc_decode_write` on scratch rows: `seq_lens` count the new
+    token, `last_loc[i]` is the slot before it. The new slots, or None."""
+    before = i64(seq_lens) - 1
+    rows = torch.zeros((len(seq_lens), max(seq_lens, default=0) + 1), dtype=torch.int32)
+    for i, (n, last) in enumerate(zip(seq_lens, last_loc)):
+        if n >= 2:
+            rows[i, n - 2] = last
+    got = allocator.alloc_decode_write(before, before.clone(), i64(list(range(len(seq_lens)))), rows)
+    return None if got is None else got.out_cache_loc
 
 
 def failed_checks(allocator):
@@ -272,12 +285,6 @@ def test_token_alloc_decode_write(backend):
     assert allocator.check_integrity().ok
 
 
-def test_get_num_new_pages():
-    allocator = paged(32)
-    assert allocator.get_num_new_pages(i64([0, 5, 8]), i64([6, 11, 9])) == 4
-    assert allocator.get_num_new_pages(i64([4]), i64([4])) == 0
-
-
 # ------------------------------------------------------------------ OOM gate (reference 10.7)
 
 
@@ -285,7 +292,7 @@ def test_oom_extend_returns_none_without_launching_the_kernel(monkeypatch):
     allocator = paged(8)
     assert free_list(allocator) == [1, 2]
     with monkeypatch.context() as patch:
-        forbid_kernel(patch, "alloc_extend")
+        forbid_kernel(patch, "alloc_extend_write")
         assert extend(allocator, [0], [12], [-1]) is None
     assert free_list(allocator) == [1, 2]
     assert allocator.in_use_tokens == 0
@@ -298,7 +305,7 @@ def test_oom_extend_returns_none_without_launching_the_kernel(monkeypatch):
 def test_oom_decode_returns_none_without_launching_the_kernel(monkeypatch):
     allocator = paged(8)
     with monkeypatch.context() as patch:
-        forbid_kernel(patch, "alloc_decode")
+        forbid_kernel(patch, "alloc_decode_write")
         assert decode(allocator, [5, 9, 13], [3, 7, 11]) is None
     assert free_list(allocator) == [1, 2]
     assert decode(allocator, [5], [3]).tolist() == [4]
@@ -311,7 +318,7 @@ def test_oom_need_sort_merges_release_list_before_giving_up():
     assert allocator.alloc(8).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     allocator.free(i64([4, 5, 6, 7]))
     assert free_list(allocator) == [3, 1]  # free list, then the release list
-    assert allocator.num_free_pages == 1
+    assert allocator._num_free == 1  # the release list is merged only when the free list falls short
     assert allocator.available_size() == 8
     out = extend(allocator, [0], [8], [-1])
     assert out.tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
@@ -639,7 +646,7 @@ def test_debug_mode_allocates_with_an_empty_paged_free_list(backend):
     allocator = make_allocator(8, 4, CPU, backend, debug=True)
     table = torch.zeros(2, 8, dtype=torch.int32)
     got = allocator.alloc_extend_write(table, [0], i64([0]), i64([6]), [i64([])], num_pages=2)
-    assert got.out_cache_loc.tolist() == [4, 5, 6, 7, 8, 9] and allocator.num_free_pages == 0
+    assert got.out_cache_loc.tolist() == [4, 5, 6, 7, 8, 9] and allocator._num_free == 0
     seq = i64([6])  # the new token stays on its page: no page needed from the empty list
     assert allocator.alloc_decode_write(seq, seq.clone(), i64([0]), table).out_cache_loc.tolist() == [10]
 

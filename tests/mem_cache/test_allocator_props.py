@@ -145,15 +145,16 @@ class Harness:
         extend_lens = [data.draw(st.integers(1, self.ps + self.ps // 2 + 2)) for _ in batch]
         prefix_lens = [len(r.slots) for r in batch]
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        last_loc = [r.slots[-1] if r.slots else -1 for r in batch]
-        pre, seq = i64(prefix_lens), i64(seq_lens)
-        out = self.allocator.alloc_extend(pre, pre.clone(), seq, seq.clone(), i64(last_loc),
-                                          sum(extend_lens))
         need = [cdiv(s, self.ps) - cdiv(p, self.ps) for p, s in zip(prefix_lens, seq_lens)]
+        before = self.req_to_token.clone()
+        written = self.allocator.alloc_extend_write(
+            self.req_to_token, [r.row for r in batch], i64(prefix_lens), i64(seq_lens),
+            [i64(r.slots) for r in batch], sum(need), extend_num_tokens=sum(extend_lens))
         pages = self.model.take(sum(need))
         if pages is None:
-            assert out is None
+            assert written is None and torch.equal(self.req_to_token, before)
             return
+        out = written.out_cache_loc
         expected, start = [], 0
         for req, seq_len, n in zip(batch, seq_lens, need):
             expected += extend_slots(self.ps, req.slots, seq_len, pages[start : start + n])
@@ -175,14 +176,6 @@ class Harness:
         it = iter(pages)
         return [next(it) * self.ps if o else r.slots[-1] + 1 for r, o in zip(batch, opens)]
 
-    def op_decode(self, data) -> None:
-        batch = self.pick_requests(data, 1)
-        if not batch:
-            return
-        seq = i64([len(r.slots) + 1 for r in batch])
-        out = self.allocator.alloc_decode(seq, seq.clone(), i64([r.slots[-1] for r in batch]))
-        self.finish_decode(batch, out, self.decode_expected(batch), written=False)
-
     def op_decode_write(self, data) -> None:
         batch = self.pick_requests(data, 1)
         if not batch:
@@ -195,17 +188,12 @@ class Harness:
         expected = self.decode_expected(batch)
         if expected is None:
             assert torch.equal(self.req_to_token, before)
-        self.finish_decode(batch, out, expected, written=True)
-
-    def finish_decode(self, batch, out, expected, written: bool) -> None:
         if expected is None:
             assert out is None
             return
         assert out.tolist() == expected
         for req, slot in zip(batch, expected):
             req.slots = req.slots + [slot]
-            if not written:
-                self.write_row(req)
 
     def free_request(self, req: Request) -> None:
         self.allocator.free(self.req_to_token[req.row, : len(req.slots)].to(torch.int64))
@@ -247,7 +235,7 @@ class Harness:
         self.model.clear()
         self.requests = []
 
-    OPS = ["alloc", "extend", "extend", "decode", "decode_write", "free", "free", "free_group",
+    OPS = ["alloc", "extend", "extend", "decode_write", "decode_write", "free", "free", "free_group",
            "backup", "restore", "clear"]
 
     def step(self, data) -> None:

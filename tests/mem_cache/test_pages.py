@@ -12,6 +12,7 @@ from memcli.mem_cache import pages
 def test_scalar_helpers_worked_example():
     assert [pages.cdiv(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
     assert pages.num_pages(9, 4) == 3 and pages.num_pages(0, 16) == 0
+    assert [pages.whole_pages(n, 4) for n in (0, 3, 4, 7, 8)] == [0, 0, 1, 1, 2]
     assert [pages.align_down(n, 4) for n in (0, 3, 4, 7, 8)] == [0, 0, 4, 4, 8]
     assert [pages.align_up(n, 4) for n in (0, 1, 4, 5)] == [0, 4, 4, 8]
 
@@ -21,6 +22,16 @@ def test_helpers_take_arrays_and_tensors():
     assert pages.cdiv(np.array(lens), 16).tolist() == [0, 1, 1, 1, 2]
     assert pages.align_down(torch.tensor(lens), 16).tolist() == [0, 0, 0, 16, 16]
     assert pages.align_up(np.array(lens), 16).tolist() == [0, 16, 16, 16, 32]
+    assert pages.whole_pages(np.array(lens), 16).tolist() == [0, 0, 0, 1, 1]
+
+
+def test_page_arithmetic_imports_no_torch():
+    """config.py and workload/ round through this module; it must not pull torch in."""
+    import subprocess
+    import sys
+
+    code = "import sys, memcli.mem_cache.pages; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 
 def test_extend_new_pages_counts_exact_pages_per_request():

@@ -304,7 +304,7 @@ def test_whole_conversation_trace(traces_dir):
 
 
 def test_a_token_count_beyond_any_request_is_a_trace_error(tmp_path):
-    # Found by `python -m memcli.cli.fuzz`: range(10**30) raised OverflowError.
+    # Found by `python -m tests.fuzz`: range(10**30) raised OverflowError.
     path = tmp_path / "huge.jsonl"
     path.write_text('{"rid": "a", "input_len": 1000000000000000000000000000000, "output_len": 1}\n')
     with pytest.raises(TraceError, match=r'huge\.jsonl:1: "input_len" is 10+, must be <= 2147483647'):

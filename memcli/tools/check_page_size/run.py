@@ -29,6 +29,7 @@ from memcli.config import Config, replace
 from memcli.errors import MemcliError
 from memcli import engines
 from memcli.mem_cache.manager import COMPONENTS
+from memcli.mem_cache.pages import align_down
 
 OTHER_LOOP = {"overlap": "normal", "normal": "overlap"}  # the dynamic workload runs in both loops
 BUILTIN = "default"
@@ -268,7 +269,7 @@ def _chunk_tokens(config: Config) -> int:
     prefill budget, floored to a page."""
     s, ps = config.scheduler, config.page_size
     budget = min(s.chunked_prefill_size or s.max_prefill_tokens, s.max_prefill_tokens)
-    return max(budget // ps * ps, ps)
+    return max(align_down(budget, ps), ps)
 
 
 def _report(progress: Optional[Progress], page_size: int, phase: PhaseResult) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from memcli.mem_cache.pages import cdiv
+from memcli.mem_cache.pages import cdiv, whole_pages
 from memcli.mem_cache.integrity import CheckResult, failed, passed
 
 ROLES = {
@@ -156,7 +156,7 @@ def _pool_multiple(stack, sizes: list[int]) -> CheckResult:
     if bad:
         return failed("pool size a multiple of page size", detail + " not multiples of " + ", ".join(map(str, bad)))
     ps = stack.allocator.page_size
-    return passed("pool size a multiple of page size", f"{detail} = {stack.allocator.size // ps} pages of {ps}")
+    return passed("pool size a multiple of page size", f"{detail} = {whole_pages(stack.allocator.size, ps)} pages of {ps}")
 
 
 def _chunk_multiple(stack, sizes: list[int]) -> CheckResult:

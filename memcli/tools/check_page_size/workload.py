@@ -21,6 +21,7 @@ from typing import Any, Literal
 import numpy as np
 
 from memcli.config import Config, replace
+from memcli.mem_cache.pages import cdiv
 from memcli.workload.readers import read_trace
 from memcli.workload.spec import RequestSpec, output_token_base
 
@@ -67,7 +68,7 @@ class Workload:
         chunks (of `chunk_tokens`; None: one chunk), its decode steps, and one idle step before it
         (the scheduler waits for its arrival). Concurrent requests need fewer; a retraction more."""
         def chunks(n: int) -> int:
-            return 1 if not chunk_tokens or chunk_tokens < 1 else -(-n // chunk_tokens)
+            return 1 if not chunk_tokens or chunk_tokens < 1 else cdiv(n, chunk_tokens)
         return sum(chunks(r.input_len) + r.output_len + 1 for r in self.requests)
 
 
@@ -101,8 +102,6 @@ def with_changes(config: Config, changes: dict[str, tuple[Any, str]]) -> tuple[C
 
 def indices_only(config: Config) -> tuple[Config, list[Adjustment]]:
     """No K/V buffers: the checks read slot ids only and the simulated forward writes no K/V."""
-    if config.sim.write_kv:
-        return config, []
     return with_changes(config, {"memory.kv_pool": ("indices", "the checks read slot ids, never K/V")})
 
 

@@ -24,6 +24,7 @@ import yaml
 
 from memcli.config import GIB, SECTIONS, Config, parse_override
 from memcli.errors import MemcliError
+from memcli.mem_cache.pages import align_down
 
 Point = dict[str, Any]
 # Setting one of two alternative pool-size keys clears the other.
@@ -145,7 +146,7 @@ def _pool_tokens(key: str, value: Any, base: Config, page_size: Any) -> Optional
     if type(value) not in (int, float) or type(page_size) is not int or page_size < 1:
         return None  # not a size: the config validation names the problem
     tokens = int(value) if key == "memory.max_total_tokens" else int(value * GIB // base.model.bytes_per_token)
-    return tokens // page_size * page_size
+    return align_down(tokens, page_size)
 
 
 def _yaml(value: Any) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from memcli.mem_cache.pages import align_down, num_pages
+from memcli.mem_cache.pages import align_down, num_pages, whole_pages
 
 WARMUP_FRACTION = 0.5
 WINDOW_REQUESTS = 1000
@@ -113,7 +113,7 @@ class StepSeries:
         out = {"time_ms": np.frombuffer(self.time_ms, dtype=np.float64)}
         out.update({name: np.frombuffer(values, dtype=np.int64) for name, values in self.ints.items()})
         out["used_tokens"] = out["evictable"] + out["protected"] + out["held_tokens"]
-        out["used_pages"] = (pool_size - out["available"]) // page_size
+        out["used_pages"] = whole_pages(pool_size - out["available"], page_size)
         out["waste_tokens"] = out["held_pages"] * page_size - out["held_tokens"]
         return out
 
@@ -246,7 +246,7 @@ def prefix_stats(input_lens: np.ndarray, cached: np.ndarray, shared: np.ndarray,
         sub_page_prefix_requests=int(((shared > 0) & (shared < page_size)).sum()),
         requests_with_hits=int((hits > 0).sum()),
         per_request_mean_hit_rate=float((hits / np.maximum(inputs, 1)).mean()) if len(inputs) else 0.0,
-        hit_pages=int((hits // page_size).sum()),
+        hit_pages=int(whole_pages(hits, page_size).sum()),
         pages=int(num_pages(inputs, page_size).sum()),
         **counters.summary(),
     )
@@ -296,7 +296,7 @@ class OccupancyStats:
 
     @property
     def num_pages(self) -> int:
-        return self.pool_tokens // self.page_size
+        return whole_pages(self.pool_tokens, self.page_size)
 
     @property
     def peak_token_fraction(self) -> float:

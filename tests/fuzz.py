@@ -1,4 +1,4 @@
-"""Fuzz the inputs memcli reads: `python -m memcli.cli.fuzz --count 10000`.
+"""Fuzz the inputs memcli reads: `python -m tests.fuzz --count 10000` (from the repository root).
 
 Four kinds of input, in turn: random bytes as a config file, random YAML configs (keys mostly
 from the schema, values of every type, NaN and infinities included), random trace files
@@ -6,6 +6,9 @@ from the schema, values of every type, NaN and infinities included), random trac
 CLI through typer's `CliRunner`. Anything but a `MemcliError` from the loaders, or a CLI run
 that ends other than exit 0/1/2 without an `internal error` line, counts as a traceback.
 Prints the count per kind (target 0) and the first few failing inputs; exit 1 if any.
+
+A test harness, not a command: tests/test_fuzz.py runs its generators one input at a time, and
+the script above runs many (no memcli module imports it).
 """
 
 from __future__ import annotations
@@ -225,7 +228,7 @@ def run(count: int, seed: int, show: int = 3) -> dict[str, list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m memcli.cli.fuzz", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.fuzz", description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=10_000, help="inputs to run (default 10,000)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
