@@ -142,7 +142,7 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> dict[str, list[str]]:
     ({"memcli/sched/batch.py": "from memcli.mem_cache.allocator import cdiv\n"}, "sched reaches memory only"),
     ({"memcli/sched/batch.py": "import memcli.kernels\n"}, "sched imports no kernels"),
     ({"memcli/sched/batch.py": "from kernels.alloc import alloc_extend\n"}, "sched imports no kernels"),
-    ({"memcli/report/tables.py": "from memcli.tools.replay.result import ReplayResult\n"}, "report helpers import no tool"),
+    ({"memcli/report/tables.py": "from memcli.tools.replay.results import ReplayResult\n"}, "report helpers import no tool"),
     ({"memcli/tools/replay/runner.py": "from memcli.cli.app import app\n"}, "only the CLI package imports"),
     ({"memcli/sched/req.py": "from memcli.workload import spec\n",
       "memcli/workload/spec.py": "from memcli.sched.req import Req\n"}, "cycle: memcli.sched -> memcli.workload -> memcli.sched"),
