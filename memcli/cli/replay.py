@@ -15,12 +15,31 @@ import typer
 
 from memcli.cli.guard import Interrupted, note_ignored
 from memcli.cli.options import JsonOpt, ProgressOpt, SetOpt
-from memcli.tools.replay import ARRIVALS, CHECK_LEVELS
+from memcli.tools.replay import CHECK_LEVELS
 from memcli.workload import FORMATS
 
 NAME = "replay"
 # `--check` alone is `--check incremental`; `--check full` names the level (`memcli.cli.options`).
 OPTIONAL_VALUES = {"--check": CHECK_LEVELS}
+
+
+# The study options (`memcli.tools.study.run.StudyOptions`).
+SweepOpt: List[str] = typer.Option(
+    [], "--sweep", metavar="KEY=V1,V2,...",
+    help="A study: one replay per value of a config key (repeat it: every combination of the keys)")
+SweepFileOpt: Optional[Path] = typer.Option(
+    None, "--sweep-file", metavar="FILE",
+    help="A study of the points in a YAML list (each a mapping of config overrides)")
+JobsOpt: Optional[int] = typer.Option(
+    None, "--jobs", "-j", metavar="N",
+    help="Points run at once in local processes (default: the core count; 1: one after another)")
+RayOpt: bool = typer.Option(False, "--ray", help="Run each point as a Ray task (pip install 'memcli\\[ray]')")
+RayAddressOpt: Optional[str] = typer.Option(
+    None, "--ray-address", metavar="ADDR",
+    help="Ray cluster to join with --ray (default: RAY_ADDRESS, else a local runtime)")
+OutOpt: Optional[Path] = typer.Option(
+    None, "--out", metavar="DIR", help="Folder for a study's study.json and study.csv, written as points finish")
+ResumeOpt: bool = typer.Option(False, "--resume", help="With --out: skip the points already in DIR/study.json")
 
 
 def replay_command(
@@ -40,22 +59,13 @@ def replay_command(
         None, "--check", metavar="[incremental|full]",
         help="Check integrity after every step, incrementally (what the step changed, plus sampled"
         " full walks on idle steps); `--check full`: the full walk of the pool after every step (slow on large pools)"),
-    sweep: List[str] = typer.Option(
-        [], "--sweep", metavar="KEY=V1,V2,...",
-        help="A study: one replay per value of a config key (repeat it: every combination of the keys)"),
-    sweep_file: Optional[Path] = typer.Option(
-        None, "--sweep-file", metavar="FILE",
-        help="A study of the points in a YAML list (each a mapping of config overrides)"),
-    jobs: Optional[int] = typer.Option(
-        None, "--jobs", "-j", metavar="N",
-        help="Points run at once in local processes (default: the core count; 1: one after another)"),
-    use_ray: bool = typer.Option(False, "--ray", help="Run each point as a Ray task (pip install 'memcli\\[ray]')"),
-    ray_address: Optional[str] = typer.Option(
-        None, "--ray-address", metavar="ADDR",
-        help="Ray cluster to join with --ray (default: RAY_ADDRESS, else a local runtime)"),
-    out: Optional[Path] = typer.Option(
-        None, "--out", metavar="DIR", help="Folder for a study's study.json and study.csv, written as points finish"),
-    resume: bool = typer.Option(False, "--resume", help="With --out: skip the points already in DIR/study.json"),
+    sweep: List[str] = SweepOpt,
+    sweep_file: Optional[Path] = SweepFileOpt,
+    jobs: Optional[int] = JobsOpt,
+    use_ray: bool = RayOpt,
+    ray_address: Optional[str] = RayAddressOpt,
+    out: Optional[Path] = OutOpt,
+    resume: bool = ResumeOpt,
     bound: Optional[str] = typer.Option(
         None, "--bound", metavar="belady",
         help="Replay again under Belady's offline eviction and report its hit rate beside (a study: every point)"),

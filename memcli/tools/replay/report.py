@@ -49,75 +49,93 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS,
             "steps_per_s": _round(s.steps_per_s, 1),
             "queueing_delay_ms": result.queueing_delay.to_dict() if result.queueing_delay else None,
         },
-        "prefix_cache": {
-            "requests": p.requests,
-            "cached_tokens": p.cached_tokens,
-            "input_tokens": p.input_tokens,
-            "hit_rate": _round(p.hit_rate),
-            "hit_rate_definition": DEFINITIONS["hit_rate"],
-            "block_ratio": {"hit_blocks": p.hit_blocks, "blocks": p.blocks, "block_size": p.block_size,
-                            "value": _round(p.block_ratio), "definition": DEFINITIONS["block_ratio"]},
-            "warmup_excluded": {"cached_tokens": p.warmup_cached_tokens, "input_tokens": p.warmup_input_tokens,
-                                "hit_rate": _round(p.warmup_excluded_hit_rate),
-                                "definition": DEFINITIONS["warmup_excluded"]},
-            "last_1000": {"n": WINDOW_REQUESTS, "cached_tokens": p.window_cached_tokens,
-                          "input_tokens": p.window_input_tokens, "hit_rate": _round(p.last_1000_hit_rate),
-                          "definition": DEFINITIONS["last_1000"]},
-            "per_request_mean": {"requests": p.requests, "hit_rate": _round(p.per_request_mean_hit_rate),
-                                 "definition": DEFINITIONS["per_request_mean"]},
-            "page_hit_rate": {"hit_pages": p.hit_pages, "pages": p.pages, "page_size": p.page_size,
-                              "value": _round(p.page_hit_rate), "definition": DEFINITIONS["page_hit_rate"]},
-            "sglang_batch": {"batches": p.batches, "mean": _round(p.batch_mean_hit_rate),
-                             "last": _round(p.last_batch_hit_rate), "definition": DEFINITIONS["sglang_batch"]},
-            "sglang_cumulative": {"cached_tokens": p.batch_cached_tokens, "new_tokens": p.batch_new_tokens,
-                                  "hit_rate": _round(p.sglang_cumulative_hit_rate),
-                                  "definition": DEFINITIONS["sglang_cumulative"]},
-            "vllm": {"queries": p.vllm_queries, "hits": p.vllm_hits, "hit_rate": _round(p.vllm_hit_rate),
-                     "definition": DEFINITIONS["vllm"]},
-            "belady": None if bound is None else {
-                "cached_tokens": bound.prefix.cached_tokens, "hit_rate": _round(bound.prefix.hit_rate),
-                "evictions": bound.eviction.evictions, "wall_time_s": _round(bound.summary.wall_s, 3),
-                "definition": DEFINITIONS["belady"]},
-            "ceiling": {"tokens": p.ceiling_tokens, "hit_rate": _round(p.ceiling_hit_rate),
-                        "page_size_1_tokens": p.shared_tokens, "definition": DEFINITIONS["ceiling"]},
-            "lost_to_page_alignment": {"tokens": p.lost_to_page_alignment,
-                                       "definition": DEFINITIONS["lost_to_page_alignment"]},
-            "sub_page_prefix_requests": {"requests": p.sub_page_prefix_requests,
-                                         "definition": DEFINITIONS["sub_page_prefix_requests"]},
-            "lost_to_capacity_and_timing": {"tokens": p.lost_to_capacity_and_timing,
-                                            "definition": DEFINITIONS["lost_to_capacity_and_timing"]},
-            "requests_with_hits": p.requests_with_hits,
-        },
-        "allocation": {
-            "pool_tokens": o.pool_tokens, "num_pages": o.num_pages,
-            "peak_used_tokens": o.peak_used_tokens, "mean_used_tokens": _round(o.mean_used_tokens, 1),
-            "peak_used_pages": o.peak_used_pages, "mean_used_pages": _round(o.mean_used_pages, 1),
-            "peak_partial_page_waste_tokens": o.peak_waste_tokens,
-            "mean_partial_page_waste_tokens": _round(o.mean_waste_tokens, 1),
-            "peak_evictable_tokens": o.peak_evictable_tokens, "peak_protected_tokens": o.peak_protected_tokens,
-            "allocations": a.allocations, "allocated_tokens": a.allocated_tokens, "frees": a.frees,
-            "freed_tokens": a.freed_tokens, "peak_request_rows": a.peak_request_rows, "request_rows": a.request_rows,
-            "oom_events": a.oom_events,
-            "means": "weighted by simulated time",
-        },
+        "prefix_cache": _prefix_section(p, bound),
+        "allocation": _allocation_section(o, a),
         "eviction": {**dataclasses.asdict(e), "needed_again_share": _round(e.needed_again_share),
                      "definitions": EVICTION_DEFINITIONS},
         "scheduling": {
             "retractions": q.retractions, "retracted_requests": q.retracted_requests,
             "recomputed_tokens": q.recomputed_tokens, "aborted": q.aborted, **dataclasses.asdict(q.queue),
         },
-        "integrity": {
-            "ok": i.ok, "mode": i.mode, "checks_run": i.checks_run, "failure": i.failure,
-            "failure_step": i.failure_step, "failure_check": i.failure_check,
-            "incremental_checks": i.incremental_checks, "full_walks": i.full_walks, "check_s": _round(i.check_s, 3),
-            "everything_free_at_end": i.everything_free,
-            "end": {"available": i.end_available, "evictable": i.end_evictable, "protected": i.end_protected,
-                    "rows_in_use": i.end_rows_in_use},
-            "final_reports": list(i.final_reports),
-        },
+        "integrity": _integrity_section(i),
         "series": {"points": series_points, **downsample(_series_fields(result), series_points)},
         **({"host_tier": result.host_tier.to_dict()} if result.host_tier is not None else {}),
     }, result.config)
+
+
+def _prefix_section(p, bound: Optional[ReplayResult]) -> dict[str, Any]:
+    """The prefix cache's hit rates, each with its definition (`metrics.DEFINITIONS`)."""
+    return {
+        "requests": p.requests,
+        "cached_tokens": p.cached_tokens,
+        "input_tokens": p.input_tokens,
+        "hit_rate": _round(p.hit_rate),
+        "hit_rate_definition": DEFINITIONS["hit_rate"],
+        "block_ratio": {"hit_blocks": p.hit_blocks, "blocks": p.blocks, "block_size": p.block_size,
+                        "value": _round(p.block_ratio), "definition": DEFINITIONS["block_ratio"]},
+        "warmup_excluded": {"cached_tokens": p.warmup_cached_tokens, "input_tokens": p.warmup_input_tokens,
+                            "hit_rate": _round(p.warmup_excluded_hit_rate),
+                            "definition": DEFINITIONS["warmup_excluded"]},
+        "last_1000": {"n": WINDOW_REQUESTS, "cached_tokens": p.window_cached_tokens,
+                      "input_tokens": p.window_input_tokens, "hit_rate": _round(p.last_1000_hit_rate),
+                      "definition": DEFINITIONS["last_1000"]},
+        "per_request_mean": {"requests": p.requests, "hit_rate": _round(p.per_request_mean_hit_rate),
+                             "definition": DEFINITIONS["per_request_mean"]},
+        "page_hit_rate": {"hit_pages": p.hit_pages, "pages": p.pages, "page_size": p.page_size,
+                          "value": _round(p.page_hit_rate), "definition": DEFINITIONS["page_hit_rate"]},
+        "sglang_batch": {"batches": p.batches, "mean": _round(p.batch_mean_hit_rate),
+                         "last": _round(p.last_batch_hit_rate), "definition": DEFINITIONS["sglang_batch"]},
+        "sglang_cumulative": {"cached_tokens": p.batch_cached_tokens, "new_tokens": p.batch_new_tokens,
+                              "hit_rate": _round(p.sglang_cumulative_hit_rate),
+                              "definition": DEFINITIONS["sglang_cumulative"]},
+        "vllm": {"queries": p.vllm_queries, "hits": p.vllm_hits, "hit_rate": _round(p.vllm_hit_rate),
+                 "definition": DEFINITIONS["vllm"]},
+        "belady": None if bound is None else {
+            "cached_tokens": bound.prefix.cached_tokens, "hit_rate": _round(bound.prefix.hit_rate),
+            "evictions": bound.eviction.evictions, "wall_time_s": _round(bound.summary.wall_s, 3),
+            "definition": DEFINITIONS["belady"]},
+        "ceiling": {"tokens": p.ceiling_tokens, "hit_rate": _round(p.ceiling_hit_rate),
+                    "page_size_1_tokens": p.shared_tokens, "definition": DEFINITIONS["ceiling"]},
+        "lost_to_page_alignment": {"tokens": p.lost_to_page_alignment,
+                                   "definition": DEFINITIONS["lost_to_page_alignment"]},
+        "sub_page_prefix_requests": {"requests": p.sub_page_prefix_requests,
+                                     "definition": DEFINITIONS["sub_page_prefix_requests"]},
+        "lost_to_capacity_and_timing": {"tokens": p.lost_to_capacity_and_timing,
+                                        "definition": DEFINITIONS["lost_to_capacity_and_timing"]},
+        "requests_with_hits": p.requests_with_hits,
+    
+    }
+
+
+def _allocation_section(o, a) -> dict[str, Any]:
+    """Pool occupancy (means weighted by simulated time) and allocator traffic."""
+    return {
+        "pool_tokens": o.pool_tokens, "num_pages": o.num_pages,
+        "peak_used_tokens": o.peak_used_tokens, "mean_used_tokens": _round(o.mean_used_tokens, 1),
+        "peak_used_pages": o.peak_used_pages, "mean_used_pages": _round(o.mean_used_pages, 1),
+        "peak_partial_page_waste_tokens": o.peak_waste_tokens,
+        "mean_partial_page_waste_tokens": _round(o.mean_waste_tokens, 1),
+        "peak_evictable_tokens": o.peak_evictable_tokens, "peak_protected_tokens": o.peak_protected_tokens,
+        "allocations": a.allocations, "allocated_tokens": a.allocated_tokens, "frees": a.frees,
+        "freed_tokens": a.freed_tokens, "peak_request_rows": a.peak_request_rows, "request_rows": a.request_rows,
+        "oom_events": a.oom_events,
+        "means": "weighted by simulated time",
+    
+    }
+
+
+def _integrity_section(i) -> dict[str, Any]:
+    """The integrity checks: how they ran, the first failure, the pool at the end."""
+    return {
+        "ok": i.ok, "mode": i.mode, "checks_run": i.checks_run, "failure": i.failure,
+        "failure_step": i.failure_step, "failure_check": i.failure_check,
+        "incremental_checks": i.incremental_checks, "full_walks": i.full_walks, "check_s": _round(i.check_s, 3),
+        "everything_free_at_end": i.everything_free,
+        "end": {"available": i.end_available, "evictable": i.end_evictable, "protected": i.end_protected,
+                "rows_in_use": i.end_rows_in_use},
+        "final_reports": list(i.final_reports),
+    
+    }
 
 
 def outcome_document(outcome: ReplayOutcome) -> dict[str, Any]:
@@ -191,40 +209,8 @@ def replay_tables(result: ReplayResult, bound: Optional[ReplayResult] = None) ->
         *_delay_row(result.queueing_delay),
         ("wall time (s)", s.wall_s), ("steps per second", s.steps_per_s),
     ])
-    prefix = kv_table(f"prefix cache (page size {ps}, block size {p.block_size})", [
-        ("cached tokens", p.cached_tokens), ("input tokens", p.input_tokens),
-        ("hit rate (tokens)", _pct(p.hit_rate)),
-        ("per-request mean", _pct(p.per_request_mean_hit_rate)),
-        ("page hit rate (hit pages / pages)", f"{_pct(p.page_hit_rate)} ({p.hit_pages:,} / {p.pages:,})"),
-        ("block ratio (hit blocks / blocks)", f"{_pct(p.block_ratio)} ({p.hit_blocks:,} / {p.blocks:,})"),
-        ("SGLang per batch, mean / last", f"{_pct(p.batch_mean_hit_rate)} / {_pct(p.last_batch_hit_rate)}"
-                                          f" ({p.batches:,} batches)"),
-        ("SGLang cumulative", _pct(p.sglang_cumulative_hit_rate)),
-        ("vLLM (hits / queries)", f"{_pct(p.vllm_hit_rate)} ({p.vllm_hits:,} / {p.vllm_queries:,})"),
-        ("hit rate, first 50% excluded", _pct(p.warmup_excluded_hit_rate)),
-        # over a trace of at most WINDOW_REQUESTS the window is the whole trace: the hit rate above
-        *([(f"hit rate, last {WINDOW_REQUESTS:,} requests", _pct(p.last_1000_hit_rate))]
-          if result.trace.requests > WINDOW_REQUESTS else []),
-        ("ceiling (sequential, never evicting)", f"{_pct(p.ceiling_hit_rate)} ({p.ceiling_tokens:,} tokens)"),
-        *([("Belady bound (offline, same pool)", _pct(bound.prefix.hit_rate))] if bound is not None else []),
-        ("lost to capacity and timing", p.lost_to_capacity_and_timing),
-        *([("lost to page alignment", p.lost_to_page_alignment),
-           ("requests with a sub-page shared prefix", p.sub_page_prefix_requests)] if paged else []),
-        ("requests with a hit", p.requests_with_hits),
-    ])
-    allocation = kv_table(f"allocation (pool {o.pool_tokens:,} tokens = {o.num_pages:,} pages)", [
-        ("peak used tokens", f"{o.peak_used_tokens:,} ({_pct(o.peak_token_fraction)})"),
-        *([("peak used pages", f"{o.peak_used_pages:,} ({_pct(o.peak_page_fraction)})"),
-           ("mean used tokens / pages", f"{o.mean_used_tokens:,.0f} / {o.mean_used_pages:,.0f}")] if paged else
-          [("mean used tokens", f"{o.mean_used_tokens:,.0f}")]),
-        *([("partial-page waste, peak / mean (tokens)", f"{o.peak_waste_tokens:,} / {o.mean_waste_tokens:,.0f}")]
-          if paged else []),
-        ("peak evictable / protected (tokens)", f"{o.peak_evictable_tokens:,} / {o.peak_protected_tokens:,}"),
-        ("allocations (tokens)", f"{a.allocations:,} ({a.allocated_tokens:,})"),
-        ("returned to the free list: calls (tokens)", f"{a.frees:,} ({a.freed_tokens:,})"),
-        ("request rows, peak / total", f"{a.peak_request_rows:,} / {a.request_rows:,}"),
-        ("out-of-memory events", a.oom_events),
-    ])
+    prefix = _prefix_table(result, bound)
+    allocation = _allocation_table(o, a, paged)
     reuse = [
         ("needed again (tokens, share)", f"{e.tokens_needed_again:,} ({_pct(e.needed_again_share)})"),
         ("reuse distance p50 / p90 / max (requests)", _dist(e.reuse_distance_requests, 1)),
@@ -252,6 +238,49 @@ def replay_tables(result: ReplayResult, bound: Optional[ReplayResult] = None) ->
         tables.insert(2, kv_table(f"host tier (hiradix, host pool {result.host_tier.host_pool_tokens:,} tokens)",
                                   tier_rows(result.host_tier)))
     return tables
+
+
+def _prefix_table(result: ReplayResult, bound: Optional[ReplayResult]) -> Table:
+    p = result.prefix
+    ps = p.page_size
+    paged = ps > 1
+    return kv_table(f"prefix cache (page size {ps}, block size {p.block_size})", [
+        ("cached tokens", p.cached_tokens), ("input tokens", p.input_tokens),
+        ("hit rate (tokens)", _pct(p.hit_rate)),
+        ("per-request mean", _pct(p.per_request_mean_hit_rate)),
+        ("page hit rate (hit pages / pages)", f"{_pct(p.page_hit_rate)} ({p.hit_pages:,} / {p.pages:,})"),
+        ("block ratio (hit blocks / blocks)", f"{_pct(p.block_ratio)} ({p.hit_blocks:,} / {p.blocks:,})"),
+        ("SGLang per batch, mean / last", f"{_pct(p.batch_mean_hit_rate)} / {_pct(p.last_batch_hit_rate)}"
+                                          f" ({p.batches:,} batches)"),
+        ("SGLang cumulative", _pct(p.sglang_cumulative_hit_rate)),
+        ("vLLM (hits / queries)", f"{_pct(p.vllm_hit_rate)} ({p.vllm_hits:,} / {p.vllm_queries:,})"),
+        ("hit rate, first 50% excluded", _pct(p.warmup_excluded_hit_rate)),
+        # over a trace of at most WINDOW_REQUESTS the window is the whole trace: the hit rate above
+        *([(f"hit rate, last {WINDOW_REQUESTS:,} requests", _pct(p.last_1000_hit_rate))]
+          if result.trace.requests > WINDOW_REQUESTS else []),
+        ("ceiling (sequential, never evicting)", f"{_pct(p.ceiling_hit_rate)} ({p.ceiling_tokens:,} tokens)"),
+        *([("Belady bound (offline, same pool)", _pct(bound.prefix.hit_rate))] if bound is not None else []),
+        ("lost to capacity and timing", p.lost_to_capacity_and_timing),
+        *([("lost to page alignment", p.lost_to_page_alignment),
+           ("requests with a sub-page shared prefix", p.sub_page_prefix_requests)] if paged else []),
+        ("requests with a hit", p.requests_with_hits),
+    ])
+
+
+def _allocation_table(o, a, paged: bool) -> Table:
+    return kv_table(f"allocation (pool {o.pool_tokens:,} tokens = {o.num_pages:,} pages)", [
+        ("peak used tokens", f"{o.peak_used_tokens:,} ({_pct(o.peak_token_fraction)})"),
+        *([("peak used pages", f"{o.peak_used_pages:,} ({_pct(o.peak_page_fraction)})"),
+           ("mean used tokens / pages", f"{o.mean_used_tokens:,.0f} / {o.mean_used_pages:,.0f}")] if paged else
+          [("mean used tokens", f"{o.mean_used_tokens:,.0f}")]),
+        *([("partial-page waste, peak / mean (tokens)", f"{o.peak_waste_tokens:,} / {o.mean_waste_tokens:,.0f}")]
+          if paged else []),
+        ("peak evictable / protected (tokens)", f"{o.peak_evictable_tokens:,} / {o.peak_protected_tokens:,}"),
+        ("allocations (tokens)", f"{a.allocations:,} ({a.allocated_tokens:,})"),
+        ("returned to the free list: calls (tokens)", f"{a.frees:,} ({a.freed_tokens:,})"),
+        ("request rows, peak / total", f"{a.peak_request_rows:,} / {a.request_rows:,}"),
+        ("out-of-memory events", a.oom_events),
+    ])
 
 
 def _delay_row(delay) -> list[tuple[str, str]]:
