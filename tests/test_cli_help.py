@@ -103,3 +103,9 @@ def test_metavars_need_no_typer_internals():
     assert _type_name(SimpleNamespace(type=SimpleNamespace(name="integer"))) == "int"
     assert _type_name(SimpleNamespace(type=SimpleNamespace(name="path"))) == "Path"
     assert _type_name(SimpleNamespace(bare_type=lambda: "float")) == "float"
+
+
+def test_square_brackets_in_help_are_not_eaten_as_markup():
+    """rich reads `[ray]` as a style tag: the help escapes it, so the install hint is whole."""
+    text = " ".join(_help(["replay"]).split())
+    assert "pip install 'memcli[ray]'" in text

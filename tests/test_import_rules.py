@@ -195,7 +195,7 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> dict[str, list[str]]:
       "memcli/steps.py": "from memcli.mem_cache.radix_cache import RadixCache\n"}, "cycle: memcli.mem_cache -> memcli.steps"),
     ({"memcli/sched/batch.py": "import memcli.kernels\n"}, "sched imports no kernels"),
     ({"memcli/sched/batch.py": "from kernels.alloc import alloc_extend\n"}, "sched imports no kernels"),
-    ({"memcli/report/tables.py": "from memcli.tools.replay.result import ReplayResult\n"}, "report helpers import no tool"),
+    ({"memcli/report/tables.py": "from memcli.tools.replay.results import ReplayResult\n"}, "report helpers import no tool"),
     ({"memcli/tools/replay/runner.py": "from memcli.cli.app import app\n"}, "only the CLI package imports"),
     ({"memcli/reference/observe.py": "def run():\n    from memcli.tools.replay.runner import replay\n"},
      "reference imports no tool"),

@@ -37,8 +37,13 @@ def _root() -> None:
     """Build, exercise and inspect the KV-cache memory stack of an LLM serving engine."""
 
 
+# Options whose value may be left out, by command: {flag: its values} (`memcli.cli.options`).
+OPTIONAL_VALUES: dict[str, dict[str, tuple[str, ...]]] = {"replay": replay.OPTIONAL_VALUES}
+
+
 def register(name: str, func: Callable, list_flags: tuple[str, ...] = ()) -> None:
-    cls = list_flags_command(list_flags) if list_flags else MemcliCommand
+    optional = OPTIONAL_VALUES.get(name)
+    cls = list_flags_command(list_flags, optional) if list_flags or optional else MemcliCommand
     app.command(name, cls=cls)(guarded(func))
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import typer
 
 from memcli.cli.options import JsonOpt, ProgressOpt
-from memcli.errors import MemcliError
 from memcli.workload import DEFAULT_MAX_TOKENS
 
 
@@ -34,41 +33,17 @@ def gen_trace(
     left as it is (a note says so); when it holds anything else, --force overwrites it."""
     from memcli.cli.progress import bars, wanted
     from memcli.report.console import print_json, stdout_console
-    from memcli.tools.gen_trace.report import gen_trace_document, render, trace_stats
-    from memcli.workload.generate import check_trace_size, generate_trace, holds_trace, write_trace
+    from memcli.tools.gen_trace.report import gen_trace_document, render
+    from memcli.tools.gen_trace.run import GenTraceRequest, TraceParams, run_gen_trace
 
-    if out.is_dir():
-        raise MemcliError(f"{out} is a folder", "give the path of the file to write, e.g. chat.jsonl")
-    params = {
-        "seed": seed,
-        "system_prompts": system_prompts,
-        "system_prompt_len": system_prompt_len,
-        "turns": turns,
-        "input_len": input_len,
-        "output_len": output_len,
-        "rate": rate,
-    }
-    check_trace_size(max_tokens, requests, system_prompts=system_prompts, system_prompt_len=system_prompt_len,
-                     turns=turns, input_len=input_len, output_len=output_len)
-    with bars(wanted(progress)) as task:
-        records = generate_trace(requests, **params, progress=_counting(task("generating"), requests))
-        unchanged = out.exists() and not force and holds_trace(records, out)
-        if out.exists() and not force and not unchanged:
-            raise MemcliError(f"{out} already exists and holds another trace",
-                              "pass --force to overwrite it, or choose another path")
-        if unchanged:
-            num_bytes = out.stat().st_size
-            print(f"note: {out} already holds this trace (same options and seed): left as it is", file=sys.stderr)
-        else:
-            num_bytes = write_trace(records, out, overwrite=force, progress=_counting(task("writing"), requests))
-        stats = trace_stats(records, progress=_counting(task("summarizing"), requests))
+    params = TraceParams(seed, system_prompts, system_prompt_len, turns, input_len, output_len, rate)
+    request = GenTraceRequest(out, requests, params, force, max_tokens)
+    show = wanted(progress)
+    with bars(show) as task:
+        result = run_gen_trace(request, task if show else None)
+    if result.unchanged:
+        print(f"note: {out} already holds this trace (same options and seed): left as it is", file=sys.stderr)
     if json_out:
-        print_json(gen_trace_document(out, num_bytes, params, stats, unchanged))
+        print_json(gen_trace_document(result))
         return
-    render(out, num_bytes, stats, stdout_console(), unchanged)
-
-
-def _counting(update, total: int):
-    """A progress callback for `total` requests: the bar, and its end when the work ends."""
-    update(0, total)
-    return lambda done: update(done, total)
+    render(result, stdout_console())

@@ -7,6 +7,10 @@ List options take several values in any of three forms, mixed freely: `--batch-s
 (values after one flag, as in SGLang's bench_one_batch), `--batch-size 1,8,32` (a comma
 list) and `--batch-size 1 --batch-size 8` (a repeated flag). A command opts in with
 a `LIST_FLAGS` tuple that `memcli.cli.app` registers it with.
+
+An option whose value may be left out (`replay --check`, `replay --check full`) is an ordinary
+option with a value that the command fills in before parsing: a command opts in with an
+`OPTIONAL_VALUES` mapping, {flag: its values, the first the one a bare flag means}.
 """
 
 from __future__ import annotations
@@ -58,10 +62,41 @@ def expand_list_flags(args: list[str], list_flags: tuple[str, ...]) -> list[str]
     return out
 
 
+def expand_optional_values(args: list[str],
+                           optional: dict[str, tuple[str, ...]]) -> tuple[list[str], dict[str, str]]:
+    """`--check full` -> `--check=full`; a bare `--check` (last, or before any word that is not
+    one of its values) -> `--check=incremental`, the first of its values. Returns the
+    arguments and {word: flag} for the words that followed such a flag without being one of
+    its values (they stay where they are: a positional argument, or a mistyped value)."""
+    out: list[str] = []
+    strays: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            return out + args[i:], strays
+        if arg in optional:
+            values = optional[arg]
+            following = args[i + 1] if i + 1 < len(args) else None
+            if following in values:
+                out.append(f"{arg}={following}")
+                i += 2
+                continue
+            out.append(f"{arg}={values[0]}")
+            if following is not None and not following.startswith("-"):
+                strays.setdefault(following, arg)
+        else:
+            out.append(arg)
+        i += 1
+    return out, strays
+
+
 class MemcliCommand(TyperCommand):
-    """A memcli command: readable help, and several values after each flag of `list_flags`."""
+    """A memcli command: readable help, several values after each flag of `list_flags`, and
+    a value that may be left out after each flag of `optional_values`."""
 
     list_flags: tuple[str, ...] = ()
+    optional_values: dict[str, tuple[str, ...]] = {}
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -71,7 +106,25 @@ class MemcliCommand(TyperCommand):
     def parse_args(self, ctx, args: list[str]) -> list[str]:
         if self.list_flags:
             args = expand_list_flags(list(args), self.list_flags)
-        return super().parse_args(ctx, args)
+        if not self.optional_values:
+            return super().parse_args(ctx, args)
+        args, strays = expand_optional_values(list(args), self.optional_values)
+        ctx.allow_extra_args = True  # a stray left over: named below, with the flag's values
+        rest = super().parse_args(ctx, args)
+        ctx.allow_extra_args = False
+        if ctx.args:
+            self._extra_arguments(ctx, ctx.args, strays)
+        return rest
+
+    def _extra_arguments(self, ctx, extra: list[str], strays: dict[str, str]) -> None:
+        """Words left over after parsing: a word that followed an optional-value flag is a
+        value it does not take (exit 2 naming its values); anything else, click's own error."""
+        if extra[0] in strays:
+            flag = strays[extra[0]]
+            values = self.optional_values[flag]
+            raise MemcliError(f'unexpected argument "{extra[0]}"',
+                              f"{flag} takes no value or one of: {', '.join(values)} (as in {flag} {values[-1]})")
+        ctx.fail(f"Got unexpected extra argument(s) ({' '.join(extra)})")
 
     def get_params(self, ctx) -> list:
         params = super().get_params(ctx)
@@ -135,9 +188,12 @@ def _type_name(param) -> str:
     return _CLICK_TYPE_NAMES.get(name, name)
 
 
-def list_flags_command(list_flags: tuple[str, ...]) -> type[MemcliCommand]:
-    """A command class that reads several values after each of `list_flags`."""
-    return type("ListFlagsCommand", (MemcliCommand,), {"list_flags": tuple(list_flags)})
+def list_flags_command(list_flags: tuple[str, ...],
+                       optional_values: Optional[dict[str, tuple[str, ...]]] = None) -> type[MemcliCommand]:
+    """A command class that reads several values after each of `list_flags`, and an
+    optional value after each flag of `optional_values`."""
+    return type("ListFlagsCommand", (MemcliCommand,),
+                {"list_flags": tuple(list_flags), "optional_values": dict(optional_values or {})})
 
 
 def parse_ints(option: str, values: Optional[List[str]], default: Optional[list[int]]) -> Optional[list[int]]:

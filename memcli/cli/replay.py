@@ -1,4 +1,9 @@
-"""`memcli replay TRACE`: continuous batching over a trace, on the config's stack and device."""
+"""`memcli replay TRACE`: continuous batching over a trace, on the config's stack and device.
+
+The options become a `ReplayRequest`; one replay is `memcli.tools.replay.run.run_replay`, a
+study (`--sweep`, `--sweep-file`) `memcli.tools.study.run.run_study`. This module only
+parses, calls one of them, and prints what came back.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +15,35 @@ import typer
 
 from memcli.cli.guard import Interrupted, note_ignored
 from memcli.cli.options import JsonOpt, ProgressOpt, SetOpt
-from memcli.errors import MemcliError
-from memcli.tools.replay import ARRIVALS
+from memcli.tools.replay import CHECK_LEVELS
 from memcli.workload import FORMATS
+
+NAME = "replay"
+# `--check` alone is `--check incremental`; `--check full` names the level (`memcli.cli.options`).
+OPTIONAL_VALUES = {"--check": CHECK_LEVELS}
+
+
+# The study options (`memcli.tools.study.run.StudyOptions`).
+SweepOpt: List[str] = typer.Option(
+    [], "--sweep", metavar="KEY=V1,V2,...",
+    help="A study: one replay per value of a config key (repeat it: every combination of the keys)")
+SweepFileOpt: Optional[Path] = typer.Option(
+    None, "--sweep-file", metavar="FILE",
+    help="A study of the points in a YAML list (each a mapping of config overrides)")
+JobsOpt: Optional[int] = typer.Option(
+    None, "--jobs", "-j", metavar="N",
+    help="Points run at once in local processes (default: the core count; 1: one after another)")
+RayOpt: bool = typer.Option(False, "--ray", help="Run each point as a Ray task (pip install 'memcli\\[ray]')")
+RayAddressOpt: Optional[str] = typer.Option(
+    None, "--ray-address", metavar="ADDR",
+    help="Ray cluster to join with --ray (default: RAY_ADDRESS, else a local runtime)")
+OutOpt: Optional[Path] = typer.Option(
+    None, "--out", metavar="DIR", help="Folder for a study's study.json and study.csv, written as points finish")
+ResumeOpt: bool = typer.Option(False, "--resume", help="With --out: skip the points already in DIR/study.json")
 
 
 def replay_command(
     trace_path: Path = typer.Argument(..., metavar="TRACE", help="Trace file: memcli or Mooncake JSONL"),
-    check_level: Optional[str] = typer.Argument(None, metavar="full", help="After --check: full", show_default=False),
     config: Optional[Path] = typer.Option(None, "--config", "-c", metavar="FILE",
                                           help="YAML config (default: the built-in replay config)"),
     set_: List[str] = SetOpt,
@@ -29,25 +55,17 @@ def replay_command(
         None, "--arrivals", metavar="MODE",
         help="timestamp (trace times on the simulated clock; default when the trace has times),"
         " burst (all at t=0; default otherwise) or sequential (one request at a time)"),
-    check: bool = typer.Option(
-        False, "--check", help="Check integrity after every step, incrementally (what the step changed, plus sampled"
+    check: Optional[str] = typer.Option(
+        None, "--check", metavar="[incremental|full]",
+        help="Check integrity after every step, incrementally (what the step changed, plus sampled"
         " full walks on idle steps); `--check full`: the full walk of the pool after every step (slow on large pools)"),
-    sweep: List[str] = typer.Option(
-        [], "--sweep", metavar="KEY=V1,V2,...",
-        help="A study: one replay per value of a config key (repeat it: every combination of the keys)"),
-    sweep_file: Optional[Path] = typer.Option(
-        None, "--sweep-file", metavar="FILE",
-        help="A study of the points in a YAML list (each a mapping of config overrides)"),
-    jobs: Optional[int] = typer.Option(
-        None, "--jobs", "-j", metavar="N",
-        help="Points run at once in local processes (default: the core count; 1: one after another)"),
-    use_ray: bool = typer.Option(False, "--ray", help="Run each point as a Ray task (pip install 'memcli[ray]')"),
-    ray_address: Optional[str] = typer.Option(
-        None, "--ray-address", metavar="ADDR",
-        help="Ray cluster to join with --ray (default: RAY_ADDRESS, else a local runtime)"),
-    out: Optional[Path] = typer.Option(
-        None, "--out", metavar="DIR", help="Folder for a study's study.json and study.csv, written as points finish"),
-    resume: bool = typer.Option(False, "--resume", help="With --out: skip the points already in DIR/study.json"),
+    sweep: List[str] = SweepOpt,
+    sweep_file: Optional[Path] = SweepFileOpt,
+    jobs: Optional[int] = JobsOpt,
+    use_ray: bool = RayOpt,
+    ray_address: Optional[str] = RayAddressOpt,
+    out: Optional[Path] = OutOpt,
+    resume: bool = ResumeOpt,
     bound: Optional[str] = typer.Option(
         None, "--bound", metavar="belady",
         help="Replay again under Belady's offline eviction and report its hit rate beside (a study: every point)"),
@@ -67,81 +85,57 @@ def replay_command(
     Reports prefix-cache hits, allocation, eviction, scheduling and the integrity checks;
     --sweep runs a study: one replay per point, in parallel processes or on Ray."""
     from memcli.cli.progress import bars, wanted
-    from memcli.config import ignored_keys, load_config
-    from memcli.report.console import print_json, stdout_console
-    from memcli.tools.replay.ceiling import shared_prefix_lens
-    from memcli.cli.study import check_study_options, run_study_command, study_points
-    from memcli.tools.replay.bound import bound_config
-    from memcli.tools.replay.plot import check_plot_path, plot_replay, plot_study, require_matplotlib
-    from memcli.tools.replay.report import render_replay, render_study, replay_document
-    from memcli.tools.replay.requests import check_requests_out, write_requests
-    from memcli.tools.replay.runner import ReplayOptions, check_options, default_arrivals, replay
-    from memcli.tools.replay.study import StudyContext, with_belady
-    from memcli.workload.readers import read_trace
+    from memcli.tools.replay.run import ConfigSource, Hooks, ReplayRequest, TraceSource
+    from memcli.tools.study.run import StudyOptions
 
-    if arrivals is not None and arrivals not in ARRIVALS:
-        raise MemcliError(f'unknown --arrivals "{arrivals}"', f"use one of: {', '.join(ARRIVALS)}")
-    if plot is not None:
-        check_plot_path(plot)
-        require_matplotlib()
-    if bound is not None and bound != "belady":
-        raise MemcliError(f'unknown --bound "{bound}"', "the one bound is belady: --bound belady")
-    points = study_points(sweep, sweep_file)
-    check_study_options(points is not None, jobs, use_ray, ray_address, out, resume, events)
-    if points is not None and requests_out is not None:
-        raise MemcliError("--requests-out writes what one replay did; it cannot be combined with --sweep or"
-                          " --sweep-file",
-                          "leave out --sweep / --sweep-file, or --requests-out")
-    if requests_out is not None:
-        check_requests_out(requests_out)
-    cfg = load_config(config, set_, builtin="replay")
-    ignored = ignored_keys(cfg, "replay")
-    note_ignored(ignored, "replay")
-    if check_level is not None and (check_level != "full" or not check):
-        raise MemcliError(f'unexpected argument "{check_level}"', "the one word after TRACE is full, in --check full")
+    request = ReplayRequest(TraceSource(trace_path, trace_format, block_size, limit),
+                            ConfigSource(config, tuple(set_)), arrivals=arrivals, check=check, events=events,
+                            bound=bound, plot=plot, requests_out=requests_out)
+    study = StudyOptions(tuple(sweep), sweep_file, jobs, use_ray, ray_address, out, resume)
     show = wanted(progress)
     with bars(show) as task:
-        trace = read_trace(trace_path, format=trace_format, block_size=block_size, limit=limit,
-                           progress=_reading(task("reading the trace")) if show else None)
-        options = ReplayOptions(arrivals or default_arrivals(trace), check, events,
-                                check_level=check_level or "incremental")
-        check_options(trace, cfg, options)
-        progress_for = (lambda label: _replaying(task(label))) if show else (lambda label: None)
-        shared = shared_prefix_lens(trace)
-        if points is not None:
-            make_config = lambda extra: load_config(config, [*set_, *extra], builtin="replay")  # noqa: E731
-            doc = run_study_command(with_belady(points, bound is not None), make_config,
-                                    StudyContext(trace, options, shared), jobs, use_ray, ray_address, out, resume,
-                                    task)
-            result = None
-            failed = any(not entry["integrity_ok"] or entry["stalled"] for entry in doc["points"])
-            _emit(json_out, doc, lambda console: render_study(doc, console))
-            if plot is not None:
-                plot_study(doc, plot)
+        hooks = Hooks(task if show else None, lambda ignored: note_ignored(ignored, NAME))
+        if study.wanted:
+            _study(request, study, hooks, json_out)
         else:
-            belady_cfg = bound_config(cfg) if bound is not None else None
-            result = replay(cfg, trace, options, progress_for("replay"), shared)
-            failed = not result.integrity.ok or result.stop is not None
-            if requests_out is not None:
-                count = write_requests(requests_out, result.requests_log, trace)
-                print(f"requests: wrote {count:,} rows to {requests_out}", file=sys.stderr)
-            bound_result = None
-            if belady_cfg is not None and result.stop is None:
-                bound_result = result if belady_cfg is cfg else replay(
-                    belady_cfg, trace, ReplayOptions(options.arrivals), progress_for("belady bound"), shared)
-            _emit(json_out, {**replay_document(result, bound=bound_result), "ignored_keys": sorted(ignored)},
-                  lambda console: render_replay(result, console, bound=bound_result))
-            if plot is not None and result.stop is None:
-                plot_replay(result, plot)
-    if plot is not None and (result is None or result.stop is None):
-        print(f"plot: wrote {plot}", file=sys.stderr)
-    if result is not None and result.stop is not None:
-        if result.interrupted:
-            raise Interrupted(result.stop.message)
-        print(f"error: {result.stop.message}", file=sys.stderr)
+            study.check_unused()
+            _replay(request, hooks, json_out)
+
+
+def _replay(request, hooks, json_out: bool) -> None:
+    """One replay, printed; exit 1 when a check failed or it stopped early."""
+    from memcli.tools.replay.report import outcome_document, render_outcome
+    from memcli.tools.replay.run import run_replay
+
+    outcome = run_replay(request, hooks)
+    if outcome.requests_out is not None:
+        print(f"requests: wrote {outcome.requests_written:,} rows to {outcome.requests_out}", file=sys.stderr)
+    _emit(json_out, outcome_document(outcome), lambda console: render_outcome(outcome, console))
+    if outcome.plot is not None:
+        print(f"plot: wrote {outcome.plot}", file=sys.stderr)
+    stop = outcome.result.stop
+    if stop is not None:
+        if outcome.result.interrupted:
+            raise Interrupted(stop.message)
+        print(f"error: {stop.message}", file=sys.stderr)
         print("hint: check the sim costs and the pool sizes; the result above covers the replay so far",
               file=sys.stderr)
-    if failed:
+    if outcome.failed:
+        raise typer.Exit(1)
+
+
+def _study(request, study, hooks, json_out: bool) -> None:
+    """A study, printed; exit 1 when a point's check failed or its replay stalled."""
+    from memcli.tools.study.report import render_study
+    from memcli.tools.study.run import StudyRequest, run_study
+
+    outcome = run_study(StudyRequest(request, study), hooks)
+    if outcome.interrupted is not None:
+        raise Interrupted(outcome.interrupted)
+    _emit(json_out, outcome.document, lambda console: render_study(outcome.document, console))
+    if outcome.plot is not None:
+        print(f"plot: wrote {outcome.plot}", file=sys.stderr)
+    if outcome.failed:
         raise typer.Exit(1)
 
 
@@ -152,15 +146,3 @@ def _emit(json_out: bool, document: dict, render) -> None:
         print_json(document)
     else:
         render(stdout_console())
-
-
-def _reading(update):
-    """Progress of reading a trace, in MB of the file as stored."""
-    def report(done: int, size, requests: int) -> None:
-        update(-(-done >> 20), None if size is None else max(-(-size >> 20), 1), f"MB, {requests:,} requests")
-    return report
-
-
-def _replaying(update):
-    """Progress of one replay: requests finished, the simulated clock and the steps."""
-    return lambda p: update(p.finished, p.total, f"sim {p.simulated_ms / 1e3:,.0f} s, {p.steps:,} steps")

@@ -17,9 +17,10 @@ def show_config(
     from memcli.config import load_config
     from memcli.report.console import print_json, stdout_console
     from memcli.tools.show_config.report import render, show_config_document
+    from memcli.tools.show_config.run import run_show_config
 
-    cfg = load_config(config, set_)
+    result = run_show_config(load_config(config, set_))
     if json_out:
-        print_json(show_config_document(cfg))
+        print_json(show_config_document(result))
         return
-    render(cfg, stdout_console())
+    render(result, stdout_console())

@@ -208,21 +208,3 @@ def _describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
     return "cpu (one torch thread; both pools in host memory)"
-
-
-def render_transfers(bench: TransferBench, console) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"hiradix copies on {bench.device}: GB/s ({bench.timing}, median of {bench.rounds} rounds;"
-                        f" host memory {'pinned' if bench.pinned else 'pageable'})", title_justify="left")
-    for name in ("case", "tokens", "MB", *(LABELS[p] for p in PHASES), "backup / plain", "load / plain"):
-        table.add_column(name, justify="left" if name == "case" else "right", no_wrap=name == "case")
-    for row in bench.cases:
-        c = row.case
-        table.add_row(f"bs={c.batch_size} input={c.input_len} ps={c.page_size}", f"{row.tokens:,}",
-                      f"{row.num_bytes / 1e6:,.1f}", *(f"{row.gbps(p):,.2f}" for p in PHASES),
-                      f"{row.share('backup', 'plain_d2h'):.0%}", f"{row.share('load_back', 'plain_h2d'):.0%}")
-    console.print(table)
-    console.print("GB/s = the batch's prompt K and V (every layer) / median time; backup and load-back move them"
-                  " between the device pool's slots and the host pool's; the plain copies move the same bytes"
-                  " between two contiguous tensors in the same run.")

@@ -11,8 +11,12 @@ from typing import Optional
 from rich.table import Table
 
 from memcli.report.envelope import envelope
+from memcli.tools.bench_one_batch.hicache_bench import LABELS as TRANSFER_LABELS
+from memcli.tools.bench_one_batch.hicache_bench import PHASES as TRANSFER_PHASES
+from memcli.tools.bench_one_batch.hicache_bench import TransferBench
 from memcli.tools.bench_one_batch.phases import UNSTABLE_SPREAD, PhaseTiming
-from memcli.tools.bench_one_batch.results import BenchResult, CaseResult, KVStoreFigures, paired_speedup, speedup
+from memcli.tools.bench_one_batch.results import (BenchOutcome, BenchResult, CaseResult, KVStoreFigures,
+                                                  paired_speedup, speedup)
 
 
 def fmt_us(us: Optional[float]) -> str:
@@ -45,6 +49,21 @@ def fmt_spread(t: PhaseTiming) -> str:
 
 def fmt_ratio(ratio: Optional[float]) -> str:
     return "-" if ratio is None else f"{ratio:,.2f}x"
+
+
+def outcome_document(outcome: BenchOutcome, ignored_keys: list[str]) -> dict:
+    """The document `memcli bench-one-batch --json` prints (the cases, or the host copies)."""
+    if outcome.transfers is not None:
+        return outcome.transfers.to_document(ignored_keys)
+    return bench_document(outcome.result, ignored_keys)
+
+
+def render_outcome(outcome: BenchOutcome, console) -> None:
+    """The tables `memcli bench-one-batch` prints."""
+    if outcome.transfers is not None:
+        render_transfers(outcome.transfers, console)
+    else:
+        render(outcome.result, console)
 
 
 def bench_document(result: BenchResult, ignored_keys: list[str]) -> dict:
@@ -243,3 +262,22 @@ def render(result: BenchResult, console) -> None:
     if unstable:
         console.print(f"unstable (spread above {UNSTABLE_SPREAD:.2f}x, marked !): {len(unstable)} figure(s);"
                       " raise --repeat or --rounds, or quiet the machine")
+
+
+def render_transfers(bench: TransferBench, console) -> None:
+    """The host tier's copies (`--tree-cache hiradix`): GB/s of each case's backup and load-back
+    beside plain copies of the same bytes."""
+    table = Table(title=f"hiradix copies on {bench.device}: GB/s ({bench.timing}, median of {bench.rounds} rounds;"
+                        f" host memory {'pinned' if bench.pinned else 'pageable'})", title_justify="left")
+    phases = [TRANSFER_LABELS[p] for p in TRANSFER_PHASES]
+    for name in ("case", "tokens", "MB", *phases, "backup / plain", "load / plain"):
+        table.add_column(name, justify="left" if name == "case" else "right", no_wrap=name == "case")
+    for row in bench.cases:
+        c = row.case
+        table.add_row(f"bs={c.batch_size} input={c.input_len} ps={c.page_size}", f"{row.tokens:,}",
+                      f"{row.num_bytes / 1e6:,.1f}", *(f"{row.gbps(p):,.2f}" for p in TRANSFER_PHASES),
+                      f"{row.share('backup', 'plain_d2h'):.0%}", f"{row.share('load_back', 'plain_h2d'):.0%}")
+    console.print(table)
+    console.print("GB/s = the batch's prompt K and V (every layer) / median time; backup and load-back move them"
+                  " between the device pool's slots and the host pool's; the plain copies move the same bytes"
+                  " between two contiguous tensors in the same run.")

@@ -1,4 +1,5 @@
-"""Results of bench-one-batch: one `CaseResult` per case, in the reference's terms and memcli's.
+"""Results of bench-one-batch: one `CaseResult` per case, in the reference's terms and memcli's,
+and the outcome of the command (`BenchOutcome`: the memory-path cases, or the host tier's copies).
 
 Reference terms (SGLang's bench_one_batch, seconds and tokens/s):
 
@@ -22,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from memcli.config import Config
-from memcli.tools.bench_one_batch.cases import Case
 from memcli.errors import IntegrityError
+from memcli.tools.bench_one_batch.cases import Case
+from memcli.tools.bench_one_batch.hicache_bench import TransferBench
 from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_rounds
 
 # Every timed phase, in report order, with what one call of it does.
@@ -275,3 +277,19 @@ def _per_second(amount: float, seconds: Optional[float]) -> float:
 
 def _median_us(phase: Optional[PhaseTiming]) -> Optional[float]:
     return phase.median_us if phase else None
+
+
+@dataclass(frozen=True)
+class BenchOutcome:
+    """What `memcli bench-one-batch` timed: the memory-path cases (`result`), or with
+    `--tree-cache hiradix` the host tier's copies (`transfers`); the other is None."""
+
+    result: Optional[BenchResult] = None
+    transfers: Optional[TransferBench] = None
+
+    @property
+    def idle_failures(self) -> list[str]:
+        """The cases after which the idle stack did not account for every slot."""
+        if self.result is None:
+            return []
+        return [r.case.label for r in self.result.cases if not r.idle.get("ok")]

@@ -74,7 +74,7 @@ class SglangComparison:
         return slow_start_notes(cases, self.device_type)
 
     def run_case(self, case: Case, config: Config, options, floor=None) -> dict[str, PhaseTiming]:
-        """SGLang's side of one case; with a `floor` (`run.GraphFloor`), each decode step's
+        """SGLang's side of one case; with a `floor` (`rounds.GraphFloor`), each decode step's
         memory path is timed in turn with the launch floor, as memcli's is."""
         runner = SglangCase(self.ref, case, config, seed=options.seed)
         timed = functools.partial(measure, device=runner.device, repeat=options.repeat, warmup=options.warmup)

@@ -6,7 +6,7 @@ from rich.console import Console
 
 from memcli.report.envelope import envelope
 from memcli.report.tables import kv_table
-from memcli.tools.bench_radix.run import BenchRadixResult
+from memcli.tools.bench_radix.results import BenchRadixResult
 
 
 def bench_radix_document(result: BenchRadixResult) -> dict:

@@ -15,10 +15,8 @@ costs more than the copy on small hosts (16 ms instead of 0.2 ms for a 200k-slot
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -29,47 +27,12 @@ from memcli.errors import MemcliError
 from memcli.tools.bench_radix import DEFAULT_CAPACITY_TOKENS
 from memcli.mem_cache.base_prefix_cache import RadixKey
 from memcli.tools.bench_radix.baseline import BaselineRadixCache
+from memcli.tools.bench_radix.results import BenchRadixResult
 from memcli.mem_cache.radix_cache import RadixCache
 from memcli.workload.readers import read_trace
 
 
 Progress = Callable[[str, int, int], None]
-
-
-@dataclass(frozen=True)
-class BenchRadixResult:
-    """Median seconds of match + insert + evict over all requests, per implementation."""
-
-    trace: str
-    num_requests: int
-    page_size: int
-    capacity_tokens: int
-    block_size: int
-    prompt_tokens: int
-    matched_tokens: int
-    baseline_matched_tokens: int
-    mismatched_requests: int
-    evicted_tokens: int
-    baseline_evicted_tokens: int
-    radix_s: float
-    baseline_s: float
-    radix_runs_s: tuple[float, ...]
-    baseline_runs_s: tuple[float, ...]
-    torch_threads: int
-
-    @property
-    def speedup(self) -> float:
-        """Baseline time / radix time."""
-        return self.baseline_s / self.radix_s if self.radix_s > 0 else float("inf")
-
-    @property
-    def hit_rate(self) -> float:
-        """Matched prompt tokens / prompt tokens (full-prompt match, page-floored, cold start)."""
-        return self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "speedup": self.speedup, "hit_rate": self.hit_rate,
-                "same_matches": self.mismatched_requests == 0}
 
 
 class _CountingAllocator:

@@ -10,8 +10,7 @@ from rich.table import Table
 
 from memcli.tools.replay.hicache import TIER_DEFINITION, tier_rows
 from memcli.tools.replay.metrics import DEFINITIONS, EVICTION_DEFINITIONS, WINDOW_REQUESTS, downsample
-from memcli.tools.replay.result import ReplayResult
-from memcli.tools.replay.grid import point_label, short_key
+from memcli.tools.replay.results import ReplayOutcome, ReplayResult
 from memcli.report.envelope import envelope
 from memcli.report.tables import fmt, kv_table
 
@@ -50,75 +49,103 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS,
             "steps_per_s": _round(s.steps_per_s, 1),
             "queueing_delay_ms": result.queueing_delay.to_dict() if result.queueing_delay else None,
         },
-        "prefix_cache": {
-            "requests": p.requests,
-            "cached_tokens": p.cached_tokens,
-            "input_tokens": p.input_tokens,
-            "hit_rate": _round(p.hit_rate),
-            "hit_rate_definition": DEFINITIONS["hit_rate"],
-            "block_ratio": {"hit_blocks": p.hit_blocks, "blocks": p.blocks, "block_size": p.block_size,
-                            "value": _round(p.block_ratio), "definition": DEFINITIONS["block_ratio"]},
-            "warmup_excluded": {"cached_tokens": p.warmup_cached_tokens, "input_tokens": p.warmup_input_tokens,
-                                "hit_rate": _round(p.warmup_excluded_hit_rate),
-                                "definition": DEFINITIONS["warmup_excluded"]},
-            "last_1000": {"n": WINDOW_REQUESTS, "cached_tokens": p.window_cached_tokens,
-                          "input_tokens": p.window_input_tokens, "hit_rate": _round(p.last_1000_hit_rate),
-                          "definition": DEFINITIONS["last_1000"]},
-            "per_request_mean": {"requests": p.requests, "hit_rate": _round(p.per_request_mean_hit_rate),
-                                 "definition": DEFINITIONS["per_request_mean"]},
-            "page_hit_rate": {"hit_pages": p.hit_pages, "pages": p.pages, "page_size": p.page_size,
-                              "value": _round(p.page_hit_rate), "definition": DEFINITIONS["page_hit_rate"]},
-            "sglang_batch": {"batches": p.batches, "mean": _round(p.batch_mean_hit_rate),
-                             "last": _round(p.last_batch_hit_rate), "definition": DEFINITIONS["sglang_batch"]},
-            "sglang_cumulative": {"cached_tokens": p.batch_cached_tokens, "new_tokens": p.batch_new_tokens,
-                                  "hit_rate": _round(p.sglang_cumulative_hit_rate),
-                                  "definition": DEFINITIONS["sglang_cumulative"]},
-            "vllm": {"queries": p.vllm_queries, "hits": p.vllm_hits, "hit_rate": _round(p.vllm_hit_rate),
-                     "definition": DEFINITIONS["vllm"]},
-            "belady": None if bound is None else {
-                "cached_tokens": bound.prefix.cached_tokens, "hit_rate": _round(bound.prefix.hit_rate),
-                "evictions": bound.eviction.evictions, "wall_time_s": _round(bound.summary.wall_s, 3),
-                "definition": DEFINITIONS["belady"]},
-            "ceiling": {"tokens": p.ceiling_tokens, "hit_rate": _round(p.ceiling_hit_rate),
-                        "page_size_1_tokens": p.shared_tokens, "definition": DEFINITIONS["ceiling"]},
-            "lost_to_page_alignment": {"tokens": p.lost_to_page_alignment,
-                                       "definition": DEFINITIONS["lost_to_page_alignment"]},
-            "sub_page_prefix_requests": {"requests": p.sub_page_prefix_requests,
-                                         "definition": DEFINITIONS["sub_page_prefix_requests"]},
-            "lost_to_capacity_and_timing": {"tokens": p.lost_to_capacity_and_timing,
-                                            "definition": DEFINITIONS["lost_to_capacity_and_timing"]},
-            "requests_with_hits": p.requests_with_hits,
-        },
-        "allocation": {
-            "pool_tokens": o.pool_tokens, "num_pages": o.num_pages,
-            "peak_used_tokens": o.peak_used_tokens, "mean_used_tokens": _round(o.mean_used_tokens, 1),
-            "peak_used_pages": o.peak_used_pages, "mean_used_pages": _round(o.mean_used_pages, 1),
-            "peak_partial_page_waste_tokens": o.peak_waste_tokens,
-            "mean_partial_page_waste_tokens": _round(o.mean_waste_tokens, 1),
-            "peak_evictable_tokens": o.peak_evictable_tokens, "peak_protected_tokens": o.peak_protected_tokens,
-            "allocations": a.allocations, "allocated_tokens": a.allocated_tokens, "frees": a.frees,
-            "freed_tokens": a.freed_tokens, "peak_request_rows": a.peak_request_rows, "request_rows": a.request_rows,
-            "oom_events": a.oom_events,
-            "means": "weighted by simulated time",
-        },
+        "prefix_cache": _prefix_section(p, bound),
+        "allocation": _allocation_section(o, a),
         "eviction": {**dataclasses.asdict(e), "needed_again_share": _round(e.needed_again_share),
                      "definitions": EVICTION_DEFINITIONS},
         "scheduling": {
             "retractions": q.retractions, "retracted_requests": q.retracted_requests,
             "recomputed_tokens": q.recomputed_tokens, "aborted": q.aborted, **dataclasses.asdict(q.queue),
         },
-        "integrity": {
-            "ok": i.ok, "mode": i.mode, "checks_run": i.checks_run, "failure": i.failure,
-            "failure_step": i.failure_step, "failure_check": i.failure_check,
-            "incremental_checks": i.incremental_checks, "full_walks": i.full_walks, "check_s": _round(i.check_s, 3),
-            "everything_free_at_end": i.everything_free,
-            "end": {"available": i.end_available, "evictable": i.end_evictable, "protected": i.end_protected,
-                    "rows_in_use": i.end_rows_in_use},
-            "final_reports": list(i.final_reports),
-        },
+        "integrity": _integrity_section(i),
         "series": {"points": series_points, **downsample(_series_fields(result), series_points)},
         **({"host_tier": result.host_tier.to_dict()} if result.host_tier is not None else {}),
     }, result.config)
+
+
+def _prefix_section(p, bound: Optional[ReplayResult]) -> dict[str, Any]:
+    """The prefix cache's hit rates, each with its definition (`metrics.DEFINITIONS`)."""
+    return {
+        "requests": p.requests,
+        "cached_tokens": p.cached_tokens,
+        "input_tokens": p.input_tokens,
+        "hit_rate": _round(p.hit_rate),
+        "hit_rate_definition": DEFINITIONS["hit_rate"],
+        "block_ratio": {"hit_blocks": p.hit_blocks, "blocks": p.blocks, "block_size": p.block_size,
+                        "value": _round(p.block_ratio), "definition": DEFINITIONS["block_ratio"]},
+        "warmup_excluded": {"cached_tokens": p.warmup_cached_tokens, "input_tokens": p.warmup_input_tokens,
+                            "hit_rate": _round(p.warmup_excluded_hit_rate),
+                            "definition": DEFINITIONS["warmup_excluded"]},
+        "last_1000": {"n": WINDOW_REQUESTS, "cached_tokens": p.window_cached_tokens,
+                      "input_tokens": p.window_input_tokens, "hit_rate": _round(p.last_1000_hit_rate),
+                      "definition": DEFINITIONS["last_1000"]},
+        "per_request_mean": {"requests": p.requests, "hit_rate": _round(p.per_request_mean_hit_rate),
+                             "definition": DEFINITIONS["per_request_mean"]},
+        "page_hit_rate": {"hit_pages": p.hit_pages, "pages": p.pages, "page_size": p.page_size,
+                          "value": _round(p.page_hit_rate), "definition": DEFINITIONS["page_hit_rate"]},
+        "sglang_batch": {"batches": p.batches, "mean": _round(p.batch_mean_hit_rate),
+                         "last": _round(p.last_batch_hit_rate), "definition": DEFINITIONS["sglang_batch"]},
+        "sglang_cumulative": {"cached_tokens": p.batch_cached_tokens, "new_tokens": p.batch_new_tokens,
+                              "hit_rate": _round(p.sglang_cumulative_hit_rate),
+                              "definition": DEFINITIONS["sglang_cumulative"]},
+        "vllm": {"queries": p.vllm_queries, "hits": p.vllm_hits, "hit_rate": _round(p.vllm_hit_rate),
+                 "definition": DEFINITIONS["vllm"]},
+        "belady": None if bound is None else {
+            "cached_tokens": bound.prefix.cached_tokens, "hit_rate": _round(bound.prefix.hit_rate),
+            "evictions": bound.eviction.evictions, "wall_time_s": _round(bound.summary.wall_s, 3),
+            "definition": DEFINITIONS["belady"]},
+        "ceiling": {"tokens": p.ceiling_tokens, "hit_rate": _round(p.ceiling_hit_rate),
+                    "page_size_1_tokens": p.shared_tokens, "definition": DEFINITIONS["ceiling"]},
+        "lost_to_page_alignment": {"tokens": p.lost_to_page_alignment,
+                                   "definition": DEFINITIONS["lost_to_page_alignment"]},
+        "sub_page_prefix_requests": {"requests": p.sub_page_prefix_requests,
+                                     "definition": DEFINITIONS["sub_page_prefix_requests"]},
+        "lost_to_capacity_and_timing": {"tokens": p.lost_to_capacity_and_timing,
+                                        "definition": DEFINITIONS["lost_to_capacity_and_timing"]},
+        "requests_with_hits": p.requests_with_hits,
+    
+    }
+
+
+def _allocation_section(o, a) -> dict[str, Any]:
+    """Pool occupancy (means weighted by simulated time) and allocator traffic."""
+    return {
+        "pool_tokens": o.pool_tokens, "num_pages": o.num_pages,
+        "peak_used_tokens": o.peak_used_tokens, "mean_used_tokens": _round(o.mean_used_tokens, 1),
+        "peak_used_pages": o.peak_used_pages, "mean_used_pages": _round(o.mean_used_pages, 1),
+        "peak_partial_page_waste_tokens": o.peak_waste_tokens,
+        "mean_partial_page_waste_tokens": _round(o.mean_waste_tokens, 1),
+        "peak_evictable_tokens": o.peak_evictable_tokens, "peak_protected_tokens": o.peak_protected_tokens,
+        "allocations": a.allocations, "allocated_tokens": a.allocated_tokens, "frees": a.frees,
+        "freed_tokens": a.freed_tokens, "peak_request_rows": a.peak_request_rows, "request_rows": a.request_rows,
+        "oom_events": a.oom_events,
+        "means": "weighted by simulated time",
+    
+    }
+
+
+def _integrity_section(i) -> dict[str, Any]:
+    """The integrity checks: how they ran, the first failure, the pool at the end."""
+    return {
+        "ok": i.ok, "mode": i.mode, "checks_run": i.checks_run, "failure": i.failure,
+        "failure_step": i.failure_step, "failure_check": i.failure_check,
+        "incremental_checks": i.incremental_checks, "full_walks": i.full_walks, "check_s": _round(i.check_s, 3),
+        "everything_free_at_end": i.everything_free,
+        "end": {"available": i.end_available, "evictable": i.end_evictable, "protected": i.end_protected,
+                "rows_in_use": i.end_rows_in_use},
+        "final_reports": list(i.final_reports),
+    
+    }
+
+
+def outcome_document(outcome: ReplayOutcome) -> dict[str, Any]:
+    """The document `memcli replay --json` prints: the replay's, with the ignored config keys."""
+    return {**replay_document(outcome.result, bound=outcome.bound), "ignored_keys": list(outcome.ignored_keys)}
+
+
+def render_outcome(outcome: ReplayOutcome, console: Console) -> None:
+    """The tables `memcli replay` prints (the bound beside the replay, when asked for)."""
+    render_replay(outcome.result, console, bound=outcome.bound)
 
 
 def _series_fields(result: ReplayResult) -> dict:
@@ -182,40 +209,8 @@ def replay_tables(result: ReplayResult, bound: Optional[ReplayResult] = None) ->
         *_delay_row(result.queueing_delay),
         ("wall time (s)", s.wall_s), ("steps per second", s.steps_per_s),
     ])
-    prefix = kv_table(f"prefix cache (page size {ps}, block size {p.block_size})", [
-        ("cached tokens", p.cached_tokens), ("input tokens", p.input_tokens),
-        ("hit rate (tokens)", _pct(p.hit_rate)),
-        ("per-request mean", _pct(p.per_request_mean_hit_rate)),
-        ("page hit rate (hit pages / pages)", f"{_pct(p.page_hit_rate)} ({p.hit_pages:,} / {p.pages:,})"),
-        ("block ratio (hit blocks / blocks)", f"{_pct(p.block_ratio)} ({p.hit_blocks:,} / {p.blocks:,})"),
-        ("SGLang per batch, mean / last", f"{_pct(p.batch_mean_hit_rate)} / {_pct(p.last_batch_hit_rate)}"
-                                          f" ({p.batches:,} batches)"),
-        ("SGLang cumulative", _pct(p.sglang_cumulative_hit_rate)),
-        ("vLLM (hits / queries)", f"{_pct(p.vllm_hit_rate)} ({p.vllm_hits:,} / {p.vllm_queries:,})"),
-        ("hit rate, first 50% excluded", _pct(p.warmup_excluded_hit_rate)),
-        # over a trace of at most WINDOW_REQUESTS the window is the whole trace: the hit rate above
-        *([(f"hit rate, last {WINDOW_REQUESTS:,} requests", _pct(p.last_1000_hit_rate))]
-          if result.trace.requests > WINDOW_REQUESTS else []),
-        ("ceiling (sequential, never evicting)", f"{_pct(p.ceiling_hit_rate)} ({p.ceiling_tokens:,} tokens)"),
-        *([("Belady bound (offline, same pool)", _pct(bound.prefix.hit_rate))] if bound is not None else []),
-        ("lost to capacity and timing", p.lost_to_capacity_and_timing),
-        *([("lost to page alignment", p.lost_to_page_alignment),
-           ("requests with a sub-page shared prefix", p.sub_page_prefix_requests)] if paged else []),
-        ("requests with a hit", p.requests_with_hits),
-    ])
-    allocation = kv_table(f"allocation (pool {o.pool_tokens:,} tokens = {o.num_pages:,} pages)", [
-        ("peak used tokens", f"{o.peak_used_tokens:,} ({_pct(o.peak_token_fraction)})"),
-        *([("peak used pages", f"{o.peak_used_pages:,} ({_pct(o.peak_page_fraction)})"),
-           ("mean used tokens / pages", f"{o.mean_used_tokens:,.0f} / {o.mean_used_pages:,.0f}")] if paged else
-          [("mean used tokens", f"{o.mean_used_tokens:,.0f}")]),
-        *([("partial-page waste, peak / mean (tokens)", f"{o.peak_waste_tokens:,} / {o.mean_waste_tokens:,.0f}")]
-          if paged else []),
-        ("peak evictable / protected (tokens)", f"{o.peak_evictable_tokens:,} / {o.peak_protected_tokens:,}"),
-        ("allocations (tokens)", f"{a.allocations:,} ({a.allocated_tokens:,})"),
-        ("returned to the free list: calls (tokens)", f"{a.frees:,} ({a.freed_tokens:,})"),
-        ("request rows, peak / total", f"{a.peak_request_rows:,} / {a.request_rows:,}"),
-        ("out-of-memory events", a.oom_events),
-    ])
+    prefix = _prefix_table(result, bound)
+    allocation = _allocation_table(o, a, paged)
     reuse = [
         ("needed again (tokens, share)", f"{e.tokens_needed_again:,} ({_pct(e.needed_again_share)})"),
         ("reuse distance p50 / p90 / max (requests)", _dist(e.reuse_distance_requests, 1)),
@@ -245,6 +240,49 @@ def replay_tables(result: ReplayResult, bound: Optional[ReplayResult] = None) ->
     return tables
 
 
+def _prefix_table(result: ReplayResult, bound: Optional[ReplayResult]) -> Table:
+    p = result.prefix
+    ps = p.page_size
+    paged = ps > 1
+    return kv_table(f"prefix cache (page size {ps}, block size {p.block_size})", [
+        ("cached tokens", p.cached_tokens), ("input tokens", p.input_tokens),
+        ("hit rate (tokens)", _pct(p.hit_rate)),
+        ("per-request mean", _pct(p.per_request_mean_hit_rate)),
+        ("page hit rate (hit pages / pages)", f"{_pct(p.page_hit_rate)} ({p.hit_pages:,} / {p.pages:,})"),
+        ("block ratio (hit blocks / blocks)", f"{_pct(p.block_ratio)} ({p.hit_blocks:,} / {p.blocks:,})"),
+        ("SGLang per batch, mean / last", f"{_pct(p.batch_mean_hit_rate)} / {_pct(p.last_batch_hit_rate)}"
+                                          f" ({p.batches:,} batches)"),
+        ("SGLang cumulative", _pct(p.sglang_cumulative_hit_rate)),
+        ("vLLM (hits / queries)", f"{_pct(p.vllm_hit_rate)} ({p.vllm_hits:,} / {p.vllm_queries:,})"),
+        ("hit rate, first 50% excluded", _pct(p.warmup_excluded_hit_rate)),
+        # over a trace of at most WINDOW_REQUESTS the window is the whole trace: the hit rate above
+        *([(f"hit rate, last {WINDOW_REQUESTS:,} requests", _pct(p.last_1000_hit_rate))]
+          if result.trace.requests > WINDOW_REQUESTS else []),
+        ("ceiling (sequential, never evicting)", f"{_pct(p.ceiling_hit_rate)} ({p.ceiling_tokens:,} tokens)"),
+        *([("Belady bound (offline, same pool)", _pct(bound.prefix.hit_rate))] if bound is not None else []),
+        ("lost to capacity and timing", p.lost_to_capacity_and_timing),
+        *([("lost to page alignment", p.lost_to_page_alignment),
+           ("requests with a sub-page shared prefix", p.sub_page_prefix_requests)] if paged else []),
+        ("requests with a hit", p.requests_with_hits),
+    ])
+
+
+def _allocation_table(o, a, paged: bool) -> Table:
+    return kv_table(f"allocation (pool {o.pool_tokens:,} tokens = {o.num_pages:,} pages)", [
+        ("peak used tokens", f"{o.peak_used_tokens:,} ({_pct(o.peak_token_fraction)})"),
+        *([("peak used pages", f"{o.peak_used_pages:,} ({_pct(o.peak_page_fraction)})"),
+           ("mean used tokens / pages", f"{o.mean_used_tokens:,.0f} / {o.mean_used_pages:,.0f}")] if paged else
+          [("mean used tokens", f"{o.mean_used_tokens:,.0f}")]),
+        *([("partial-page waste, peak / mean (tokens)", f"{o.peak_waste_tokens:,} / {o.mean_waste_tokens:,.0f}")]
+          if paged else []),
+        ("peak evictable / protected (tokens)", f"{o.peak_evictable_tokens:,} / {o.peak_protected_tokens:,}"),
+        ("allocations (tokens)", f"{a.allocations:,} ({a.allocated_tokens:,})"),
+        ("returned to the free list: calls (tokens)", f"{a.frees:,} ({a.freed_tokens:,})"),
+        ("request rows, peak / total", f"{a.peak_request_rows:,} / {a.request_rows:,}"),
+        ("out-of-memory events", a.oom_events),
+    ])
+
+
 def _delay_row(delay) -> list[tuple[str, str]]:
     if delay is None or not delay.requests:
         return []
@@ -258,66 +296,3 @@ def _pct(value: float) -> str:
 
 def _dist(values: dict[str, float], scale: float) -> str:
     return " / ".join(fmt(round(values[k] * scale, 3)) for k in ("p50", "p90", "max"))
-
-
-# -- studies --------------------------------------------------------------------------------
-
-
-def render_study(doc: dict[str, Any], console: Console) -> None:
-    """The study as one table: a row per finished point (its keys, then the numbers), then the
-    unlimited-pool reference of each page size."""
-    keys = doc["study"]["keys"]
-    names = [short_key(key, keys) for key in keys]
-    table = Table(title=f"study of {', '.join(names) or 'the base config'}: {doc['study']['finished']} of"
-                        f" {doc['study']['points']} points ({doc['arrivals']} arrivals, {doc['study']['executor']})",
-                  title_justify="left")
-    for name in [*names, "pool", "hit rate", "ceiling", "evictions", "needed again", "retracts"]:
-        table.add_column(name, justify="left" if name in names else "right", no_wrap=True)
-    for entry in doc["points"]:
-        table.add_row(*(_value(entry["config"][key]) for key in keys), fmt(entry["pool_tokens"]),
-                      _pct(entry["hit_rate"]), _pct(entry["ceiling_hit_rate"]), fmt(entry["evictions"]),
-                      _optional_pct(entry["needed_again_share"]), fmt(entry["retractions"]))
-    for ref in doc["references"]:
-        label = [f"unlimited, ps {ref['page_size']}"] + [""] * (len(keys) - 1) if keys else []
-        table.add_row(*label, fmt(ref["pool_tokens"]) if ref["pool_tokens"] else "-", _pct(ref["hit_rate"]),
-                      _pct(ref["ceiling_hit_rate"]), "-", "-", "-")
-    console.print(table)
-    tiers = [entry for entry in doc["points"] if "tier_device_hit" in entry]
-    if tiers:
-        console.print(_tier_table(tiers, keys))
-    for entry in doc["points"]:
-        if not entry["integrity_ok"]:
-            console.print(f"INTEGRITY FAILURE at {point_label(entry['point'])} (that replay stopped)")
-        if entry["stalled"]:
-            console.print(f"STALLED at {point_label(entry['point'])} (that replay stopped)")
-    console.print("ceiling = sequential, never evicting; needed again = share of evicted tokens a later request"
-                  " uses (see the single-replay report); --out DIR (study.csv) and --json have every number of"
-                  " every point, every hit-rate definition included.")
-    if tiers:
-        console.print("host tier: hit rate by tier (device, host loaded back, host skipped, miss; see the"
-                      " single-replay report), GB copied device -> host and back, host tokens evicted.")
-    console.print(f"hit rate = {DEFINITIONS['hit_rate']}.")
-    for ref in doc["references"]:
-        console.print(f"unlimited, ps {ref['page_size']} ({ref['method']}): {ref['note']}.")
-
-
-def _tier_table(entries: list[dict[str, Any]], keys: list[str]) -> Table:
-    """Hit rate by tier per point (the points with a host tier)."""
-    table = Table(title=f"host tier by {', '.join(keys)}", title_justify="left")
-    for name in ("point", "host pool", "device", "host load", "host skip", "miss", "GB d2h", "GB h2d",
-                 "host evict", "sim s"):
-        table.add_column(name, justify="left" if name == "point" else "right", no_wrap=True)
-    for e in entries:
-        table.add_row(point_label(e["point"]), fmt(e["host_pool_tokens"]), _pct(e["tier_device_hit"]),
-                      _pct(e["tier_host_loaded"]), _pct(e["tier_host_skipped"]), _pct(e["tier_miss"]),
-                      f"{e['d2h_bytes'] / 1e9:,.1f}", f"{e['h2d_bytes'] / 1e9:,.1f}", fmt(e["host_evicted_tokens"]),
-                      f"{e['simulated_time_ms'] / 1e3:,.0f}")
-    return table
-
-
-def _value(value: Any) -> str:
-    return fmt(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
-
-
-def _optional_pct(value) -> str:
-    return "-" if value is None else _pct(value)

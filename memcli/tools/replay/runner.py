@@ -35,7 +35,7 @@ from memcli.tools.replay.requests import RequestLog, delay_stats
 from memcli.tools.replay.hicache import TierLog, host_tier_stats
 from memcli.tools.replay.metrics import (EngineCounters, EvictionLog, StepSeries, eviction_stats, occupancy_stats, prefix_stats,
                                    queue_stats)
-from memcli.tools.replay.result import (AllocationStats, IntegrityStats, ReplayResult, RunSummary, SchedulingStats,
+from memcli.tools.replay.results import (AllocationStats, IntegrityStats, ReplayResult, RunSummary, SchedulingStats,
                                   Stop, TraceInfo)
 from memcli import engines
 from memcli.devices import resolve_device

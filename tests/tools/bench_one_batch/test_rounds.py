@@ -17,7 +17,7 @@ from memcli.stack import build_stack
 from memcli.tools.bench_one_batch.cases import Case
 from memcli.tools.bench_one_batch.phases import UNSTABLE_SPREAD, PhaseTiming, combine_rounds
 from memcli.tools.bench_one_batch.results import combine_case_rounds
-from memcli.tools.bench_one_batch.run import BenchOptions, run_bench_one_batch, run_case
+from memcli.tools.bench_one_batch.rounds import BenchOptions, run_case, run_cases
 from memcli.tools.bench_one_batch.runner import CaseRunner
 
 runner = CliRunner()
@@ -62,7 +62,7 @@ def _small_config(page_size: int = 1):
 def test_cases_are_interleaved_round_by_round():
     cases = [Case(1, 24, 2, 0, 1), Case(2, 24, 2, 0, 1), Case(1, 24, 2, 0, 4)]
     seen = []
-    result = run_bench_one_batch(_small_config(), cases, BenchOptions(repeat=2, warmup=0, rounds=3),
+    result = run_cases(_small_config(), cases, BenchOptions(repeat=2, warmup=0, rounds=3),
                                  progress=lambda r, rounds, n, count, case: seen.append((r, case)))
     assert seen == [(r, c) for r in (1, 2, 3) for c in cases]
     for case in result.cases:
@@ -133,7 +133,7 @@ def test_the_paired_ratio_is_the_median_of_the_rounds_ratios():
 def test_a_gpu_run_times_the_floor_per_case_and_reports_it():
     cfg = load_config(None, ["memory.kv_pool=indices"])
     cases = [Case(4, 64, 3, 0, 1), Case(4, 64, 3, 0, 16)]
-    result = run_bench_one_batch(cfg, cases, BenchOptions(repeat=5, warmup=1, rounds=3))
+    result = run_cases(cfg, cases, BenchOptions(repeat=5, warmup=1, rounds=3))
     for case in result.cases:
         over = case.decode_over_floor()
         assert over is not None and over["ratio"] > 0 and over["per_round"] > 0

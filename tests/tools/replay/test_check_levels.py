@@ -37,7 +37,61 @@ def test_check_full_walks_every_step(memcli_trace):  # noqa: F811
 
 def test_a_word_after_the_trace_other_than_full_is_bad_input(memcli_trace):  # noqa: F811
     result = invoke(memcli_trace, "--check", "fast", *SMALL)
+    assert result.exit_code == 2 and "--check full" in result.stderr and '"fast"' in result.stderr
+    # The same with the level spelled out as the option's value.
+    result = invoke(memcli_trace, "--check=fast", *SMALL)
     assert result.exit_code == 2 and "--check full" in result.stderr
+
+
+@pytest.mark.parametrize("args, mode", [
+    (["--check"], "every step"),  # last on the line
+    (["--check", "incremental"], "every step"),
+    (["--check", "--limit", "20"], "every step"),  # before another option
+    (["--check=full"], "every step (full)"),
+    ([], "idle steps and end"),
+])
+def test_check_takes_an_optional_level(memcli_trace, args, mode):  # noqa: F811
+    code, doc = run(memcli_trace, *args)
+    assert code == 0 and doc["integrity"]["mode"] == mode
+
+
+def test_check_before_the_trace_is_still_a_flag(memcli_trace):  # noqa: F811
+    result = invoke("--check", memcli_trace, "--json", *SMALL)
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["integrity"]["mode"] == "every step"
+    result = invoke("--check", "full", memcli_trace, "--json", *SMALL)
+    assert result.exit_code == 0 and json.loads(result.stdout)["integrity"]["mode"] == "every step (full)"
+
+
+def test_two_traces_are_still_one_too_many(memcli_trace):  # noqa: F811
+    result = invoke(memcli_trace, "--check", memcli_trace, *SMALL)
+    assert result.exit_code == 2 and "--check full" in result.stderr
+    result = invoke(memcli_trace, memcli_trace, *SMALL)
+    assert result.exit_code == 2 and "unexpected extra argument" in result.stderr
+
+
+def test_expand_optional_values():
+    from memcli.cli.options import expand_optional_values
+
+    levels = {"--check": ("incremental", "full")}
+    assert expand_optional_values(["T", "--check"], levels) == (["T", "--check=incremental"], {})
+    assert expand_optional_values(["T", "--check", "full"], levels) == (["T", "--check=full"], {})
+    assert expand_optional_values(["--check", "T"], levels) == (["--check=incremental", "T"], {"T": "--check"})
+    assert expand_optional_values(["--check", "-j", "2"], levels) == (["--check=incremental", "-j", "2"], {})
+    assert expand_optional_values(["--", "--check", "full"], levels) == (["--", "--check", "full"], {})
+
+
+def test_help_shows_check_as_an_option_with_an_optional_level():
+    from typer.testing import CliRunner
+
+    from memcli.cli.app import app
+
+    result = CliRunner().invoke(app, ["replay", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    usage = next(line for line in result.stdout.splitlines() if "Usage:" in line)
+    assert usage.split("replay", 1)[1].split() == ["[OPTIONS]", "TRACE"]  # no positional [full]
+    check = next(line for line in result.stdout.splitlines() if "--check" in line)
+    assert "[incremental|full]" in check
 
 
 @pytest.mark.parametrize("profile", PROFILES)

@@ -319,7 +319,7 @@ def test_a_study_plot_draws_every_line(mooncake_trace, tmp_path):
                     "--sweep", "cache.eviction_policy=lru,fifo", "--jobs", 1, "--plot", out, "--json")
     assert result.exit_code == 0, result.stderr
     assert out.read_bytes()[:4] == b"\x89PNG" and f"plot: wrote {out}" in result.stderr
-    from memcli.tools.replay.plot import study_lines
+    from memcli.tools.study.plot import study_lines
 
     x_key, categories, lines, ceilings = study_lines(json.loads(result.stdout))
     assert x_key == "memory.max_total_tokens" and categories == []

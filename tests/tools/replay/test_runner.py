@@ -11,7 +11,7 @@ import torch
 from memcli.capacity import check_fits
 from memcli.errors import CapacityError, MemcliError
 from memcli.tools.replay.runner import ReplayOptions, replay
-from memcli.tools.replay.unlimited import unlimited_config, unlimited_pool_tokens
+from memcli.tools.study.unlimited import unlimited_config, unlimited_pool_tokens
 from memcli.sched.scheduler import Scheduler
 from memcli.workload.generate import generate_trace, write_trace
 from memcli.workload.readers import read_trace

@@ -19,9 +19,9 @@ from typing import Any, Optional
 from memcli.config import Config
 from memcli.errors import MemcliError
 from memcli.report.envelope import envelope
-from memcli.tools.replay.grid import point_key
+from memcli.tools.study.grid import point_key
 from memcli.tools.replay.metrics import DEFINITIONS, EVICTION_DEFINITIONS
-from memcli.tools.replay.study import StudyContext, StudyState, Task
+from memcli.tools.study.plan import StudyContext, StudyState, Task
 
 JSON_NAME, CSV_NAME = "study.json", "study.csv"
 # The hit-rate columns of a point's row, and the definition each one follows.

@@ -14,14 +14,15 @@ from typer.testing import CliRunner
 from memcli.cli.app import app
 from memcli.config import apply_overrides, config_from_dict
 from memcli.errors import CapacityError, MemcliError
-from memcli.tools.replay import study as study_mod
-from memcli.tools.replay import unlimited as unlimited_mod
+from memcli.tools.study import plan as study_mod
+from memcli.tools.study import unlimited as unlimited_mod
 from memcli.tools.replay.ceiling import shared_prefix_lens
-from memcli.tools.replay.executors import processes, ray_executor, serial
-from memcli.tools.replay.grid import grid_points, parse_sweep
+from memcli.tools.study.executors import processes, ray_executor, serial
+from memcli.tools.study.grid import grid_points, parse_sweep
 from memcli.tools.replay.runner import ReplayOptions
-from memcli.tools.replay.study import TIMING_COLUMNS, StudyContext, StudyState, plan_study, run_study
-from memcli.tools.replay.unlimited import unlimited_pool_tokens
+from memcli.tools.study.plan import StudyContext, StudyState, plan_study, run_tasks
+from memcli.tools.study.results import TIMING_COLUMNS
+from memcli.tools.study.unlimited import unlimited_pool_tokens
 from memcli.workload.readers import read_trace
 
 from tests.tools.replay.helpers import CONVERSATION, shrink_mooncake, small_config
@@ -64,7 +65,7 @@ def serial_rows(trace):
     points = grid_points([parse_sweep("memory.max_total_tokens=8000,60000"), parse_sweep("cache.eviction_policy=lru,fifo"),
                           parse_sweep("memory.page_size=1,16")])
     state, context = _study(trace, points)
-    return points, _rows(run_study(state, context, serial))
+    return points, _rows(run_tasks(state, context, serial))
 
 
 def test_a_study_is_every_point_plus_one_reference_per_page_size(serial_rows):
@@ -82,14 +83,14 @@ def test_a_study_is_every_point_plus_one_reference_per_page_size(serial_rows):
 def test_processes_give_the_same_rows_as_serial(trace, serial_rows):
     points, expected = serial_rows
     state, context = _study(trace, points)
-    assert _rows(run_study(state, context, processes(2))) == expected
+    assert _rows(run_tasks(state, context, processes(2))) == expected
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'memcli[ray]')")
 def test_ray_gives_the_same_rows_as_serial(trace, serial_rows):
     points, expected = serial_rows
     state, context = _study(trace, points)
-    assert _rows(run_study(state, context, ray_executor(None, 2))) == expected
+    assert _rows(run_tasks(state, context, ray_executor(None, 2))) == expected
 
 
 def test_every_point_is_checked_before_the_first_replay(trace, monkeypatch):
@@ -102,7 +103,7 @@ def test_every_point_is_checked_before_the_first_replay(trace, monkeypatch):
 def test_reference_is_computed_when_the_pool_would_be_too_large(trace, monkeypatch):
     monkeypatch.setattr(unlimited_mod, "UNLIMITED_REPLAY_MAX_TOKENS", 1000)
     state, context = _study(trace, [{"cache.eviction_policy": "lru"}], ReplayOptions("sequential"))
-    rows = run_study(state, context, serial).rows
+    rows = run_tasks(state, context, serial).rows
     ref = next(row for key, row in rows.items() if key.startswith("reference:"))
     point = next(row for key, row in rows.items() if key.startswith("point:"))
     assert ref["method"] == "computed" and ref["pool_tokens"] is None
@@ -112,7 +113,7 @@ def test_reference_is_computed_when_the_pool_would_be_too_large(trace, monkeypat
 
 def test_reference_replays_with_every_token_of_the_trace(trace):
     state, context = _study(trace, [{"memory.max_total_tokens": 12000}], ReplayOptions("sequential"))
-    rows = run_study(state, context, serial).rows
+    rows = run_tasks(state, context, serial).rows
     ref = next(row for key, row in rows.items() if key.startswith("reference:"))
     point = next(row for key, row in rows.items() if key.startswith("point:"))
     assert ref["method"] == "replayed" and ref["pool_tokens"] == unlimited_pool_tokens(trace, 16)
@@ -148,7 +149,7 @@ def test_out_writes_json_and_csv_and_resume_runs_only_what_is_missing(trace_path
     ran = []
     real = study_mod.run_task
     monkeypatch.setattr(study_mod, "run_task", lambda task, context: ran.append(task.index) or real(task, context))
-    from memcli.tools.replay import executors
+    from memcli.tools.study import executors
     monkeypatch.setattr(executors, "run_task", study_mod.run_task)
     resumed = invoke(trace_path, "--block-size", 32, *SMALL, *GRID, "--jobs", 1, "--out", out, "--resume", "--json")
     assert resumed.exit_code == 0, resumed.stderr
@@ -188,7 +189,7 @@ def test_a_sweep_file_study(trace_path, tmp_path):
 
 
 def test_every_rate_column_of_a_row_has_its_definition(serial_rows):
-    from memcli.tools.replay.study_files import RATE_COLUMNS
+    from memcli.tools.study.files import RATE_COLUMNS
 
     _, rows = serial_rows
     row = next(r for k, r in rows.items() if k.startswith("point:"))
@@ -206,7 +207,7 @@ def test_ctrl_c_keeps_what_finished_and_exits_130(trace_path, tmp_path, monkeypa
             raise KeyboardInterrupt
         return real(task, context)
 
-    from memcli.tools.replay import executors
+    from memcli.tools.study import executors
 
     monkeypatch.setattr(executors, "run_task", interrupted_at_the_third)
     result = invoke(trace_path, "--block-size", 32, *SMALL, "--sweep", "memory.max_total_tokens=8000,20000,60000",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from memcli.errors import ConfigError, MemcliError
-from memcli.tools.replay.grid import (grid_points, parse_sweep, point_key, point_label, point_overrides,
+from memcli.tools.study.grid import (grid_points, parse_sweep, point_key, point_label, point_overrides,
                                       read_sweep_file)
 
 from tests.tools.replay.helpers import small_config

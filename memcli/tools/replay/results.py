@@ -1,8 +1,10 @@
-"""The result of one replay: frozen sections, each rendered by `memcli.tools.replay.report`."""
+"""The result of one replay: frozen sections, each rendered by `memcli.tools.replay.report`, and
+the outcome of the command (`ReplayOutcome`: the replay, its bound, the files written)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -140,3 +142,23 @@ class ReplayResult:
     @property
     def interrupted(self) -> bool:
         return self.stop is not None and self.stop.reason == "interrupted"
+
+
+@dataclass(frozen=True)
+class ReplayOutcome:
+    """What `memcli replay TRACE` did: the replay, the Belady replay of `--bound belady`
+    (None without it, or when the replay stopped early), the config keys it ignored, the
+    rows written to `requests_out` (None: no file asked for) and the plot written (None:
+    none asked for, or the replay stopped early)."""
+
+    result: ReplayResult
+    bound: Optional[ReplayResult]
+    ignored_keys: tuple[str, ...]
+    requests_out: Optional[Path] = None
+    requests_written: Optional[int] = None
+    plot: Optional[Path] = None
+
+    @property
+    def failed(self) -> bool:
+        """An integrity check failed, or the replay stopped before the trace ended."""
+        return not self.result.integrity.ok or self.result.stop is not None

@@ -1,12 +1,12 @@
 """A study: one replay per point of a grid, run by an executor, recorded as points finish.
 
 `plan_study` builds and checks the config of every point before anything runs, and adds the
-unlimited-pool reference of every page size the points use (`sweep.py`). `run_study` hands
+unlimited-pool reference of every page size the points use (`unlimited.py`). `run_tasks` hands
 the tasks to an executor (`executors.py`: serial, processes or Ray), which yields them back
 in completion order; each finished task goes to the `StudySink` (files under `--out`, the
 progress bar) at once, so an interrupted study keeps what it finished and `--resume` skips it.
 
-A point's result is a flat row of numbers (`point_row`): the same whatever ran it.
+A point's result is a flat row of numbers (`results.point_row`): the same whatever ran it.
 """
 
 from __future__ import annotations
@@ -19,13 +19,11 @@ import numpy as np
 
 from memcli.capacity import check_fits
 from memcli.config import Config
-from memcli.tools.replay.grid import Point, point_key, point_overrides
-from memcli.tools.replay.result import ReplayResult
 from memcli.tools.replay.runner import ReplayOptions, check_options, replay
-from memcli.tools.replay.unlimited import reference_row
+from memcli.tools.study.grid import Point, point_key, point_overrides
+from memcli.tools.study.results import point_row
+from memcli.tools.study.unlimited import reference_row
 from memcli.workload.spec import Trace
-
-ROW_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -120,47 +118,6 @@ def run_task(task: Task, context: StudyContext) -> dict[str, Any]:
         gc.collect()
 
 
-def point_row(r: ReplayResult) -> dict[str, Any]:
-    """The numbers of one point: a flat mapping of JSON values (the CSV's columns)."""
-    p, e = r.prefix, r.eviction
-    return {
-        "requests": r.summary.requests, "input_tokens": p.input_tokens, "output_tokens": r.summary.output_tokens,
-        "cached_tokens": p.cached_tokens, "hit_rate": _round(p.hit_rate),
-        "per_request_mean_hit_rate": _round(p.per_request_mean_hit_rate), "page_hit_rate": _round(p.page_hit_rate),
-        "block_ratio": _round(p.block_ratio), "sglang_batch_mean_hit_rate": _round(p.batch_mean_hit_rate),
-        "sglang_cumulative_hit_rate": _round(p.sglang_cumulative_hit_rate), "vllm_hit_rate": _round(p.vllm_hit_rate),
-        "warmup_excluded_hit_rate": _round(p.warmup_excluded_hit_rate),
-        "last_1000_hit_rate": _round(p.last_1000_hit_rate),
-        "ceiling_hit_rate": _round(p.ceiling_hit_rate), "page_size": r.config.page_size,
-        "eviction_policy": r.config.cache.eviction_policy,
-        "pool_tokens": r.occupancy.pool_tokens, "evictions": e.evictions,
-        "tokens_evicted": e.tokens_evicted,
-        "needed_again_share": _round(e.needed_again_share) if e.future_known else None,
-        "reuse_distance_requests_p50": e.reuse_distance_requests["p50"] if e.future_known else None,
-        "retractions": r.scheduling.retractions,
-        "peak_used_tokens": r.occupancy.peak_used_tokens, "simulated_time_ms": _round(r.summary.simulated_ms, 3),
-        "steps": r.summary.steps, "wall_time_s": _round(r.summary.wall_s, 3), "integrity_ok": r.integrity.ok,
-        "stalled": r.stop is not None and r.stop.reason == "stalled",
-        **(_tier_columns(r) if r.host_tier is not None else {}),
-    }
-
-
-def _tier_columns(r: ReplayResult) -> dict[str, Any]:
-    """The host tier of a hiradix point, flat: hit rate by tier, the host pool, the copies."""
-    h = r.host_tier
-    return {**{f"tier_{key}": _round(value) for key, value in h.rates.items()},
-            "host_pool_tokens": h.host_pool_tokens, "d2h_bytes": h.transfers["d2h_bytes"],
-            "h2d_bytes": h.transfers["h2d_bytes"], "host_evicted_tokens": h.transfers["host_evicted_tokens"]}
-
-
-# Columns that depend on the machine, not on the replay: left out when results are compared.
-TIMING_COLUMNS = ("wall_time_s",)
-
-
-def _round(value: float, digits: int = 6) -> float:
-    return round(float(value), digits)
-
-
 @dataclass
 class StudyState:
     """The rows so far, by task key; `done` counts finished tasks of this plan."""
@@ -179,7 +136,7 @@ class StudyState:
 Executor = Callable[[Iterable[Task], StudyContext], Iterator[tuple[Task, dict[str, Any]]]]
 
 
-def run_study(state: StudyState, context: StudyContext, executor: Executor,
+def run_tasks(state: StudyState, context: StudyContext, executor: Executor,
               on_row: Optional[Callable[[Task, dict[str, Any]], None]] = None) -> StudyState:
     """Run the pending tasks of `state`; each row is stored, then passed to `on_row`, as it
     arrives. KeyboardInterrupt propagates after the executor has stopped its workers."""

@@ -25,7 +25,7 @@ import sys
 from typing import Any, Iterable, Iterator, Optional
 
 from memcli.errors import MemcliError
-from memcli.tools.replay.study import StudyContext, Task, run_task
+from memcli.tools.study.plan import StudyContext, Task, run_task
 
 # Ray binds a runtime it starts to the host's network address unless this is "0" (then to
 # 127.0.0.1): a study's local runtime serves no other machine.
