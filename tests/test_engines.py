@@ -144,3 +144,12 @@ def test_an_unknown_engine_is_refused_with_the_names():
 def test_a_second_engine_of_the_same_name_is_refused(toy_engine):
     with pytest.raises(ValueError, match="already registered"):
         engines.register(engines.Engine(name="toy", summary="", build_stack=None, scheduler=None, profile=""))
+
+
+@pytest.mark.parametrize("command", [["show-config"], ["check-page-size"], ["bench-one-batch"],
+                                     ["replay", TRACE, "--limit", "2"],
+                                     ["reference", "diff", TRACE, "--limit", "2"]])
+def test_every_stack_command_takes_engine_and_refuses_an_unknown_one(command):
+    result = CliRunner().invoke(app, [*command, "--engine", "nope"])
+    assert result.exit_code == 2, result.output
+    assert "unknown engine 'nope'" in result.output and "sglang-0.5.5" in result.output

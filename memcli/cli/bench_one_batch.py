@@ -13,7 +13,7 @@ from typing import List, Optional
 import typer
 
 from memcli.cli.guard import note_ignored
-from memcli.cli.options import LIST_METAVAR, ConfigOpt, JsonOpt, ProgressOpt, SetOpt, parse_ints
+from memcli.cli.options import EngineOpt, with_engine, LIST_METAVAR, ConfigOpt, JsonOpt, ProgressOpt, SetOpt, parse_ints
 from memcli.tools.bench_one_batch import (DEFAULT_BATCH_SIZES, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, DEFAULT_ROUNDS,
                                           interpret_without_cuda)
 
@@ -24,6 +24,7 @@ LIST_FLAGS = ("--batch-size", "-b", "--input-len", "--output-len", "--prefix-len
 def bench_one_batch(
     config: Optional[Path] = ConfigOpt,
     set_: List[str] = SetOpt,
+    engine: Optional[str] = EngineOpt,
     batch_size: Optional[List[str]] = typer.Option(
         None, "--batch-size", "-b", metavar=LIST_METAVAR, help="Batch sizes, e.g. 1 8 32 or 1,8,32 (default 1 8)"),
     input_len: Optional[List[str]] = typer.Option(
@@ -63,7 +64,7 @@ def bench_one_batch(
     from memcli.tools.bench_one_batch.report import outcome_document, render_outcome
     from memcli.tools.bench_one_batch.run import BenchRequest, Hooks, run_bench_one_batch
 
-    cfg = load_config(config, set_)
+    cfg = load_config(config, with_engine(set_, engine))
     ignored = ignored_keys(cfg, NAME)
     note_ignored(ignored, NAME)
     request = BenchRequest(

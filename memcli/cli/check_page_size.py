@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import typer
 
-from memcli.cli.options import LIST_METAVAR, ConfigOpt, JsonOpt, ProgressOpt, SetOpt, parse_ints
+from memcli.cli.options import EngineOpt, with_engine, LIST_METAVAR, ConfigOpt, JsonOpt, ProgressOpt, SetOpt, parse_ints
 from memcli.tools.check_page_size import DEFAULT_STEPS, TRACE_DEFAULT_REQUESTS
 
 LIST_FLAGS = ("--page-size",)
@@ -22,6 +22,7 @@ LIST_FLAGS = ("--page-size",)
 def check_page_size(
     config: Optional[Path] = ConfigOpt,
     set_: List[str] = SetOpt,
+    engine: Optional[str] = EngineOpt,
     inject: List[str] = typer.Option(
         [], "--inject", metavar="COMPONENT.page_size=N",
         help="Debugging: give one component another page size (components: kv_pool, allocator, tree_cache,"
@@ -52,7 +53,7 @@ def check_page_size(
 
     sizes = parse_ints("--page-size", page_size, None)
     injections = parse_injections(inject)
-    cfg = load_config(config, set_)
+    cfg = load_config(config, with_engine(set_, engine))
     result = run_check_page_size(cfg, sizes or None, injections, workload, steps, requests=requests,
                                  progress=lines(wanted(progress)), allow_unfinished=allow_unfinished)
     if json_out:

@@ -30,7 +30,15 @@ ReplayConfigOpt: Optional[Path] = typer.Option(None, "--config", "-c", metavar="
                                                help="YAML config (default: the built-in replay config)")
 SetOpt: List[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE",
                                  help="Override a config key, section.key=value (repeatable)")
+EngineOpt: Optional[str] = typer.Option(
+    None, "--engine", metavar="NAME",
+    help="The engine the stack reproduces (default sglang-0.5.5); the same as --set semantics.engine=NAME")
 JsonOpt: bool = typer.Option(False, "--json", help="Print one JSON document on stdout")
+
+
+def with_engine(overrides: List[str], engine: Optional[str]) -> List[str]:
+    """The `--set` overrides with `--engine NAME` as `semantics.engine=NAME`, last (it wins)."""
+    return [*overrides, f"semantics.engine={engine}"] if engine is not None else list(overrides)
 ProgressOpt: bool = typer.Option(False, "--progress",
                                  help="Show progress on stderr even when it is not a terminal")
 LIST_METAVAR = "N[,N...]"

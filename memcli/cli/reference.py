@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from memcli.cli.guard import guarded
-from memcli.cli.options import JsonOpt, MemcliCommand, MemcliGroup, ReplayConfigOpt, SetOpt
+from memcli.cli.options import EngineOpt, with_engine, JsonOpt, MemcliCommand, MemcliGroup, ReplayConfigOpt, SetOpt
 
 app = typer.Typer(name="reference", cls=MemcliGroup, no_args_is_help=True, add_completion=False,
                   help="Fetch SGLang 0.5.5's own memory-stack code and diff memcli against it step by step.")
@@ -41,6 +41,7 @@ def diff(
     trace: str = typer.Argument(..., metavar="TRACE", help="Trace file (memcli or Mooncake JSONL)"),
     limit: Optional[int] = typer.Option(None, "--limit", help="Replay only the first N requests"),
     set_: List[str] = SetOpt,
+    engine: Optional[str] = EngineOpt,
     arrivals: str = typer.Option("burst", "--arrivals", metavar="burst|timestamp",
                                  help="burst: every request at t = 0; timestamp: at its trace time"),
     config: Optional[Path] = ReplayConfigOpt,
@@ -57,7 +58,7 @@ def diff(
     from memcli.tools.reference_diff.report import diff_document, render
     from memcli.tools.reference_diff.run import run_reference_diff
 
-    cfg = load_config(config, set_, builtin="replay")
+    cfg = load_config(config, with_engine(set_, engine), builtin="replay")
     result = run_reference_diff(cfg, trace, limit, arrivals, max_steps)
     if json_out:
         print_json(diff_document(result))

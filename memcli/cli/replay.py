@@ -14,7 +14,7 @@ from typing import List, Optional
 import typer
 
 from memcli.cli.guard import Interrupted, note_ignored
-from memcli.cli.options import JsonOpt, ProgressOpt, SetOpt
+from memcli.cli.options import EngineOpt, with_engine, JsonOpt, ProgressOpt, SetOpt
 from memcli.tools.replay import CHECK_LEVELS
 from memcli.workload import FORMATS
 
@@ -47,6 +47,7 @@ def replay_command(
     config: Optional[Path] = typer.Option(None, "--config", "-c", metavar="FILE",
                                           help="YAML config (default: the built-in replay config)"),
     set_: List[str] = SetOpt,
+    engine: Optional[str] = EngineOpt,
     trace_format: str = typer.Option("auto", "--format", metavar="FORMAT",
                                      help=f"Trace format: {', '.join(FORMATS)}"),
     block_size: int = typer.Option(512, "--block-size", help="Tokens per hash block (Mooncake 512, Qwen-Bailian 16)"),
@@ -89,7 +90,7 @@ def replay_command(
     from memcli.tools.study.run import StudyOptions
 
     request = ReplayRequest(TraceSource(trace_path, trace_format, block_size, limit),
-                            ConfigSource(config, tuple(set_)), arrivals=arrivals, check=check, events=events,
+                            ConfigSource(config, tuple(with_engine(set_, engine))), arrivals=arrivals, check=check, events=events,
                             bound=bound, plot=plot, requests_out=requests_out)
     study = StudyOptions(tuple(sweep), sweep_file, jobs, use_ray, ray_address, out, resume)
     show = wanted(progress)

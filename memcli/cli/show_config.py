@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional
 
-from memcli.cli.options import ConfigOpt, JsonOpt, SetOpt
+from memcli.cli.options import EngineOpt, with_engine, ConfigOpt, JsonOpt, SetOpt
 
 
 def show_config(
     config: Optional[Path] = ConfigOpt,
     set_: List[str] = SetOpt,
+    engine: Optional[str] = EngineOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     """Print the resolved config and the sizes derived from it."""
@@ -19,7 +20,7 @@ def show_config(
     from memcli.tools.show_config.report import render, show_config_document
     from memcli.tools.show_config.run import run_show_config
 
-    result = run_show_config(load_config(config, set_))
+    result = run_show_config(load_config(config, with_engine(set_, engine)))
     if json_out:
         print_json(show_config_document(result))
         return

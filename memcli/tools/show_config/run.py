@@ -9,6 +9,10 @@ from memcli.tools.show_config.results import ShowConfigResult
 
 
 def run_show_config(cfg: Config) -> ShowConfigResult:
+    """The config as resolved; raises `ConfigError` when it names an unknown engine."""
+    from memcli import engines
+
+    engines.get(cfg)
     return ShowConfigResult(cfg, in_force(cfg), derived_sizes(cfg))
 
 
