@@ -91,7 +91,7 @@ class RadixKey:
 
 
 class EvictRule(NamedTuple):
-    """How the allocation entry points (`mem_cache.common`) ask a cache for room.
+    """How the memory manager's allocation verbs (`mem_cache.manager`) ask a cache for room.
 
     `full_need`: when the free list is short of a need, evict the whole need (SGLang 0.5.5's
     `evict_from_tree_cache`) instead of the shortfall. `page_per_request`: before a paged

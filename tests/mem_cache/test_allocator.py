@@ -595,9 +595,12 @@ def test_free_group_drops_the_distinct_promise():
 
 
 def allocator_group(allocator):
-    from memcli.mem_cache.common import free_group
+    from types import SimpleNamespace
 
-    return free_group(allocator)
+    from memcli.mem_cache.manager import MemoryManager
+
+    pool = SimpleNamespace(device=allocator.device)
+    return MemoryManager(SimpleNamespace(req_to_token_pool=pool, allocator=allocator, tree_cache=None)).free_group()
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

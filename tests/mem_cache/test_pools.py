@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from memcli.errors import RequestSlotsExhausted
-from memcli.mem_cache import common
+from types import SimpleNamespace
+
+from memcli.mem_cache.manager import MemoryManager
 from memcli.mem_cache.pools import KVPool, ReqToTokenPool
 
 CPU = torch.device("cpu")
@@ -70,12 +72,13 @@ def test_exhaustion_returns_none_and_changes_nothing():
 def test_alloc_req_slots_message_carries_the_numbers():
     pool = rows_pool(3)
     pool.alloc(2)
+    memory = MemoryManager(SimpleNamespace(req_to_token_pool=pool, allocator=None, tree_cache=None))
     with pytest.raises(RequestSlotsExhausted) as info:
-        common.alloc_req_slots(pool, 2)
+        memory.alloc_rows(2)
     message = str(info.value)
     assert "need 2 rows, 1 of 3 free" in message
     assert "memory.max_running_requests" in message
-    assert common.alloc_req_slots(pool, 1) == [2]
+    assert memory.alloc_rows(1) == [2]
 
 
 @pytest.mark.parametrize("bad", [1, [1], [0, 1], [2, 2], [5], [-1]])
