@@ -388,7 +388,7 @@ def test_semantics_profile_sets_every_behaviour_and_overrides_win():
 def test_every_behaviour_has_a_value_in_each_profile():
     from memcli.config import PROFILE_CHOICES, PROFILES, SemanticsConfig
 
-    keys = [f.name for f in dataclasses.fields(SemanticsConfig) if f.name != "profile"]
+    keys = [f.name for f in dataclasses.fields(SemanticsConfig) if f.name not in ("profile", "engine")]
     assert sorted(keys) == sorted(PROFILE_CHOICES)
     for key, choices in PROFILE_CHOICES.items():
         assert set(choices) == set(PROFILES), key
