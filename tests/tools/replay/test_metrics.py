@@ -69,7 +69,8 @@ def test_eviction_log_drains_and_summarises():
 
     tree = _Tree([EvictionRecord(16, 100.0, 0), EvictionRecord(32, 300.0, 2), EvictionRecord(16, 200.0, 1)])
     log = EvictionLog()
-    log.drain(tree.eviction_log); tree.eviction_log.clear()
+    log.drain(tree.eviction_log)
+    tree.eviction_log.clear()
     assert tree.eviction_log == []
     stats = eviction_stats(log, "lru")
     assert (stats.evictions, stats.tokens_evicted) == (3, 64)
@@ -88,7 +89,8 @@ def test_reuse_distance_from_the_last_and_next_use():
                   EvictionRecord(8, 1.0, 0, last_use=2, next_use=-1),   # never needed again
                   EvictionRecord(4, 1.0, 0, last_use=-1, next_use=4)])  # needed, never used before
     log = EvictionLog()
-    log.drain(tree.eviction_log); tree.eviction_log.clear()
+    log.drain(tree.eviction_log)
+    tree.eviction_log.clear()
     stats = eviction_stats(log, "lru", admit_ms, future_known=True)
     assert stats.reused_evictions == 3 and stats.tokens_needed_again == 16 + 32 + 4
     assert stats.needed_again_share == pytest.approx(52 / 60)
