@@ -102,9 +102,9 @@ def test_double_free_is_reported_with_its_step_and_check(memcli_trace, monkeypat
     def freeing_step(self):
         if self.step_count == 7 and self.active_reqs():
             req = self.active_reqs()[0]
-            row = self.stack.req_to_token_pool.req_to_token[req.req_pool_idx]
+            row = self.memory.req_to_token_pool.req_to_token[req.req_pool_idx]
             planted.append(self.step_count)
-            self.stack.allocator.free(row[req.kv_allocated_len - 1: req.kv_allocated_len])  # still in use
+            self.memory.allocator.free(row[req.kv_allocated_len - 1: req.kv_allocated_len])  # still in use
         return step(self)
 
     monkeypatch.setattr(Scheduler, "step", freeing_step)

@@ -242,7 +242,7 @@ def test_integrity_violation_exits_1_with_the_report(memcli_trace, monkeypatch):
     def leaky_step(self):
         record = step(self)
         if self.step_count == 3:
-            self.stack.allocator.alloc(self.page_size)
+            self.memory.allocator.alloc(self.page_size)
         return record
 
     monkeypatch.setattr(Scheduler, "step", leaky_step)

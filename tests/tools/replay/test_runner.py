@@ -157,7 +157,7 @@ def test_integrity_violation_stops_with_the_result_so_far(generated, monkeypatch
     def leaky_step(self):
         record = step(self)
         if self.step_count == 5:
-            self.stack.allocator.alloc(self.page_size)  # a page nobody will ever free
+            self.memory.allocator.alloc(self.page_size)  # a page nobody will ever free
         return record
 
     monkeypatch.setattr(Scheduler, "step", leaky_step)
