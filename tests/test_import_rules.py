@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 MEMORY_FACE = ("manager", "pages", "kv_events", "integrity")
 # Component benchmarks time one component on its own, so they build it directly.
 COMPONENT_BENCHES = {"memcli.tools.bench_radix": ("radix_cache", "base_prefix_cache"),
-                     "memcli.tools.bench_one_batch.hicache_bench": ("host_pool",)}
+                     "memcli.tools.bench_one_batch.host_tier_bench": ("host_pool",)}
 # What the registry offers (`from memcli.engines import get`); any other lower-case name under
 # memcli.engines is an engine's own module.
 REGISTRY_NAMES = ("get", "names", "register", "unregister")

@@ -5,7 +5,7 @@
     layout        page layout: row_layout, slot_range, page_sharing, free_list, no_lost_page
     conservation  conservation (tokens, pages) and idle
     radix         the per-step tree check (the walks themselves: `memcli.mem_cache.tree_checks`)
-    hicache       the per-step host-tier check
+    host_tier     the per-step host-tier check
     checks        the entry points: run_checks, memory_reports, check_memory
     owners        who owns a page: the owner codes the operations name (FREE, TREE, ...)
     ownership     the ownership ledger: who owns each page, kept by the operations (checking only)

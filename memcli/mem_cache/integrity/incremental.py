@@ -14,7 +14,7 @@ during the step (`ledger.dirty`), never the whole pool:
     page_sharing  a written position below the request's tree part is a tree page, above it the
                   request's own page                                            (2.2)
     host_tier     (hiradix only) host pool conservation by counters, copies in flight locked
-                  (`integrity.hicache`)
+                  (`integrity.host_tier`)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from memcli.check_result import CheckResult, failed, passed
-from memcli.mem_cache.integrity.hicache import host_tier_step_check
+from memcli.mem_cache.integrity.host_tier import host_tier_step_check
 from memcli.mem_cache.integrity.ownership import CARRIED, FREE, IN_FLIGHT, LOOSE, TREE, OwnershipLedger, owner_name
 from memcli.mem_cache.integrity.requests import InFlightSlot
 

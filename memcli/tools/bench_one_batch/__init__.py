@@ -1,7 +1,7 @@
 """`memcli bench-one-batch`: static batches through the real stack, timed phase by phase.
 
 `run.py` (the entry, `run_bench_one_batch`), `results.py`, `report.py`; `rounds.py` runs the
-rounds over the cases, `runner.py` one case's stack calls, `hicache_bench.py` the host
+rounds over the cases, `runner.py` one case's stack calls, `host_tier_bench.py` the host
 tier's copies, `sglang_side.py` SGLang's own memory path beside memcli's.
 """
 

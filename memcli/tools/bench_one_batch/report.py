@@ -11,9 +11,9 @@ from typing import Optional
 from rich.table import Table
 
 from memcli.report.envelope import envelope
-from memcli.tools.bench_one_batch.hicache_bench import LABELS as TRANSFER_LABELS
-from memcli.tools.bench_one_batch.hicache_bench import PHASES as TRANSFER_PHASES
-from memcli.tools.bench_one_batch.hicache_bench import TransferBench
+from memcli.tools.bench_one_batch.host_tier_bench import LABELS as TRANSFER_LABELS
+from memcli.tools.bench_one_batch.host_tier_bench import PHASES as TRANSFER_PHASES
+from memcli.tools.bench_one_batch.host_tier_bench import TransferBench
 from memcli.tools.bench_one_batch.phases import UNSTABLE_SPREAD, PhaseTiming
 from memcli.tools.bench_one_batch.results import (BenchOutcome, BenchResult, CaseResult, KVStoreFigures,
                                                   paired_speedup, speedup)

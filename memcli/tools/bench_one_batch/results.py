@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 from memcli.config import Config
 from memcli.errors import IntegrityError
 from memcli.tools.bench_one_batch.cases import Case
-from memcli.tools.bench_one_batch.hicache_bench import TransferBench
+from memcli.tools.bench_one_batch.host_tier_bench import TransferBench
 from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_rounds
 
 # Every timed phase, in report order, with what one call of it does.

@@ -1,6 +1,6 @@
 """`memcli bench-one-batch`, end to end: the cases planned and checked, the memory-path rounds
 (`rounds.run_cases`, with SGLang's own path beside them under `--compare`) or the host tier's
-copies (`--tree-cache hiradix`, `hicache_bench`), and the `--result-file` lines appended.
+copies (`--tree-cache hiradix`, `host_tier_bench`), and the `--result-file` lines appended.
 
 `run_bench_one_batch` is the entry. Under `--compare` on a machine without CUDA,
 `memcli.tools.bench_one_batch.interpret_without_cuda` must run before this module is
@@ -19,7 +19,7 @@ from memcli.errors import MemcliError
 from memcli.devices import resolve_device
 from memcli.tools.bench_one_batch import COMPARE_CHOICES, DEFAULT_REPEAT, DEFAULT_ROUNDS, TREE_CACHES
 from memcli.tools.bench_one_batch.cases import Case, plan_cases
-from memcli.tools.bench_one_batch.hicache_bench import run_transfer_bench
+from memcli.tools.bench_one_batch.host_tier_bench import run_transfer_bench
 from memcli.tools.bench_one_batch.results import BenchOutcome, BenchResult
 from memcli.tools.bench_one_batch.rounds import BenchOptions, run_cases
 
@@ -97,7 +97,7 @@ def bench_options(request: BenchRequest) -> BenchOptions:
 
 
 def _transfers(request: BenchRequest, cases: list[Case], options: BenchOptions, say):
-    """The host tier's copies (`hicache_bench`)."""
+    """The host tier's copies (`host_tier_bench`)."""
     if request.compare is not None or request.result_file is not None:
         raise MemcliError("--tree-cache hiradix times host copies only: --compare and --result-file do not apply",
                           hint="leave out --compare and --result-file")

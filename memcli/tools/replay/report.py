@@ -8,7 +8,7 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
-from memcli.tools.replay.hicache import TIER_DEFINITION, tier_rows
+from memcli.tools.replay.host_tier import TIER_DEFINITION, tier_rows
 from memcli.tools.replay.metrics import DEFINITIONS, EVICTION_DEFINITIONS, WINDOW_REQUESTS, downsample
 from memcli.tools.replay.results import ReplayOutcome, ReplayResult
 from memcli.report.envelope import envelope

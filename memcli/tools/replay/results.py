@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 
 from memcli.config import Config
-from memcli.tools.replay.hicache import HostTierStats
+from memcli.tools.replay.host_tier import HostTierStats
 from memcli.tools.replay.metrics import EvictionStats, OccupancyStats, PrefixStats, QueueStats
 from memcli.tools.replay.requests import DelayStats, RequestLog
 

@@ -32,7 +32,7 @@ from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from memcli.tools.replay import ARRIVALS
 from memcli.tools.replay.ceiling import shared_prefix_lens
 from memcli.tools.replay.requests import RequestLog, delay_stats
-from memcli.tools.replay.hicache import TierLog, host_tier_stats
+from memcli.tools.replay.host_tier import TierLog, host_tier_stats
 from memcli.tools.replay.metrics import (EngineCounters, EvictionLog, StepSeries, eviction_stats, occupancy_stats, prefix_stats,
                                    queue_stats)
 from memcli.tools.replay.results import (AllocationStats, IntegrityStats, ReplayResult, RunSummary, SchedulingStats,

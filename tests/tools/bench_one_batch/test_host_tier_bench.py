@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 from memcli.cli.app import app
 from memcli.config import load_config
 from memcli.tools.bench_one_batch.cases import plan_cases
-from memcli.tools.bench_one_batch.hicache_bench import run_transfer_bench
+from memcli.tools.bench_one_batch.host_tier_bench import run_transfer_bench
 
 ARGS = ["bench-one-batch", "--tree-cache", "hiradix", "--batch-size", "2", "--input-len", "100", "--page-size", "1",
         "16", "--rounds", "2", "--repeat", "2", "--warmup", "1", "--set", "runtime.device=cpu"]

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The host-tier sizing sweep of docs/HICACHE.md: the Mooncake conversation trace, a device
+# The host-tier sizing sweep of docs/HOST_TIER.md: the Mooncake conversation trace, a device
 # pool of 1,000,000 tokens (built-in replay config otherwise), host pools of 0 (device only),
 # 1x, 2x, 4x and 8x the device pool, under each write policy. sglang-0.5.5 profile, with
 # semantics.host_pool_floor=any so that a 1x host pool is allowed (it changes nothing for
-# larger pools). Writes one JSON document per run into OUT (default /tmp/hicache-sweep).
+# larger pools). Writes one JSON document per run into OUT (default /tmp/host-tier-sweep).
 set -euo pipefail
 TRACE=${TRACE:-/work/shared/traces/conversation_trace.jsonl}
-OUT=${OUT:-/tmp/hicache-sweep}
+OUT=${OUT:-/tmp/host-tier-sweep}
 mkdir -p "$OUT"
 BASE=(--set memory.max_total_tokens=1000000)
 memcli replay "$TRACE" "${BASE[@]}" --json > "$OUT/radix.json"
