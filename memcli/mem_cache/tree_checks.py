@@ -17,7 +17,7 @@ A leaf below the trees: it imports neither them nor `memcli.mem_cache.integrity`
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -62,14 +62,16 @@ def hiradix_checks(view: TreeView, cache: Any) -> list[CheckResult]:
     nodes = view.nodes
     device = [n for n in nodes if n.value is not None]
     return _walk_checks(view, device, "device nodes", [], _host_shape_check(nodes, view.page_size),
-                        [_queues_check(view), *host_tier_checks(cache, nodes)])
+                        [_queues_check(view), *host_tier_checks(cache, nodes)], sum_detail=_listed_sum)
 
 
 def _walk_checks(view: TreeView, holders: list, what: str, counters: list[CheckResult], shape: CheckResult,
-                 queues: list[CheckResult]) -> list[CheckResult]:
+                 queues: list[CheckResult], sum_detail: Optional[Callable[[int, int, int], str]] = None) -> list[CheckResult]:
     """The checks both walks share, over `holders` (the nodes that hold device slots), in this
     order: the size counters (then the walk's own `counters`), the node count, locks, `shape`,
-    child keys, slots, `queues`, and the page layout at page size > 1."""
+    child keys, slots, `queues`, and the page layout at page size > 1. `sum_detail`
+    words the evictable + protected check (`_compared_sum` unless given)."""
+    sum_detail = sum_detail or _compared_sum
     total, evictable, protected = view.total, view.evictable, view.protected
     walked = sum(len(node.key) for node in holders)
     walked_evictable = sum(len(node.key) for node in holders if node.lock_ref == 0)
@@ -77,7 +79,7 @@ def _walk_checks(view: TreeView, holders: list, what: str, counters: list[CheckR
     sizes = [
         CheckResult("total_size", walked == total, f"{what} hold {walked} tokens, total counter {total}"),
         CheckResult("evictable_plus_protected", evictable + protected == total,
-                    f"evictable {evictable} + protected {protected} {_eq(evictable + protected, total)} total {total}"),
+                    sum_detail(evictable, protected, total)),
         CheckResult("evictable_size", walked_evictable == evictable,
                     f"unlocked {what} hold {walked_evictable} tokens, evictable counter {evictable}"),
     ]
@@ -95,6 +97,14 @@ def _walk_checks(view: TreeView, holders: list, what: str, counters: list[CheckR
     if view.page_size > 1:
         checks.append(_page_layout_check(values, view.page_size))
     return checks
+
+
+def _compared_sum(evictable: int, protected: int, total: int) -> str:
+    return f"evictable {evictable} + protected {protected} {_eq(evictable + protected, total)} total {total}"
+
+
+def _listed_sum(evictable: int, protected: int, total: int) -> str:
+    return f"evictable {evictable} + protected {protected}, total {total}"
 
 
 # -- the radix tree ------------------------------------------------------------------------
