@@ -19,6 +19,7 @@ from .alloc import (
     alloc_extend_write,
     alloc_extend_write_torch,
     alloc_extend_write_triton,
+    extend_host_plan,
     pack_free_state,
     unpack_free_state,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "alloc_extend_write",
     "alloc_extend_write_torch",
     "alloc_extend_write_triton",
+    "extend_host_plan",
     "pack_free_state",
     "unpack_free_state",
     "store_kv",

@@ -797,6 +797,19 @@ def _fill_plan(plan: np.ndarray, pre: np.ndarray, seq: np.ndarray, rows, prefixe
         np.cumsum(pages[:-1], out=page_start[1:])
 
 
+def extend_host_plan(prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, prefixes, page_size: int) -> np.ndarray:
+    """The plan ``alloc_extend_write_triton`` reads (``_PLAN_*``: lengths, prefix addresses,
+    token and page offsets), built when a batch is planned rather than on its memory path;
+    the request rows (entries ``2 bs .. 3 bs``) are left 0, as the rows of new requests are
+    only known when they are taken. Pass it as ``host_plan``; it stays valid while the
+    ``prefixes`` it points at live and are not moved."""
+    bs = prefix_lens_cpu.shape[0]
+    plan = np.zeros(_PLAN_ROWS * bs, dtype=np.int64)
+    if bs:
+        _fill_plan(plan, prefix_lens_cpu.numpy(), seq_lens_cpu.numpy(), [0] * bs, prefixes, page_size)
+    return plan
+
+
 def alloc_extend_write_triton(
     req_to_token: torch.Tensor,
     rows,
@@ -809,31 +822,54 @@ def alloc_extend_write_triton(
     validate: bool = True,
     free_start: int = 0,
     num_free: int | None = None,
+    host_plan: np.ndarray | None = None,
 ) -> ExtendWrite:
     """Triton ``alloc_extend_write``: one device allocation and one launch, which reads its
-    plan from host memory (``PlanArena``); see :func:`alloc_extend_write`."""
+    plan from host memory (``PlanArena``); see :func:`alloc_extend_write`. With ``host_plan``
+    (``extend_host_plan`` of the same lengths and prefixes) the plan is copied, not computed,
+    and only the rows are written into it."""
     cap = free_pages.shape[0]
     num_free = cap if num_free is None else num_free
     if validate:
         _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
                                   page_size, free_start, num_free, extend_num_tokens)
         check_triton_device(req_to_token.device, _alloc_extend_write_kernel)
+        if host_plan is not None:
+            _check_host_plan(host_plan, prefix_lens_cpu, seq_lens_cpu, prefixes, page_size)
     bs = len(rows)
-    pre, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
     if extend_num_tokens is None:
-        extend_num_tokens = int(seq.sum() - pre.sum())
-    # Lengths, rows and new slots share one device allocation, which the kernel fills.
-    # (split_with_sizes: one call for every view, where Tensor.split goes through Python.)
+        extend_num_tokens = int(seq_lens_cpu.numpy().sum() - prefix_lens_cpu.numpy().sum())
+    # Lengths, rows and new slots share one device allocation, which the kernel fills; it is
+    # cut into views after the launch, while the device runs the kernel.
     buffer = torch.empty(_DEVICE_ROWS * bs + extend_num_tokens, dtype=torch.int64, device=req_to_token.device)
-    pre_d, seq_d, rows_d, out = buffer.split_with_sizes((bs, bs, bs, extend_num_tokens))
     if bs:
         plan, address = _plan_arena.take(_PLAN_ROWS * bs, req_to_token.device)
-        _fill_plan(plan, pre, seq, rows, prefixes, page_size)
+        if host_plan is None:
+            _fill_plan(plan, prefix_lens_cpu.numpy(), seq_lens_cpu.numpy(), rows, prefixes, page_size)
+        else:
+            plan[:] = host_plan
+            if bs == 1:
+                plan[2] = rows[0]
+            else:
+                plan[2 * bs : 3 * bs] = rows
         _alloc_extend_write_launch(
             (bs,), address, req_to_token, free_pages, buffer, bs, free_start, cap, num_free, req_to_token.stride(0),
             extend_num_tokens, page_size, _EXTEND_BLOCK,
         )
+    # (split_with_sizes: one call for every view, where Tensor.split goes through Python.)
+    pre_d, seq_d, rows_d, out = buffer.split_with_sizes((bs, bs, bs, extend_num_tokens))
     return ExtendWrite(out, rows_d, pre_d, seq_d)
+
+
+def _check_host_plan(host_plan, prefix_lens_cpu, seq_lens_cpu, prefixes, page_size) -> None:
+    expected = extend_host_plan(prefix_lens_cpu, seq_lens_cpu, prefixes, page_size)
+    bs = prefix_lens_cpu.shape[0]
+    got = np.array(host_plan, dtype=np.int64, copy=True)
+    if got.shape != expected.shape:
+        raise ValueError(f"host_plan has {got.shape[0]} entries, the batch's plan {expected.shape[0]}")
+    got[2 * bs : 3 * bs] = 0
+    if not np.array_equal(got, expected):
+        raise ValueError("host_plan is not the plan of these lengths and prefixes (extend_host_plan)")
 
 
 def alloc_extend_write_torch(
@@ -848,8 +884,9 @@ def alloc_extend_write_torch(
     validate: bool = True,
     free_start: int = 0,
     num_free: int | None = None,
+    host_plan: np.ndarray | None = None,
 ) -> ExtendWrite:
-    """Torch reference of ``alloc_extend_write``: the new slots (``_extend_slots_torch``), then
+    """Torch reference of ``alloc_extend_write`` (``host_plan`` is not read): the new slots (``_extend_slots_torch``), then
     the rows (``_write_rows_torch``)."""
     num_free = free_pages.shape[0] if num_free is None else num_free
     if validate:
@@ -897,6 +934,7 @@ def alloc_extend_write(
     validate: bool = True,
     free_start: int = 0,
     num_free: int | None = None,
+    host_plan: np.ndarray | None = None,
 ) -> ExtendWrite:
     """Fused extend memory step: new slots for every request and its whole ``req_to_token`` row.
 
@@ -909,7 +947,9 @@ def alloc_extend_write(
     The free list is read, not advanced: ``num_free`` entries (default: all) of ``free_pages``
     read as a ring from ``free_start``, as in :func:`alloc_decode_write`; it must hold the
     batch's new pages (entries past ``num_free`` read as page -1).
-    ``extend_num_tokens`` (``sum(seq - pre)``) may be passed when the caller has it.
+    ``extend_num_tokens`` (``sum(seq - pre)``) may be passed when the caller has it, and
+    ``host_plan`` (``extend_host_plan`` of the same lengths and prefixes, built when the batch
+    was planned), which the triton backend then copies instead of computing.
     ``validate=False`` skips every input check, the per-request ones included: for callers
     whose inputs are right by construction (the allocator, outside its debug mode).
     Raises ``ValueError`` on bad input.
@@ -917,4 +957,4 @@ def alloc_extend_write(
     check_backend(backend)
     fn = alloc_extend_write_triton if backend == "triton" else alloc_extend_write_torch
     return fn(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages, page_size, extend_num_tokens,
-              validate, free_start, num_free)
+              validate, free_start, num_free, host_plan)

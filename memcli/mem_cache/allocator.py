@@ -270,7 +270,8 @@ class BaseAllocator:
 
     def alloc_extend_write(self, req_to_token: torch.Tensor, rows: list[int], prefix_lens_cpu: torch.Tensor,
                            seq_lens_cpu: torch.Tensor, prefixes: list[torch.Tensor], num_pages: int,
-                           extend_num_tokens: int | None = None, claimed: bool = False) -> kernels.ExtendWrite | None:
+                           extend_num_tokens: int | None = None, claimed: bool = False,
+                           host_plan: np.ndarray | None = None) -> kernels.ExtendWrite | None:
         """Slots for an extend batch, written with each request's prefix into its row (one
         fused kernel; see `memcli.kernels.alloc_extend_write`). `num_pages` is the batch's
         new pages, counted by the caller from the same CPU lengths. None when they are not free.
@@ -278,13 +279,14 @@ class BaseAllocator:
         it may read exactly `num_pages` free entries: a miscount shows as slot -1, never as a
         page handed out twice. `claimed`: the caller claims the new slots in the observer
         right after (the ownership ledger's `extended`), which folds the hand-out into the claim.
+        `host_plan`: the kernel's plan, built when the batch was planned (`extend_host_plan`).
         """
         if not self._ensure(num_pages):
             return None
         written = kernels.alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, self._buf,
                                              self.page_size, backend=self.backend,
                                              extend_num_tokens=extend_num_tokens, validate=self.debug,
-                                             free_start=self._head, num_free=num_pages)
+                                             free_start=self._head, num_free=num_pages, host_plan=host_plan)
         self._advance(num_pages, claimed)
         self._commit_alloc(num_pages)
         return written

@@ -85,17 +85,23 @@ class ExtendPlan:
     prefix_tensors: list[torch.Tensor]  # each request's prefix_indices (int64)
     extend_num_tokens: int  # new tokens over the batch
     num_pages: int  # pages the batch opens
+    # The fused kernel's host plan (offsets and prefix addresses, `kernels.extend_host_plan`),
+    # computed with the plan so that the memory path only copies it; None: computed there.
+    host_plan: Optional[np.ndarray] = None
 
     @classmethod
     def build(cls, rows: list[Optional[int]], prefix_tensors: list[torch.Tensor], seq_lens: list[int],
-              page_size: int) -> "ExtendPlan":
-        """The plan of requests whose rows will hold `seq_lens` tokens after their prefixes."""
+              page_size: int, host_plan: bool = False) -> "ExtendPlan":
+        """The plan of requests whose rows will hold `seq_lens` tokens after their prefixes;
+        with `host_plan`, the fused kernel's host plan too (for the triton backend)."""
         prefix_lens = [len(p) for p in prefix_tensors]
         prefix_lens_cpu = torch.tensor(prefix_lens, dtype=torch.int64)
         seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
         extend_num_tokens = sum(seq_lens) - sum(prefix_lens)
         num_pages = pages.extend_new_pages(prefix_lens_cpu, seq_lens_cpu, page_size, extend_num_tokens)
-        return cls(rows, prefix_lens_cpu, seq_lens_cpu, prefix_tensors, extend_num_tokens, num_pages)
+        kernel_plan = kernels.extend_host_plan(prefix_lens_cpu, seq_lens_cpu, prefix_tensors, page_size) \
+            if host_plan else None
+        return cls(rows, prefix_lens_cpu, seq_lens_cpu, prefix_tensors, extend_num_tokens, num_pages, kernel_plan)
 
     @property
     def extend_lens_cpu(self) -> torch.Tensor:
@@ -258,7 +264,8 @@ class MemoryManager:
         """The extend plan of requests as they stand: prefix = `kv.prefix_indices`, sequence =
         `fill_ids`. Checks that the lengths agree with each request's `extend_input_len`."""
         plan = ExtendPlan.build([r.kv.req_pool_idx for r in reqs], [r.kv.prefix_indices for r in reqs],
-                                [len(r.fill_ids) for r in reqs], self.page_size)
+                                [len(r.fill_ids) for r in reqs], self.page_size,
+                                host_plan=self.allocator.backend == "triton")
         expected = [r.extend_input_len for r in reqs]
         if plan.extend_lens_cpu.tolist() != expected:
             raise AssertionError(f"extend lengths {plan.extend_lens_cpu.tolist()} != extend_input_len {expected}")
@@ -290,7 +297,8 @@ class MemoryManager:
         ledger = getattr(allocator, "ledger", None)
         kw = {} if ledger is None else {"claimed": True}  # hand-out and claim in one ledger transition
         written = allocator.alloc_extend_write(pool.req_to_token, rows, plan.prefix_lens_cpu, plan.seq_lens_cpu,
-                                               plan.prefix_tensors, plan.num_pages, plan.extend_num_tokens, **kw)
+                                               plan.prefix_tensors, plan.num_pages, plan.extend_num_tokens,
+                                               host_plan=plan.host_plan, **kw)
         if written is None:
             if new_rows:
                 pool.free(new_rows)

@@ -57,7 +57,8 @@ class ReqToTokenPool:
         """Take `n` rows (the oldest free first); None when fewer are free."""
         if n > len(self.free_slots):
             return None
-        rows, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        rows = self.free_slots[:n]
+        del self.free_slots[:n]  # in place: no copy of the rows left
         for row in rows:
             self._in_use[row] = True
         return rows

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from memcli.kernels import alloc_extend_write, alloc_extend_write_torch, alloc_extend_write_triton
+from memcli.kernels import alloc_extend_write, alloc_extend_write_torch, alloc_extend_write_triton, extend_host_plan
 from memcli.kernels._common import Launcher, _unspecialised
 from memcli.kernels.cases import random_extend_case
 from tests.kernels.test_kernel_alloc import DEVICE, PAGE_SIZES, spec_alloc_extend
@@ -143,6 +143,33 @@ def test_unvalidated_call_with_the_token_count_matches(backend):
     trusted = alloc_extend_write(t2, *args, backend=backend, extend_num_tokens=9, validate=False)
     assert trusted.out_cache_loc.tolist() == checked.out_cache_loc.tolist() == [41, 42, 43, 4, 5, 6, 8, 9, 10]
     assert torch.equal(t1, t2)
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_plan_built_ahead_gives_the_computed_plans_slots_and_rows(page_size):
+    gen = torch.Generator().manual_seed(11 + page_size)
+    for bs in (1, 2, 9):
+        case = random_extend_case(gen, bs, page_size, max_prefix_len=40, max_extend_len=30, device=DEVICE)
+        rows = torch.randperm(bs + 2, generator=gen)[:bs].tolist()
+        plan = extend_host_plan(case.prefix_lens.cpu(), case.seq_lens.cpu(), case.prefix_slots, page_size)
+        assert plan[2 * bs : 3 * bs].tolist() == [0] * bs  # the rows are written at the launch
+        ahead = lambda *a: alloc_extend_write_triton(*a, host_plan=plan)  # noqa: E731
+        got, t_got = write_case(case, rows, ahead)
+        ref, t_ref = write_case(case, rows, alloc_extend_write_torch)
+        assert torch.equal(got.out_cache_loc, ref.out_cache_loc) and torch.equal(t_got, t_ref)
+        assert got.req_pool_indices.tolist() == rows and torch.equal(got.seq_lens.cpu(), case.seq_lens.cpu())
+        assert plan[2 * bs : 3 * bs].tolist() == [0] * bs  # copied, never written into
+
+
+def test_a_plan_of_other_lengths_is_refused_when_validating():
+    prefixes = [torch.tensor([20, 21, 22, 23, 40], device=DEVICE), torch.empty(0, dtype=torch.int64, device=DEVICE)]
+    free = torch.arange(1, 9, device=DEVICE)
+    other = extend_host_plan(cpu([5, 0]), cpu([11, 4]), prefixes, 4)
+    with pytest.raises(ValueError, match="extend_host_plan"):
+        alloc_extend_write_triton(table(2, 12), [0, 1], cpu([5, 0]), cpu([11, 3]), prefixes, free, 4, host_plan=other)
+    with pytest.raises(ValueError, match="entries"):
+        alloc_extend_write_triton(table(2, 12), [0, 1], cpu([5, 0]), cpu([11, 3]), prefixes, free, 4,
+                                  host_plan=other[:6])
 
 
 # ----------------------------------------------------------------------------- Launcher

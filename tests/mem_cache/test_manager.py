@@ -196,6 +196,8 @@ def test_triton_and_torch_backends_allocate_the_same_slots(page_size):
         # Second batch: one request reuses a cached prefix, one has none, one is new.
         second = make_reqs(stack, tokens((0, 13), (500, 5)), tokens((900, 3)), tokens((100, 6), (700, 2)))
         batch = extend(stack, second)
+        # The triton path copies the kernel's plan built with the batch's plan; torch builds none.
+        assert (batch.extend_plan.host_plan is not None) == (backend == "triton")
         batch.prepare_for_decode()
         rows = [row(stack, r) for r in first + second]
         results.append((batch.out_cache_loc.tolist(), rows, stack.allocator.free_page_ids().tolist()))
