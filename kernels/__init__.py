@@ -20,6 +20,8 @@ from .alloc import (
     alloc_extend_write_torch,
     alloc_extend_write_triton,
     extend_host_plan,
+    FREE_ROWS_SORT_MAX,
+    free_rows_triton,
     pack_free_state,
     unpack_free_state,
 )
@@ -37,6 +39,8 @@ __all__ = [
     "alloc_extend_write_torch",
     "alloc_extend_write_triton",
     "extend_host_plan",
+    "FREE_ROWS_SORT_MAX",
+    "free_rows_triton",
     "pack_free_state",
     "unpack_free_state",
     "store_kv",

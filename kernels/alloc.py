@@ -958,3 +958,73 @@ def alloc_extend_write(
     fn = alloc_extend_write_triton if backend == "triton" else alloc_extend_write_torch
     return fn(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages, page_size, extend_num_tokens,
               validate, free_start, num_free, host_plan)
+
+
+# ----------------------------------------------------------------------------- free of whole rows
+
+# The most pages one sorted free of rows takes (one program sorts them all); more go through torch.
+FREE_ROWS_SORT_MAX = 4096
+_FREE_ROWS_BLOCK = 1024
+
+_FREE_ROWS_RUNTIME = ["table_ptr", "rows_ptr", "free_pages_ptr", "row0", "row_stride", "pages_per_row", "n",
+                      "dest_start", "free_cap"]
+
+
+@triton.jit(do_not_specialize=_FREE_ROWS_RUNTIME, do_not_specialize_on_alignment=_FREE_ROWS_RUNTIME)
+def _free_rows_kernel(
+    table_ptr,
+    rows_ptr,
+    free_pages_ptr,
+    row0: tl.int64,
+    row_stride: tl.int64,
+    pages_per_row: tl.int64,
+    n: tl.int64,
+    dest_start: tl.int64,
+    free_cap: tl.int64,
+    PAGE_SIZE: tl.constexpr,
+    ROW_INDEX: tl.constexpr,
+    SORT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Entry k is page k % pages_per_row of request k // pages_per_row: the slot at column
+    # (k % pages_per_row) * PAGE_SIZE of its row names its page.
+    k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = k < n
+    r = k // pages_per_row
+    if ROW_INDEX:
+        row = tl.load(rows_ptr + r, mask=mask, other=0)
+    else:
+        row = row0 + r
+    slot = tl.load(table_ptr + row * row_stride + (k % pages_per_row) * PAGE_SIZE, mask=mask, other=0).to(tl.int64)
+    page = slot // PAGE_SIZE
+    if SORT:  # one program holds every page; the masked lanes sort last and are not stored
+        page = tl.sort(tl.where(mask, page, 9223372036854775807))
+    tl.store(free_pages_ptr + _ring(dest_start + k, free_cap), page, mask=mask)
+
+
+_free_rows_launch = Launcher(_free_rows_kernel)
+
+
+def free_rows_triton(req_to_token: torch.Tensor, row0: int, row_index: torch.Tensor | None, num_rows: int,
+                     length: int, free_pages: torch.Tensor, dest_start: int, page_size: int, sort: bool) -> int:
+    """Write the pages of columns ``[0, length)`` of ``num_rows`` request rows into the free
+    list ``free_pages`` (a ring) from ``dest_start``, in one launch; returns the pages written.
+
+    The rows are ``row0 .. row0 + num_rows - 1``, or ``row_index`` (int64, on the device) when
+    given. Column ``j * page_size`` names page ``j`` of a row (its slots sit at offset
+    ``t % page_size``), so every page is written once: row after row, or (``sort``) sorted
+    ascending, as a sort of the distinct pages gives; ``sort`` takes at most
+    ``FREE_ROWS_SORT_MAX`` pages. The caller checked that the ring has room and the rows hold
+    their own slots; nothing is validated here (the allocator's internal path)."""
+    pages_per_row = (length + page_size - 1) // page_size
+    n = num_rows * pages_per_row
+    if n == 0:
+        return 0
+    if sort:
+        block, grid = max(triton.next_power_of_2(n), 16), 1
+    else:
+        block, grid = _FREE_ROWS_BLOCK, triton.cdiv(n, _FREE_ROWS_BLOCK)
+    rows = free_pages if row_index is None else row_index  # any int64 tensor when unused
+    _free_rows_launch((grid,), req_to_token, rows, free_pages, row0, req_to_token.stride(0), pages_per_row, n,
+                      dest_start, free_pages.shape[0], page_size, row_index is not None, sort, block)
+    return n

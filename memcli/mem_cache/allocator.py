@@ -231,6 +231,34 @@ class BaseAllocator:
         if self.debug:
             self.check_integrity().raise_if_failed()
 
+    def free_rows(self, req_to_token: torch.Tensor, rows: list[int], length: int, consecutive: bool,
+                  row_index: Optional[torch.Tensor] = None) -> bool:
+        """`free` of every page of columns [0, length) of request rows that hold only their own
+        slots, in one launch that reads the rows and writes the free list (`kernels.free_rows_triton`):
+        the same free list and counters as `free` of the rows' page-start columns with
+        `distinct_pages`. False, with nothing done, where that launch does not apply (the
+        torch backend, an observer, a free group, a release list, debug mode, rows neither
+        consecutive nor given on the device, or more pages than one program sorts)."""
+        ps, num_rows = self.page_size, len(rows)
+        n = num_rows * ((length + ps - 1) // ps)
+        if (self.backend != "triton" or self.ledger is not None or self._group is not None or self.need_sort
+                or self.debug or not n or (num_rows > 1 and not consecutive and row_index is None)
+                or (ps > 1 and n > kernels.FREE_ROWS_SORT_MAX)):
+            return False
+        if self._in_use_pages - n < 0:
+            raise ValueError(f"double free: freeing {n} pages but only {self._in_use_pages} are allocated")
+        dest = self._free_rows_dest(n)
+        kernels.free_rows_triton(req_to_token, rows[0], None if consecutive or num_rows == 1 else row_index,
+                                 num_rows, length, self._buf, dest, ps, sort=ps > 1)
+        self._in_use_pages -= n
+        self.num_frees += 1
+        self.freed_tokens += n * ps
+        return True
+
+    def _free_rows_dest(self, n: int) -> int:
+        """Where `n` freed pages go in the free list, which takes them (as `_put` does)."""
+        raise NotImplementedError
+
     def _observe_free(self, indices: torch.Tensor, distinct_pages: bool, owner: Any, op: str,
                       divisor: int = 0) -> None:
         """The observer's side of a free: the freed pages, from `owner`. `divisor` 0: `indices`
@@ -398,6 +426,14 @@ class TokenToKVPoolAllocator(BaseAllocator):
             self._buf[: n - first] = flat[first:]
         self._num_free += n
 
+    def _free_rows_dest(self, n: int) -> int:
+        cap = self.num_pages
+        if self._num_free + n > cap:
+            raise ValueError(f"double free: {self._num_free} free + {n} freed > size {cap}")
+        tail = (self._head + self._num_free) % cap
+        self._num_free += n
+        return tail
+
     def alloc(self, n: int) -> torch.Tensor | None:
         """`n` slots in free-list order, or None when fewer are free."""
         if not self._ensure(n):
@@ -454,6 +490,13 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         else:  # the division writes straight into the free list
             torch.floor_divide(pages, divisor, out=dest)
         self._num_free += n
+
+    def _free_rows_dest(self, n: int) -> int:
+        if n > self._head:
+            raise ValueError(f"double free: {self._num_free} free + {n} freed pages > {self.num_pages}")
+        self._head -= n
+        self._num_free += n
+        return self._head
 
     def _freed_entries(self, slots: torch.Tensor, distinct: bool) -> tuple[torch.Tensor, int]:
         # Sorted and de-duplicated pages, like the reference; `unique` synchronises with the

@@ -28,12 +28,16 @@ def free_row_pages(req_to_token_pool: Any, allocator: Any, rows: list[int], leng
     row sits at offset t % page_size of its page, so the slots of columns 0, ps, 2 ps, ...
     name every page of the row exactly once. One row, or `consecutive` rows (rows[i] ==
     rows[0] + i), are read through a view (no index kernel); other rows are gathered by
-    `row_index` (the rows on the device; built from `rows` when not given). Does not free
-    the rows themselves.
+    `row_index` (the rows on the device; built from `rows` when not given). On the triton
+    backend, outside debug mode and without an observer, one kernel reads the rows and writes
+    the free list instead (`allocator.free_rows`). Does not free the rows themselves.
     """
     if not length:
         return
     table, ps = req_to_token_pool.req_to_token, allocator.page_size
+    free_rows = getattr(allocator, "free_rows", None)
+    if free_rows is not None and free_rows(table, rows, length, consecutive or len(rows) == 1, row_index):
+        return  # one launch read the rows and wrote the free list
     if len(rows) == 1:
         page_starts = table[rows[0], 0:length:ps]
     elif consecutive:
