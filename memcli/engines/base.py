@@ -53,7 +53,8 @@ class Engine:
     check-page-size inspects); `scheduler(memory, config, hooks)` its scheduling policy over
     that memory. `make_req` / `make_batch` build a request and a static batch (bench-one-batch;
     None when the engine has none). `reference` runs the engine's real code beside memcli
-    step by step (`reference diff`; None without one). `profile` is the semantics profile
+    step by step (`reference diff`; None without one); its `on_step(reference, memcli)` keyword
+    receives both sides' observations of every step (the step logs of `reference diff`). `profile` is the semantics profile
     that reproduces the engine, `semantics` the keys of `semantics.*` it reads.
     """
 
