@@ -157,6 +157,7 @@ class _Run:
         self._progress_at = 0.0
         self.stop: Optional[Stop] = None
         self.failure_at: tuple[Optional[int], Optional[str]] = (None, None)
+        self.history: tuple = ()  # the failure's page history (`OwnershipError.history`)
 
     def execute(self, shared: np.ndarray) -> ReplayResult:
         start = time.perf_counter()
@@ -206,8 +207,9 @@ class _Run:
             reports = self.memory.check(sched.memory_holders())
         except IntegrityError as exc:
             self.failure_at = (getattr(exc, "step", None), getattr(exc, "check", None))
+            self.history = tuple(getattr(exc, "history", ()))
             self._stopped_mid_step()
-            return str(exc), ()
+            return getattr(exc, "message", str(exc)), ()
         except StalledError as exc:
             self._stopped_mid_step()
             self.stop = Stop("stalled", str(exc))
@@ -331,7 +333,7 @@ class _Run:
                 pool_tokens=pool, full_walks=sched.checker.stats.full_walks + (failure is None),
                 incremental_checks=sched.checker.stats.incremental,
                 check_s=sched.checker.stats.incremental_s + sched.checker.stats.walk_s,
-                failure_step=self.failure_at[0], failure_check=self.failure_at[1],
+                failure_step=self.failure_at[0], failure_check=self.failure_at[1], history=self.history,
             ),
             series=series,
             first_cached_tokens=self.log.cached_tokens,

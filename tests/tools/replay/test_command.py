@@ -251,6 +251,14 @@ def test_integrity_violation_exits_1_with_the_report(memcli_trace, monkeypatch):
     doc = json.loads(result.stdout)
     assert not doc["integrity"]["ok"] and "memory leak detected" in doc["integrity"]["failure"]
     assert doc["summary"]["steps"] == 4
+    # The leaked page's story: handed out after the third step (step 2), so within step 3, whose
+    # check finds it; claimed by nobody; before that, freed by its last owner.
+    *before, leaked = doc["integrity"]["history"]
+    assert leaked["step"] == doc["integrity"]["failure_step"] == 3 and leaked["op"] == "allocator.alloc" and leaked["rid"] is None
+    assert (leaked["from"], leaked["to"], leaked["what"]) == ("free", "nobody (allocated, unclaimed)",
+                                                               "handed out by the allocator")
+    assert all(t["page"] == leaked["page"] and t["step"] <= 3 for t in before)
+    assert not before or before[-1]["to"] == "free"
 
 
 def test_events_file(memcli_trace, tmp_path):
