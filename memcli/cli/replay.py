@@ -80,6 +80,10 @@ def replay_command(
         help="Write one row per request: arrival, admission and finish on the simulated clock, queueing delay,"
         " input, output and cached tokens, retractions, aborted"),
     progress: bool = ProgressOpt,
+    strict_limits: bool = typer.Option(
+        False, "--strict-limits",
+        help="Refuse a trace with a request past the engine's limits (exit 2) instead of aborting or clipping it"
+        " as the engine does"),
 ) -> None:
     """Replay a trace through the memory stack and the scheduler with continuous batching.
 
@@ -91,7 +95,7 @@ def replay_command(
 
     request = ReplayRequest(TraceSource(trace_path, trace_format, block_size, limit),
                             ConfigSource(config, tuple(with_engine(set_, engine))), arrivals=arrivals, check=check, events=events,
-                            bound=bound, plot=plot, requests_out=requests_out)
+                            bound=bound, plot=plot, requests_out=requests_out, strict_limits=strict_limits)
     study = StudyOptions(tuple(sweep), sweep_file, jobs, use_ray, ray_address, out, resume)
     show = wanted(progress)
     with bars(show) as task:
@@ -109,6 +113,9 @@ def _replay(request, hooks, json_out: bool) -> None:
     from memcli.tools.replay.run import run_replay
 
     outcome = run_replay(request, hooks)
+    if outcome.result.limits:
+        print(f"warning: {outcome.result.limits.summary()}; the report lists them (--strict-limits refuses"
+              " the trace instead)", file=sys.stderr)
     if outcome.requests_out is not None:
         print(f"requests: wrote {outcome.requests_written:,} rows to {outcome.requests_out}", file=sys.stderr)
     _emit(json_out, outcome_document(outcome), lambda console: render_outcome(outcome, console))
@@ -133,6 +140,10 @@ def _study(request, study, hooks, json_out: bool) -> None:
     outcome = run_study(StudyRequest(request, study), hooks)
     if outcome.interrupted is not None:
         raise Interrupted(outcome.interrupted)
+    cut = [entry for entry in outcome.document["points"] if entry.get("limit_cut_requests")]
+    if cut:
+        print(f"warning: the engine's limits cut requests at {len(cut)} of {len(outcome.document['points'])} points;"
+              " the report names them (--strict-limits refuses the trace instead)", file=sys.stderr)
     _emit(json_out, outcome.document, lambda console: render_study(outcome.document, console))
     if outcome.plot is not None:
         print(f"plot: wrote {outcome.plot}", file=sys.stderr)

@@ -58,6 +58,7 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS,
             "retractions": q.retractions, "retracted_requests": q.retracted_requests,
             "recomputed_tokens": q.recomputed_tokens, "aborted": q.aborted, **dataclasses.asdict(q.queue),
         },
+        **({"limits": result.limits.to_dict()} if result.limits else {}),
         "integrity": _integrity_section(i),
         "series": {"points": series_points, **downsample(_series_fields(result), series_points)},
         **({"host_tier": result.host_tier.to_dict()} if result.host_tier is not None else {}),
@@ -171,12 +172,32 @@ def render_replay(result: ReplayResult, console: Console, bound: Optional[Replay
                       f" ({p.page_size} tokens): they can never hit.")
     if result.host_tier is not None:
         console.print(f"host tier = {TIER_DEFINITION}.")
+    for line in limit_lines(result.limits):
+        console.print(line, markup=False, highlight=False)
     if result.integrity.failure:
         console.print(f"INTEGRITY FAILURE (replay stopped): {result.integrity.failure}", markup=False)
         for line in history_lines(result.integrity, result.config.page_size):
             console.print(line, markup=False, highlight=False)
     if result.stop is not None:
         console.print(f"STOPPED EARLY ({result.stop.reason}): {result.stop.message}")
+
+
+def _limit_rows(cuts) -> list[tuple[str, Any]]:
+    if not cuts:
+        return []
+    return [("aborted by the engine's limits", len(cuts.aborted)),
+            ("outputs clipped by the engine's limits", len(cuts.clipped))]
+
+
+def limit_lines(cuts, shown: int = 20) -> list[str]:
+    """The requests the engine's limits cut, one line per kind (the first `shown` of each)."""
+    lines = []
+    for kind, group in (("aborted at arrival", cuts.aborted), ("output clipped", cuts.clipped)):
+        if group:
+            names = ", ".join(cut.label() for cut in group[:shown])
+            more = f" and {len(group) - shown} more (--json lists them all)" if len(group) > shown else ""
+            lines.append(f"{kind}: {names}{more}")
+    return [f"engine limits: {cuts.rule}.", *lines] if lines else []
 
 
 def history_lines(i, page_size: int) -> list[str]:
@@ -236,6 +257,7 @@ def replay_tables(result: ReplayResult, bound: Optional[ReplayResult] = None) ->
     scheduling = kv_table("scheduling", [
         ("retraction events (requests retracted)", f"{q.retractions:,} ({q.retracted_requests:,})"),
         ("recomputed tokens", q.recomputed_tokens), ("aborted", q.aborted),
+        *_limit_rows(result.limits),
         ("running, mean / max", f"{q.queue.mean_running:,.1f} / {q.queue.max_running:,}"),
         ("waiting, mean / max", f"{q.queue.mean_waiting:,.1f} / {q.queue.max_waiting:,}"),
     ])

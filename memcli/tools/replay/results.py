@@ -9,6 +9,7 @@ from typing import Optional
 
 import numpy as np
 
+from memcli.capacity import LimitCuts
 from memcli.config import Config
 from memcli.tools.replay.host_tier import HostTierStats
 from memcli.tools.replay.metrics import EvictionStats, OccupancyStats, PrefixStats, QueueStats
@@ -140,6 +141,8 @@ class ReplayResult:
     queueing_delay: Optional[DelayStats] = None
     host_tier: Optional[HostTierStats] = None
     """The host tier's tiers, transfers and occupancy (`cache.kind: hiradix` only)."""
+    limits: LimitCuts = LimitCuts()
+    """The requests the engine's limits cut: aborted at arrival, or outputs clipped."""
 
     @property
     def interrupted(self) -> bool:

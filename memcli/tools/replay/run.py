@@ -58,7 +58,8 @@ class TraceSource:
 class ReplayRequest:
     """What `memcli replay TRACE` was asked. `arrivals` None: the trace's default; `check`
     None (no per-step check), "incremental" or "full"; `bound` None or "belady"; `events`,
-    `plot` and `requests_out` are files to write (None: none)."""
+    `plot` and `requests_out` are files to write (None: none); `strict_limits`: refuse a trace
+    with a request past the engine's limits instead of cutting it as the engine does."""
 
     trace: TraceSource
     config: ConfigSource = ConfigSource()
@@ -68,6 +69,7 @@ class ReplayRequest:
     bound: Optional[str] = None
     plot: Optional[Path] = None
     requests_out: Optional[Path] = None
+    strict_limits: bool = False  # refuse a request past the engine's limits (exit 2) instead of cutting it
 
 
 def _no_notes(ignored: dict[str, str]) -> None:
@@ -122,7 +124,7 @@ def prepare(request: ReplayRequest, hooks: Hooks = Hooks()) -> Prepared:
     trace = read_trace(source.path, format=source.format, block_size=source.block_size, limit=source.limit,
                        progress=reading)
     options = ReplayOptions(request.arrivals or default_arrivals(trace), request.check is not None, request.events,
-                            check_level=request.check or "incremental")
+                            check_level=request.check or "incremental", strict_limits=request.strict_limits)
     check_options(trace, config, options)
     return Prepared(config, ignored, trace, options, shared_prefix_lens(trace))
 

@@ -10,12 +10,14 @@ Arrivals (`ReplayOptions.arrivals`):
 
 Requests are handed to the scheduler only when they arrive, and dropped once finished, so a
 145 M-token trace never holds more than the running and waiting prompts in memory. Nothing
-starts before every request is known to fit (`memcli.capacity.check_fits`).
+starts before every request is known to fit, or to be cut by the engine's limits as the engine
+cuts it (`memcli.capacity.cut_requests`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from memcli.capacity import check_fits
+from memcli.capacity import LimitCuts, cut_requests
 from memcli.config import Config, replace
 from memcli.errors import IntegrityError, MemcliError, StalledError
 from memcli.mem_cache.integrity import CheckPolicy
@@ -62,6 +64,7 @@ class ReplayOptions:
     check_level: str = "incremental"
     walk_every: int = CheckPolicy.walk_every
     walk_budget: float = CheckPolicy.walk_budget
+    strict_limits: bool = False  # refuse a trace with a request past the engine's limits (else cut as it does)
 
     @property
     def check_policy(self) -> CheckPolicy:
@@ -114,14 +117,21 @@ def replay(config: Config, trace: Trace, options: ReplayOptions, progress: Optio
     cannot work. `shared` is the ceiling of the trace (`shared_prefix_lens`), computed when None.
     """
     check_options(trace, config, options)
-    check_fits(config, trace.requests, trace.path)
+    cuts = limit_cuts(config, trace, options)
     if options.events_path is not None and not config.cache.kv_events:
         config = replace(config, cache={"kv_events": True})
     if shared is None:
         shared = shared_prefix_lens(trace)
     with _events_file(options.events_path) as events:
         run = _Run(config, trace, options, events, progress)
-        return run.execute(shared)
+        return dataclasses.replace(run.execute(shared), limits=cuts)
+
+
+def limit_cuts(config: Config, trace: Trace, options: ReplayOptions) -> LimitCuts:
+    """The requests the engine's limits cut (aborted at arrival, outputs clipped), as it does
+    serving them; under `options.strict_limits` none, and a request past them is a
+    `CapacityError`, as is one that cannot run even so."""
+    return cut_requests(config, trace.requests, trace.path, engines.get(config).limits, options.strict_limits)
 
 
 @contextlib.contextmanager
