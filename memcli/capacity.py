@@ -148,6 +148,15 @@ def cut_requests(config: Config, requests: Sequence[RequestSpec], source: str | 
                  strict: bool = False, fewer_flag: str = "--limit") -> LimitCuts:
     """The cuts the engine's `rule` makes (none under `strict` or without a rule), after which
     every request left must fit (`check_fits`, raising `CapacityError`: exit 2)."""
+    if strict and rule is not None:
+        try:
+            check_fits(config, requests, source, fewer_flag)
+        except CapacityError as exc:
+            if not rule(config, requests):
+                raise
+            raise CapacityError(exc.message, f"{exc.hint}; or drop --strict-limits: the engine aborts or clips such"
+                                             " requests, as it does serving them") from None
+        return LimitCuts()
     cuts = None if strict or rule is None else rule(config, requests)
     if not cuts:
         check_fits(config, requests, source, fewer_flag)
