@@ -40,6 +40,10 @@ RayAddressOpt: Optional[str] = typer.Option(
 OutOpt: Optional[Path] = typer.Option(
     None, "--out", metavar="DIR", help="Folder for a study's study.json and study.csv, written as points finish")
 ResumeOpt: bool = typer.Option(False, "--resume", help="With --out: skip the points already in DIR/study.json")
+StrictLimitsOpt: bool = typer.Option(
+    False, "--strict-limits",
+    help="Refuse a trace with a request past the engine's limits (exit 2) instead of aborting or clipping it"
+    " as the engine does")
 
 
 def replay_command(
@@ -80,10 +84,7 @@ def replay_command(
         help="Write one row per request: arrival, admission and finish on the simulated clock, queueing delay,"
         " input, output and cached tokens, retractions, aborted"),
     progress: bool = ProgressOpt,
-    strict_limits: bool = typer.Option(
-        False, "--strict-limits",
-        help="Refuse a trace with a request past the engine's limits (exit 2) instead of aborting or clipping it"
-        " as the engine does"),
+    strict_limits: bool = StrictLimitsOpt,
 ) -> None:
     """Replay a trace through the memory stack and the scheduler with continuous batching.
 
