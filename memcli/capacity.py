@@ -154,8 +154,8 @@ def cut_requests(config: Config, requests: Sequence[RequestSpec], source: str | 
         except CapacityError as exc:
             if not rule(config, requests):
                 raise
-            raise CapacityError(exc.message, f"{exc.hint}; or drop --strict-limits: the engine aborts or clips such"
-                                             " requests, as it does serving them") from None
+            raise CapacityError(exc.message, f"{exc.hint} (or drop --strict-limits: the engine aborts or clips such"
+                                             " requests, as it does serving them)") from None
         return LimitCuts()
     cuts = None if strict or rule is None else rule(config, requests)
     if not cuts:

@@ -43,7 +43,7 @@ def test_an_oversized_request_is_refused_by_both_with_the_same_error(tmp_path, p
     assert by_replay.exit_code == by_check.exit_code == 2
     error, hint = by_replay.stderr.splitlines()[:2]
     assert error.startswith(f"error: {trace}:2: request r1 (#2) needs ")
-    hint = hint.split("; or drop --strict-limits")[0]  # replay's own way out, under --strict-limits
+    hint = hint.split(" (or drop --strict-limits")[0]  # replay's own way out, under --strict-limits
     assert by_check.stderr.splitlines()[:2] == [error, hint.replace("--limit 1", "--requests 1")]
     assert "replay fewer requests (--limit 1)" in hint
 
@@ -101,7 +101,7 @@ def test_strict_limits_refuses_and_a_trace_without_cuts_has_no_limits_section(tm
     path = write(tmp_path / "t.jsonl", (40, 8), (4090, 2))
     strict = replay(path, "--strict-limits")
     assert strict.exit_code == 2 and strict.stderr.startswith(f"error: {path}:2: request r1 (#2) needs ")
-    assert "or drop --strict-limits: the engine aborts or clips such requests" in strict.stderr
+    assert "(or drop --strict-limits: the engine aborts or clips such requests" in strict.stderr
     fine = replay(write(tmp_path / "u.jsonl", (40, 8), (30, 4)), "--json")
     assert fine.exit_code == 0 and "limits" not in json.loads(fine.stdout) and "warning:" not in fine.stderr
 
