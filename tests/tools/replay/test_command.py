@@ -134,9 +134,12 @@ def test_empty_and_missing_files(tmp_path):
     (["--sweep", "cache.eviction_policy=lru", "--ray-address", "10.0.0.1:6379"], "--ray-address is the Ray cluster"),
     (["--sweep-file", "missing.yaml"], "cannot read --sweep-file missing.yaml"),
     (["--plot", "out.txt"], "unsupported file type"),
-    (["--set", "memory.max_context_len=100"], "more than memory.max_context_len 100"),
-    (["--set", "memory.max_total_tokens=200", "--set", "memory.max_context_len=64", "--set", "memory.page_size=1",
-      "--set", "scheduler.chunked_prefill_size=128"], "more than memory.max_context_len 64"),
+    # Requests past the limits are cut as SGLang cuts them (tests/test_capacity.py), or refused:
+    (["--strict-limits", "--set", "memory.max_context_len=100"], "more than memory.max_context_len 100"),
+    (["--strict-limits", "--set", "memory.max_total_tokens=200", "--set", "memory.max_context_len=64",
+      "--set", "memory.page_size=1", "--set", "scheduler.chunked_prefill_size=128"],
+     "more than memory.max_context_len 64"),
+    (["--set", "semantics.profile=memcli", "--set", "memory.max_context_len=100"], "more than memory.max_context_len 100"),
 ])
 def test_bad_options_exit_2_with_error_and_hint(memcli_trace, monkeypatch, args, needle):
     monkeypatch.setattr(Scheduler, "step", lambda self: pytest.fail("the replay started"))
