@@ -175,6 +175,10 @@ def test_misaligned_row_is_caught_by_row_layout_at_its_step(profile, monkeypatch
     err = failing_step(sched)
     assert planted and err.step == planted[0] and err.check == "row_layout"
     assert "expected offset" in str(err) or "expected" in str(err)
+    # The page of the misplaced slot: whose it is, since when (the write itself moves no owner).
+    (page,) = {t.page for t in err.history}
+    assert f"of page {page}," in err.message and err.history[0].op == "alloc_for_extend"
+    assert err.history[0].rid in err.message and err.history[0].step < planted[0]
 
 
 def test_a_page_owned_twice_tells_who_owned_it_first():
