@@ -602,14 +602,19 @@ def alloc_decode_step(
 
 # ----------------------------------------------------------------------------- alloc_extend_write
 
-# The plan an extend batch uploads in one copy: four rows of bs int64 values, flattened.
-_PLAN_PRE, _PLAN_SEQ, _PLAN_ROW, _PLAN_PREFIX_PTR = range(4)
-_PLAN_ROWS = 4
+# The plan of an extend batch: six rows of bs int64 values, flattened. The host computes
+# every offset (new tokens and new pages of the requests before each one), so each program
+# reads its own six values and nothing else.
+_PLAN_PRE, _PLAN_SEQ, _PLAN_ROW, _PLAN_PREFIX_PTR, _PLAN_OUT_START, _PLAN_PAGE_START = range(6)
+_PLAN_ROWS = 6
+# The batch's lengths and rows the kernel copies to the device beside the new slots.
+_DEVICE_ROWS = 3
 
 
 class ExtendWrite(NamedTuple):
     """What ``alloc_extend_write`` leaves on the device: the new slots, and the batch's rows,
-    prefix lengths and sequence lengths (views of the uploaded plan on the triton backend)."""
+    prefix lengths and sequence lengths (on the triton backend, written by the kernel into
+    the allocation of the slots)."""
 
     out_cache_loc: torch.Tensor
     req_pool_indices: torch.Tensor
@@ -617,13 +622,75 @@ class ExtendWrite(NamedTuple):
     seq_lens: torch.Tensor
 
 
-_EXTEND_WRITE_RUNTIME = ["plan_ptr", "req_to_token_ptr", "free_pages_ptr", "out_ptr", "bs", "free_start", "free_cap",
-                         "num_free_pages", "row_stride", "out_numel"]
+class PlanArena:
+    """Host memory that the extend kernel reads its plan from, with no copy to the device.
+
+    On CUDA the arena is pinned, so the kernel loads the plan through the host address
+    (mapped memory under unified addressing): the prefill's memory path is then one launch,
+    where an upload from pageable memory would be a copy the host waits on. Plans are
+    carved one after another from one of ``SEGMENTS`` segments; when a plan does not fit in
+    the current segment, an event is recorded on the current stream (after every launch that
+    read the segment) and the next segment is reused only once its event has completed,
+    which it long has in a steady loop (a wait otherwise, never a wrong read). A plan larger
+    than a segment grows the arena, after the device finished with the old one. Under
+    Triton's interpreter (CPU tensors) the arena is plain host memory: the kernel runs
+    before the call returns.
+    """
+
+    SEGMENTS = 4
+
+    def __init__(self, segment: int = 16384):
+        self._segment = segment
+        self._host: torch.Tensor | None = None
+        self._array: np.ndarray | None = None
+        self._address = 0
+        self._cuda = False
+        self._events: list = [None] * self.SEGMENTS
+        self._current, self._offset = 0, 0
+
+    def take(self, n: int, device: torch.device) -> tuple[np.ndarray, int]:
+        """``n`` int64 entries to fill before the launch, and their address."""
+        cuda = device.type == "cuda"
+        if self._host is None or n > self._segment or cuda != self._cuda:
+            self._allocate(max(n, self._segment), cuda)
+        if self._offset + n > self._segment:
+            self._next_segment()
+        start = self._current * self._segment + self._offset
+        self._offset += n
+        return self._array[start : start + n], self._address + 8 * start
+
+    def _allocate(self, segment: int, cuda: bool) -> None:
+        if self._host is not None and self._cuda:
+            torch.cuda.synchronize()  # every launch that reads the old arena has run
+        self._segment, self._cuda = segment, cuda
+        self._host = torch.empty(segment * self.SEGMENTS, dtype=torch.int64, pin_memory=cuda)
+        self._array = self._host.numpy()
+        self._address = self._host.data_ptr()
+        self._events = [None] * self.SEGMENTS
+        self._current, self._offset = 0, 0
+
+    def _next_segment(self) -> None:
+        if self._cuda:
+            event = self._events[self._current] or torch.cuda.Event()
+            event.record()
+            self._events[self._current] = event
+        self._current = (self._current + 1) % self.SEGMENTS
+        self._offset = 0
+        waiting = self._events[self._current]
+        if waiting is not None and not waiting.query():
+            waiting.synchronize()
+
+
+_plan_arena = PlanArena()
+
+
+_EXTEND_WRITE_RUNTIME = ["plan_address", "req_to_token_ptr", "free_pages_ptr", "out_ptr", "bs", "free_start",
+                         "free_cap", "num_free_pages", "row_stride", "out_numel"]
 
 
 @triton.jit(do_not_specialize=_EXTEND_WRITE_RUNTIME, do_not_specialize_on_alignment=_EXTEND_WRITE_RUNTIME)
 def _alloc_extend_write_kernel(
-    plan_ptr,
+    plan_address,
     req_to_token_ptr,
     free_pages_ptr,
     out_ptr,
@@ -636,23 +703,23 @@ def _alloc_extend_write_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # Plan rows (see _PLAN_*): prefix length, sequence length, request row, prefix address.
+    # Plan rows (see _PLAN_*), read from host memory: prefix length, sequence length, request
+    # row, prefix address, and the new tokens and new pages of the requests before this one.
     pid = tl.program_id(0)
+    plan_ptr = plan_address.to(tl.pointer_type(tl.int64))
     pre = tl.load(plan_ptr + pid)
     seq = tl.load(plan_ptr + bs + pid)
-    row_ptr = req_to_token_ptr + tl.load(plan_ptr + 2 * bs + pid) * row_stride
+    row = tl.load(plan_ptr + 2 * bs + pid)
     prefix_ptr = tl.load(plan_ptr + 3 * bs + pid).to(tl.pointer_type(tl.int64))
+    out_start = tl.load(plan_ptr + 4 * bs + pid)
+    page_start = tl.load(plan_ptr + 5 * bs + pid)
+    row_ptr = req_to_token_ptr + row * row_stride
 
-    # Offsets of this request: new tokens and new pages of the requests before it.
-    out_start = tl.full([], 0, tl.int64)
-    page_start = tl.full([], 0, tl.int64)
-    for start in range(0, pid, BLOCK):
-        j = start + tl.arange(0, BLOCK)
-        before = j < pid
-        pre_j = tl.load(plan_ptr + j, mask=before, other=0)
-        seq_j = tl.load(plan_ptr + bs + j, mask=before, other=0)
-        out_start += tl.sum(seq_j - pre_j, axis=0)
-        page_start += tl.sum((seq_j + PAGE_SIZE - 1) // PAGE_SIZE - (pre_j + PAGE_SIZE - 1) // PAGE_SIZE, axis=0)
+    # The batch's lengths and rows on the device, before the new slots: [pre | seq | rows | out].
+    tl.store(out_ptr + pid, pre)
+    tl.store(out_ptr + bs + pid, seq)
+    tl.store(out_ptr + 2 * bs + pid, row)
+    slots_ptr = out_ptr + 3 * bs
 
     # Columns [0, pre): the prefix slots, narrowed to int32.
     for start in range(0, pre, BLOCK):
@@ -674,7 +741,7 @@ def _alloc_extend_write_kernel(
         page = tl.load(free_pages_ptr + _ring(free_start + page_idx, free_cap),
                        mask=mask & on_new_page & (page_idx < num_free_pages), other=-1)
         slot = tl.where(on_new_page, page * PAGE_SIZE + pos % PAGE_SIZE, last_loc + 1 + k)
-        tl.store(out_ptr + out_start + k, slot, mask=mask)
+        tl.store(slots_ptr + out_start + k, slot, mask=mask)
         tl.store(row_ptr + pos, slot.to(tl.int32), mask=mask)
 
 
@@ -705,6 +772,31 @@ def _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu,
         raise ValueError(f"extend_num_tokens {extend_num_tokens} != sum(seq_lens - prefix_lens) {int(new_tokens.sum())}")
 
 
+def _fill_plan(plan: np.ndarray, pre: np.ndarray, seq: np.ndarray, rows, prefixes, page_size: int) -> None:
+    """The six plan rows of ``_PLAN_*``: lengths, rows, prefix addresses (0 for an empty
+    prefix, never read), and the exclusive prefix sums of new tokens and new pages."""
+    bs = pre.shape[0]
+    if bs == 1:  # one request: six host values, no array arithmetic
+        p = int(pre[0])
+        plan[:] = (p, int(seq[0]), rows[0], prefixes[0].data_ptr() if p else 0, 0, 0)
+        return
+    plan[:bs], plan[bs : 2 * bs], plan[2 * bs : 3 * bs] = pre, seq, rows
+    if np.count_nonzero(pre):
+        plan[3 * bs : 4 * bs] = [p.data_ptr() for p in prefixes]
+    else:
+        plan[3 * bs : 4 * bs] = 0
+    out_start = plan[4 * bs : 5 * bs]
+    out_start[0] = 0
+    np.cumsum((seq - pre)[:-1], out=out_start[1:])
+    page_start = plan[5 * bs :]
+    if page_size == 1:
+        page_start[:] = out_start
+    else:
+        page_start[0] = 0
+        pages = (seq + page_size - 1) // page_size - (pre + page_size - 1) // page_size
+        np.cumsum(pages[:-1], out=page_start[1:])
+
+
 def alloc_extend_write_triton(
     req_to_token: torch.Tensor,
     rows,
@@ -718,8 +810,8 @@ def alloc_extend_write_triton(
     free_start: int = 0,
     num_free: int | None = None,
 ) -> ExtendWrite:
-    """Triton ``alloc_extend_write``: one device buffer, one copy and one launch; see
-    :func:`alloc_extend_write`."""
+    """Triton ``alloc_extend_write``: one device allocation and one launch, which reads its
+    plan from host memory (``PlanArena``); see :func:`alloc_extend_write`."""
     cap = free_pages.shape[0]
     num_free = cap if num_free is None else num_free
     if validate:
@@ -730,20 +822,17 @@ def alloc_extend_write_triton(
     pre, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
     if extend_num_tokens is None:
         extend_num_tokens = int(seq.sum() - pre.sum())
-    plan = np.empty(_PLAN_ROWS * bs, dtype=np.int64)
-    plan[:bs], plan[bs : 2 * bs], plan[2 * bs : 3 * bs] = pre, seq, rows
-    plan[3 * bs :] = [p.data_ptr() for p in prefixes]
-    # The plan and the new slots share one allocation; the plan's part is filled by one copy.
+    # Lengths, rows and new slots share one device allocation, which the kernel fills.
     # (split_with_sizes: one call for every view, where Tensor.split goes through Python.)
-    buffer = torch.empty(_PLAN_ROWS * bs + extend_num_tokens, dtype=torch.int64, device=req_to_token.device)
-    on_device, out = buffer.split_with_sizes((_PLAN_ROWS * bs, extend_num_tokens))
-    on_device.copy_(torch.from_numpy(plan), non_blocking=True)
+    buffer = torch.empty(_DEVICE_ROWS * bs + extend_num_tokens, dtype=torch.int64, device=req_to_token.device)
+    pre_d, seq_d, rows_d, out = buffer.split_with_sizes((bs, bs, bs, extend_num_tokens))
     if bs:
+        plan, address = _plan_arena.take(_PLAN_ROWS * bs, req_to_token.device)
+        _fill_plan(plan, pre, seq, rows, prefixes, page_size)
         _alloc_extend_write_launch(
-            (bs,), on_device, req_to_token, free_pages, out, bs, free_start, cap, num_free, req_to_token.stride(0),
+            (bs,), address, req_to_token, free_pages, buffer, bs, free_start, cap, num_free, req_to_token.stride(0),
             extend_num_tokens, page_size, _EXTEND_BLOCK,
         )
-    pre_d, seq_d, rows_d, _ = on_device.split_with_sizes((bs,) * _PLAN_ROWS)
     return ExtendWrite(out, rows_d, pre_d, seq_d)
 
 

@@ -1,12 +1,17 @@
 """What every engine's scheduler reports and takes, whatever the engine: the step record, the
 events, the counters, and the hooks a caller adds to a run. Tools read these; engines fill them.
+
+The step log (`replay --steps-out`) and the timeline (`replay --timeline`) are built from these
+alone: each `StepRecord` (with its `batch` when `SchedulerHooks.record_batches` asks for it) and
+the step's `Event`s (`finish`, `abort`, `retract`, `evict`; `record_events`). An engine that
+fills both gets the log and the timeline unchanged.
 """
 
 from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 from memcli.mem_cache.manager import CheckPolicy, IntegrityChecker
 
@@ -17,6 +22,19 @@ class Event(NamedTuple):
     kind: str  # arrive, admit, alloc, evict, finish, retract, abort, oom
     rid: str
     tokens: int
+
+
+class StepBatch(NamedTuple):
+    """The requests a step computes, in batch order: `cached[i]` prefix tokens reused when
+    request i was admitted in this step (0 when it was admitted earlier: a decode, a later
+    chunk), `new[i]` the tokens it computes in this step (1 for a decode)."""
+
+    rids: tuple[str, ...]
+    cached: tuple[int, ...]
+    new: tuple[int, ...]
+
+
+NO_BATCH = StepBatch((), (), ())
 
 
 class StepRecord(NamedTuple):
@@ -35,6 +53,7 @@ class StepRecord(NamedTuple):
     host_used: int = 0  # hiradix: host pool slots held by the tree
     d2h_bytes: int = 0  # hiradix: bytes copied device -> host issued during the step
     h2d_bytes: int = 0  # hiradix: bytes copied host -> device issued during the step
+    batch: Optional[StepBatch] = None  # the batch computed, when hooks.record_batches (else None)
 
 
 @dataclass
@@ -73,7 +92,8 @@ class SchedulerHooks:
     checks of `checks` run (by default sampled full walks on idle steps only), or those of a
     prebuilt `checker`. `retract_every` forces a retraction every that many decode steps;
     `page_size` gives the budget another page size than memory's (check-page-size's
-    injection)."""
+    injection). `record_batches` puts the batch of every step on its record
+    (`StepRecord.batch`), for the step log and the timeline."""
 
     output_token_base: int = 1 << 40
     record_events: bool = True
@@ -83,3 +103,4 @@ class SchedulerHooks:
     checker: IntegrityChecker | None = None
     retract_every: int = 0
     page_size: int | None = None
+    record_batches: bool = False

@@ -18,7 +18,7 @@ from memcli import engines
 from memcli.cli.app import app
 from memcli.errors import ConfigError
 from memcli.mem_cache.manager import Usage
-from memcli.steps import SchedulerHooks, SchedulerStats, StepRecord
+from memcli.steps import NO_BATCH, Event, SchedulerHooks, SchedulerStats, StepBatch, StepRecord
 
 TRACE = "tests/data/synthetic_head200.jsonl"
 
@@ -57,6 +57,7 @@ class ToyScheduler:
         self.memory, self.hooks, self.checker = memory, hooks, memory.checker(hooks.checks)
         self.clock_ms, self.step_count = 0.0, 0
         self.waiting, self.finished, self.records, self.stats = [], [], [], SchedulerStats()
+        self.events = []
         self.current = None
 
     def new_req(self, rid, input_ids, max_new_tokens, extra_key=None, arrival_ms=0.0):
@@ -76,12 +77,13 @@ class ToyScheduler:
     memory_holders = active_reqs
 
     def step(self) -> StepRecord:
-        kind, new = "idle", 0
+        kind, new, batch = "idle", 0, NO_BATCH
         if self.current is None and self.waiting and self.waiting[0].arrival_ms <= self.clock_ms:
             req = self.current = self.waiting.pop(0)
             req.first_cached_tokens, req.admit_ms = 0, self.clock_ms
             self.memory.used += len(req.tokens)
             kind, new = "prefill", len(req.tokens)
+            batch = StepBatch((req.rid,), (0,), (new,))
             self.stats.prefill_batches += 1
             self.stats.batch_cached_tokens.append(0)
             self.stats.batch_new_tokens.append(new)
@@ -91,19 +93,23 @@ class ToyScheduler:
             req.tokens.append(0)
             self.memory.used += 1
             kind, new = "decode", 1
+            batch = StepBatch((req.rid,), (0,), (1,))
             self.stats.decode_steps += 1
             if len(req.output_ids) >= req.max_new_tokens:
                 self.memory.used -= len(req.tokens)
                 req.finish_ms, req.finished, self.current = self.clock_ms, True, None
                 self.stats.finished += 1
                 self.finished.append(req)
+                if self.hooks.record_events:
+                    self.events.append(Event(self.step_count, self.clock_ms, "finish", req.rid, len(req.tokens)))
         elif self.waiting:
             self.clock_ms = self.waiting[0].arrival_ms
             self.stats.idle_steps += 1
         self.clock_ms += 1.0
         u = self.memory.usage()
         record = StepRecord(self.step_count, self.clock_ms, kind, int(new > 0), new, len(self.active_reqs()),
-                            len(self.waiting), u.available, 0, 0, self.memory.used, 0)
+                            len(self.waiting), u.available, 0, 0, self.memory.used, 0,
+                            batch=batch if self.hooks.record_batches else None)
         self.records.append(record)
         self.step_count += 1
         if self.hooks.on_step is not None:
@@ -131,6 +137,22 @@ def test_replay_runs_on_a_registered_toy_engine(toy_engine):
     assert summary["finished"] == 5 and summary["prefill_steps"] == 5
     assert summary["decode_steps"] == summary["output_tokens"] > 0
     assert doc["integrity"]["everything_free_at_end"] and doc["integrity"]["end"]["rows_in_use"] == 0
+
+
+def test_the_toy_engine_writes_a_step_log(toy_engine, tmp_path):
+    path = tmp_path / "steps.jsonl"
+    result = CliRunner().invoke(app, ["replay", TRACE, "--limit", "3", "--arrivals", "burst", "--json",
+                                      "--set", "semantics.engine=toy", "--steps-out", str(path)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    log = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(log) == doc["summary"]["steps"]
+    prefills = [s["requests"] for s in log if s["kind"] == "prefill"]
+    assert [p[0]["rid"] for p in prefills] == ["1", "2", "3"] and all(len(p) == 1 for p in prefills)
+    assert [rid for s in log for rid in s["finished"]] == ["1", "2", "3"]
+    pool = doc["allocation"]["pool_tokens"]
+    assert all(s["used"] + s["free"] == pool and s["evictable"] == s["protected"] == 0 for s in log)
+    assert log[-1]["used"] == 0
 
 
 def test_an_unknown_engine_is_refused_with_the_names():

@@ -26,6 +26,7 @@ CASES = {
     "replay": ([TRACE, "--limit", "4", *SMALL, "--set", "memory.page_size=16"], True),
     "replay --sweep": ([TRACE, "--limit", "3", *SMALL, "--sweep", "memory.page_size=1,16"], True),
     "bench-radix": (["--trace", TRACE, "--requests", "5", "--repeat", "1"], False),
+    "diff": ([TRACE, "--limit", "3", "--a", "--set memory.page_size=16", "--b", "--set memory.page_size=16"], False),
 }
 # `reference fetch` and `reference diff` need SGLang's wheel: tests/reference/test_cli.py.
 ELSEWHERE = {"reference fetch", "reference diff"}

@@ -7,7 +7,7 @@ from typing import Callable
 
 import typer
 
-from memcli.cli import bench_one_batch, bench_radix, check_page_size, gen_trace, reference, replay, show_config
+from memcli.cli import bench_one_batch, bench_radix, check_page_size, diff, gen_trace, reference, replay, show_config
 from memcli.cli.guard import GuardedGroup, guarded
 from memcli.cli.options import MemcliCommand, list_flags_command
 
@@ -29,6 +29,7 @@ COMMANDS: tuple[tuple[str, Callable, tuple[str, ...]], ...] = (
     ("gen-trace", gen_trace.gen_trace, ()),
     ("replay", replay.replay_command, ()),
     ("bench-radix", bench_radix.bench_radix, ()),
+    ("diff", diff.diff_command, ()),
 )
 
 

@@ -46,6 +46,10 @@ def bench_one_batch(
     compare: Optional[str] = typer.Option(
         None, "--compare", metavar="IMPL",
         help="Time SGLang 0.5.5's own memory path beside memcli's in the same rounds (sglang-0.5.5)"),
+    compare_backend: Optional[str] = typer.Option(
+        None, "--compare-backend", metavar="NAME",
+        help="SGLang's attention backend under --compare (default: what its server picks on the device, e.g. fa3"
+             " on an H200, torch_native on a CPU; torch_native on CUDA times SGLang's fallback path)"),
     warmup: int = typer.Option(2, "--warmup", help="Untimed calls per phase before the timed ones"),
     run_name: str = typer.Option("default", "--run-name", help="run_name field of every result"),
     result_file: Optional[Path] = typer.Option(None, "--result-file", metavar="FILE", help="Append one JSON line per case"),
@@ -71,7 +75,7 @@ def bench_one_batch(
         cfg, _ints("--batch-size", batch_size, DEFAULT_BATCH_SIZES), _ints("--input-len", input_len, [DEFAULT_INPUT_LEN]),
         _ints("--output-len", output_len, [DEFAULT_OUTPUT_LEN]), _ints("--prefix-len", prefix_len, [0]),
         _ints("--page-size", page_size, None), tree_cache=tree_cache, repeat=repeat, warmup=warmup, rounds=rounds,
-        run_name=run_name, compare=compare, result_file=result_file)
+        run_name=run_name, compare=compare, result_file=result_file, compare_backend=compare_backend)
     outcome = run_bench_one_batch(request, Hooks(say=lines(wanted(progress)), note=_note))
     if json_out:
         print_json(outcome_document(outcome, sorted(ignored)))

@@ -46,6 +46,10 @@ def diff(
                                  help="burst: every request at t = 0; timestamp: at its trace time"),
     config: Optional[Path] = ReplayConfigOpt,
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Compare at most N steps"),
+    steps_out: Optional[Path] = typer.Option(None, "--steps-out", metavar="FILE.jsonl",
+                                             help="Write memcli's step log (docs/JSON.md; compare with memcli diff)"),
+    reference_steps_out: Optional[Path] = typer.Option(
+        None, "--reference-steps-out", metavar="FILE.jsonl", help="Write the step log of the engine's own code"),
     json_out: bool = JsonOpt,
 ) -> None:
     """Run memcli's scheduler and SGLang 0.5.5's loop side by side and print the first divergent step.
@@ -59,7 +63,7 @@ def diff(
     from memcli.tools.reference_diff.run import run_reference_diff
 
     cfg = load_config(config, with_engine(set_, engine), builtin="replay")
-    result = run_reference_diff(cfg, trace, limit, arrivals, max_steps)
+    result = run_reference_diff(cfg, trace, limit, arrivals, max_steps, steps_out, reference_steps_out)
     if json_out:
         print_json(diff_document(result))
     else:

@@ -83,6 +83,12 @@ def replay_command(
         None, "--requests-out", metavar="FILE.csv|FILE.jsonl",
         help="Write one row per request: arrival, admission and finish on the simulated clock, queueing delay,"
         " input, output and cached tokens, retractions, aborted"),
+    steps_out: Optional[Path] = typer.Option(
+        None, "--steps-out", metavar="FILE.jsonl",
+        help="Write the step log: one JSON object per scheduler step (docs/JSON.md; compare two with memcli diff)"),
+    timeline: Optional[Path] = typer.Option(
+        None, "--timeline", metavar="FILE.json",
+        help="Write a timeline of steps, pool occupancy, requests and evictions (Chrome trace events: ui.perfetto.dev)"),
     progress: bool = ProgressOpt,
     strict_limits: bool = StrictLimitsOpt,
 ) -> None:
@@ -96,16 +102,27 @@ def replay_command(
 
     request = ReplayRequest(TraceSource(trace_path, trace_format, block_size, limit),
                             ConfigSource(config, tuple(with_engine(set_, engine))), arrivals=arrivals, check=check, events=events,
-                            bound=bound, plot=plot, requests_out=requests_out, strict_limits=strict_limits)
+                            bound=bound, plot=plot, requests_out=requests_out, steps_out=steps_out, timeline=timeline,
+                            strict_limits=strict_limits)
     study = StudyOptions(tuple(sweep), sweep_file, jobs, use_ray, ray_address, out, resume)
     show = wanted(progress)
     with bars(show) as task:
         hooks = Hooks(task if show else None, lambda ignored: note_ignored(ignored, NAME))
         if study.wanted:
+            _no_step_files(steps_out, timeline)
             _study(request, study, hooks, json_out)
         else:
             study.check_unused()
             _replay(request, hooks, json_out)
+
+
+def _no_step_files(steps_out: Optional[Path], timeline: Optional[Path]) -> None:
+    from memcli.errors import MemcliError
+
+    if steps_out is not None or timeline is not None:
+        flag = "--steps-out" if steps_out is not None else "--timeline"
+        raise MemcliError(f"{flag} writes the steps of one replay, and a study runs one replay per point",
+                          "replay the point you want to look at without --sweep / --sweep-file")
 
 
 def _replay(request, hooks, json_out: bool) -> None:

@@ -5,8 +5,9 @@ Tools take an `Engine` from the registry (`memcli.engines.get`) by the config's
 
 A scheduler an engine builds offers what the tools drive and read (`Scheduler` is the
 protocol): requests in (`new_req`, `add_request`), one `step()` at a time until `is_done()`,
-and what happened out (`records`, `stats`, `finished`, `checker`, ...), in the shared types
-of `memcli.steps`.
+and what happened out (`records`, `stats`, `finished`, `events`, `checker`, ...), in the shared
+types of `memcli.steps`. The step log and the timeline need each record's `batch`
+(`hooks.record_batches`) and the `finish`, `abort`, `retract` and `evict` events.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class Scheduler(Protocol):
     waiting: list
     finished: list  # requests finished (or aborted) since the caller last cleared it
     records: list[StepRecord]
+    events: list  # `memcli.steps.Event`s since the caller last cleared it (when hooks.record_events)
     stats: SchedulerStats
     checker: Any  # the after-step integrity checks (`memory.checker(...)`)
 
@@ -51,7 +53,8 @@ class Engine:
     check-page-size inspects); `scheduler(memory, config, hooks)` its scheduling policy over
     that memory. `make_req` / `make_batch` build a request and a static batch (bench-one-batch;
     None when the engine has none). `reference` runs the engine's real code beside memcli
-    step by step (`reference diff`; None without one). `profile` is the semantics profile
+    step by step (`reference diff`; None without one); its `on_step(reference, memcli)` keyword
+    receives both sides' observations of every step (the step logs of `reference diff`). `profile` is the semantics profile
     that reproduces the engine, `semantics` the keys of `semantics.*` it reads. `limits` is what
     the engine does with requests past its limits (`memcli.capacity.LimitRule`: the requests
     it aborts at arrival or clips, as it would serving them); None: such a trace is refused.

@@ -33,10 +33,10 @@ def _batch(reqs: list, memory: Any, config: Config) -> ScheduleBatch:
     return ScheduleBatch(reqs, memory, config.behaviour.event_loop == "overlap")
 
 
-def _reference(config: Config, requests: list, arrivals: str, output_token_base: int, max_steps=None):
+def _reference(config: Config, requests: list, arrivals: str, output_token_base: int, max_steps=None, on_step=None):
     from memcli.reference.observe import run_side_by_side
 
-    return run_side_by_side(config, requests, arrivals, output_token_base, max_steps)
+    return run_side_by_side(config, requests, arrivals, output_token_base, max_steps, on_step=on_step)
 
 
 ENGINE = register(Engine(

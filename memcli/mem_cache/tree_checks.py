@@ -17,7 +17,7 @@ A leaf below the trees: it imports neither them nor `memcli.mem_cache.integrity`
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -48,60 +48,63 @@ class TreeView(NamedTuple):
 
 
 def radix_checks(view: TreeView) -> list[CheckResult]:
+    """The radix walk: counters against the nodes, locks, shapes, slots and the eviction queue."""
     nodes = view.nodes
-    total, evictable, protected = view.total, view.evictable, view.protected
-    walked_total = sum(len(node.key) for node in nodes)
-    walked_evictable = sum(len(node.key) for node in nodes if node.lock_ref == 0)
     walked_protected = sum(len(node.key) for node in nodes if node.lock_ref > 0)
-    values = view.device_slots(nodes)
-    checks = [
-        CheckResult("total_size", walked_total == total, f"nodes hold {walked_total} tokens, total counter {total}"),
-        CheckResult("evictable_plus_protected", evictable + protected == total,
-                    f"evictable {evictable} + protected {protected} {_eq(evictable + protected, total)} total {total}"),
-        CheckResult("evictable_size", walked_evictable == evictable,
-                    f"unlocked nodes hold {walked_evictable} tokens, evictable counter {evictable}"),
-        CheckResult("protected_size", walked_protected == protected,
-                    f"locked nodes hold {walked_protected} tokens, protected counter {protected}"),
-        CheckResult("node_count", len(nodes) == view.num_nodes,
-                    f"walked {len(nodes)} nodes, counter {view.num_nodes}"),
-        _lock_check(view),
-        _shape_check(nodes, view.page_size),
-        _child_key_check(view),
-        _unique_slot_check(values, view.page_size),
-        _free_slot_check(view.allocator, values),
-        _eviction_queue_check(view),
-    ]
-    if view.page_size > 1:
-        checks.append(_page_layout_check(values, view.page_size))
-    return checks
+    protected = CheckResult("protected_size", walked_protected == view.protected,
+                            f"locked nodes hold {walked_protected} tokens, protected counter {view.protected}")
+    return _walk_checks(view, nodes, "nodes", [protected], _shape_check(nodes, view.page_size),
+                        [_eviction_queue_check(view)])
 
 
 def hiradix_checks(view: TreeView, cache: Any) -> list[CheckResult]:
     """The radix walk over device slots, both eviction queues, and the host tier of `cache`."""
     nodes = view.nodes
     device = [n for n in nodes if n.value is not None]
+    return _walk_checks(view, device, "device nodes", [], _host_shape_check(nodes, view.page_size),
+                        [_queues_check(view), *host_tier_checks(cache, nodes)], sum_detail=_listed_sum)
+
+
+def _walk_checks(view: TreeView, holders: list, what: str, counters: list[CheckResult], shape: CheckResult,
+                 queues: list[CheckResult], sum_detail: Optional[Callable[[int, int, int], str]] = None) -> list[CheckResult]:
+    """The checks both walks share, over `holders` (the nodes that hold device slots), in this
+    order: the size counters (then the walk's own `counters`), the node count, locks, `shape`,
+    child keys, slots, `queues`, and the page layout at page size > 1. `sum_detail`
+    words the evictable + protected check (`_compared_sum` unless given)."""
+    sum_detail = sum_detail or _compared_sum
     total, evictable, protected = view.total, view.evictable, view.protected
-    walked = sum(len(n.key) for n in device)
-    walked_evictable = sum(len(n.key) for n in device if n.lock_ref == 0)
-    values = view.device_slots(device)
-    checks = [
-        CheckResult("total_size", walked == total, f"device nodes hold {walked} tokens, total counter {total}"),
+    walked = sum(len(node.key) for node in holders)
+    walked_evictable = sum(len(node.key) for node in holders if node.lock_ref == 0)
+    values = view.device_slots(holders)
+    sizes = [
+        CheckResult("total_size", walked == total, f"{what} hold {walked} tokens, total counter {total}"),
         CheckResult("evictable_plus_protected", evictable + protected == total,
-                    f"evictable {evictable} + protected {protected}, total {total}"),
+                    sum_detail(evictable, protected, total)),
         CheckResult("evictable_size", walked_evictable == evictable,
-                    f"unlocked device nodes hold {walked_evictable} tokens, evictable counter {evictable}"),
-        CheckResult("node_count", len(nodes) == view.num_nodes, f"walked {len(nodes)} nodes, counter {view.num_nodes}"),
+                    f"unlocked {what} hold {walked_evictable} tokens, evictable counter {evictable}"),
+    ]
+    checks = [
+        *sizes, *counters,
+        CheckResult("node_count", len(view.nodes) == view.num_nodes,
+                    f"walked {len(view.nodes)} nodes, counter {view.num_nodes}"),
         _lock_check(view),
-        _host_shape_check(nodes, view.page_size),
+        shape,
         _child_key_check(view),
         _unique_slot_check(values, view.page_size),
         _free_slot_check(view.allocator, values),
-        _queues_check(view),
-        *host_tier_checks(cache, nodes),
+        *queues,
     ]
     if view.page_size > 1:
         checks.append(_page_layout_check(values, view.page_size))
     return checks
+
+
+def _compared_sum(evictable: int, protected: int, total: int) -> str:
+    return f"evictable {evictable} + protected {protected} {_eq(evictable + protected, total)} total {total}"
+
+
+def _listed_sum(evictable: int, protected: int, total: int) -> str:
+    return f"evictable {evictable} + protected {protected}, total {total}"
 
 
 # -- the radix tree ------------------------------------------------------------------------

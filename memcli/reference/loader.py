@@ -18,8 +18,13 @@ import, so an installed sglang of another version is never mixed in:
 Triton kernels: SGLang decorates them at import time, and Triton chooses between compiling
 and interpreting at that moment. Without CUDA the loader sets `TRITON_INTERPRET=1` (for the
 rest of the process: Triton's interpreter reads it again later), so the allocator kernels (`alloc_extend_kernel`, `alloc_decode_kernel`) run in
-the interpreter on CPU tensors. `mem_cache.common` needs no kernel: with the stand-in's
-`attention_backend="torch_native"` SGLang takes its own torch paths.
+the interpreter on CPU tensors.
+
+Attention backend: `mem_cache.common` reads the server argument `attention_backend` on every
+call. The loader sets the one SGLang picks by default on the device the reference runs on
+(`backends.default_backend`: fa3 on an H100 or H200, torch_native on a CPU), so that a GPU
+run takes SGLang's Triton write paths as a server there does; `use_attention_backend`
+picks another.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Any, Optional
 import torch
 
 from memcli.errors import MemcliError
+from memcli.reference.backends import default_backend
 from memcli.reference.fetch import SGLANG_VERSION, fetch_reference
 from memcli.reference.standins import STANDINS
 
@@ -143,6 +149,17 @@ class Reference:
         kernels run on (they take no CPU tensors)."""
         return "cpu" if self.interpreted else "cuda"
 
+    @property
+    def attention_backend(self) -> str:
+        """The `attention_backend` server argument SGLang's memory path reads now."""
+        return sys.modules["sglang.srt.server_args"].get_global_server_args().attention_backend
+
+    def use_attention_backend(self, name: str) -> None:
+        """Make SGLang's memory path read `attention_backend = name` (process-wide: every
+        caller of this reference sees it)."""
+        server_args = sys.modules["sglang.srt.server_args"]
+        server_args.set_global_server_args_for_scheduler(server_args.ServerArgs(attention_backend=name))
+
     def restore_clock(self) -> None:
         if self._clock_saved:
             for name, saved in zip(CLOCKED, self._clock_saved.pop()):
@@ -224,4 +241,5 @@ def load_reference(cache_dir: Optional[Path] = None, interpret: Optional[bool] =
     _single_rank(modules["hiradix_cache"])
     standins = {name: STANDINS[name].reason for name in finder.standins_built}
     _loaded = Reference(root, modules, standins, interpreted)
+    _loaded.use_attention_backend(default_backend(torch.device(_loaded.device).type))
     return _loaded

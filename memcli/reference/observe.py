@@ -20,7 +20,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -201,10 +201,12 @@ class StepDiff(NamedTuple):
 
 
 def run_side_by_side(config: Config, requests: Sequence[RequestSpec], arrivals: str, output_token_base: int,
-                     max_steps: Optional[int] = None, ref: Any = None) -> StepDiff:
+                     max_steps: Optional[int] = None, ref: Any = None,
+                     on_step: Optional[Callable[[StepObservation, StepObservation], None]] = None) -> StepDiff:
     """Step SGLang's loop (normal or overlap, as `semantics.event_loop` says) and memcli's
     scheduler together until both are done, one of them
-    is done early (a divergence in `kind`), or their observations differ."""
+    is done early (a divergence in `kind`), or their observations differ. `on_step(sglang,
+    memcli)` sees both observations of every step taken, the divergent one included."""
     loop = reference_loop(config, requests, arrivals, output_token_base, ref=ref)
     notes = (HOST_COPIES_NOTE,) if config.cache.kind == "hiradix" else ()
     try:
@@ -229,6 +231,8 @@ def run_side_by_side(config: Config, requests: Sequence[RequestSpec], arrivals: 
                 return StepDiff(steps, None, ref_s, mem_s, config.behaviour.event_loop, notes, failure)
             ref_s, mem_s = ref_s + middle - start, mem_s + time.perf_counter() - middle
             steps += 1
+            if on_step is not None:
+                on_step(ref_obs, mem_obs)
             if ref_obs != mem_obs or loop.is_done() != mem.is_done():
                 return StepDiff(steps, (ref_obs, mem_obs), ref_s, mem_s, config.behaviour.event_loop, notes)
         return StepDiff(steps, None, ref_s, mem_s, config.behaviour.event_loop, notes)

@@ -88,10 +88,11 @@ def _utils(root: Path) -> dict:
 
 @dataclasses.dataclass
 class ServerArgs:
-    """The server arguments the memory paths read. `attention_backend="torch_native"` makes
-    `mem_cache.common` take SGLang's own torch paths for `write_cache_indices` and
-    `get_last_loc` (its Triton versions read pointers out of tensors, which the
-    interpreter does not support)."""
+    """The server arguments the memory paths read. `attention_backend` picks the path of
+    `mem_cache.common`'s `write_cache_indices` and `get_last_loc`: Triton kernels, or with
+    "torch_native" SGLang's torch fallback (the only one the Triton interpreter runs: the
+    Triton write path reads pointers out of a tensor). The loader sets the device's default
+    (`memcli.reference.backends`)."""
 
     attention_backend: str = "torch_native"
     speculative_algorithm: Optional[str] = None

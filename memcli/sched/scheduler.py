@@ -21,7 +21,7 @@ from memcli.sched.overlap import OverlapLoop
 from memcli.sched.progress import ProgressGuard
 from memcli.sched.policy import AddResult, AdmissionGate, PrefillAdder, order_waiting, uses_lpm
 from memcli.sched.req import Req
-from memcli.steps import Event, SchedulerHooks, SchedulerStats, StepRecord
+from memcli.steps import NO_BATCH, Event, SchedulerHooks, SchedulerStats, StepBatch, StepRecord
 
 __all__ = ["Event", "Scheduler", "SchedulerHooks", "SchedulerStats", "StepRecord"]
 
@@ -37,6 +37,8 @@ class Scheduler:
         self.checker = hooks.checker or memory.checker(hooks.checks)
         self.retract_every = hooks.retract_every
         self.record_events = hooks.record_events
+        self.record_batches = hooks.record_batches
+        self._step_batch: StepBatch | None = None  # this step's batch, for its record (record_batches)
         self.on_step = hooks.on_step
         self.on_admission = hooks.on_admission
         self.next_token = hooks.output_token_base
@@ -209,9 +211,12 @@ class Scheduler:
             host_used = host.used
             d2h, h2d = host.d2h_bytes - self._host_seen[0], host.h2d_bytes - self._host_seen[1]
             self._host_seen = (host.d2h_bytes, host.h2d_bytes)
+        batch = None
+        if self.record_batches:
+            batch, self._step_batch = self._step_batch or NO_BATCH, None
         record = StepRecord(self.step_count, self.clock_ms, kind, bs, new_tokens, len(self.running.reqs),
                             len(self.waiting), u.available, u.evictable, u.protected, held_tokens,
-                            held_pages, host_used, d2h, h2d)
+                            held_pages, host_used, d2h, h2d, batch)
         self.records.append(record)
         return record
 
@@ -280,17 +285,24 @@ class Scheduler:
         self.stats.allocated_tokens += batch.extend_num_tokens
         self.stats.batch_cached_tokens.append(log_hit_tokens)
         self.stats.batch_new_tokens.append(log_input_tokens)
+        cached = []
         for req in reqs:
+            hit = 0
             if req.first_cached_tokens is None:
-                req.first_cached_tokens = len(req.prefix_indices)
+                hit = req.first_cached_tokens = len(req.prefix_indices)
                 req.first_host_skipped = req.host_skipped_len
                 req.admit_ms = self.clock_ms
                 self._event("admit", req.rid, len(req.prefix_indices))
                 self._admitted(req)
             elif req.retraction_count and req.kv_committed_len == 0:
                 self.stats.recomputed_tokens += req.extend_input_len
+                hit = len(req.prefix_indices)
                 self._admitted(req)
+            cached.append(hit)
         self._event("alloc", "", batch.extend_num_tokens)
+        if self.record_batches:
+            self._step_batch = StepBatch(tuple(r.rid for r in reqs), tuple(cached),
+                                         tuple(int(r.extend_input_len) for r in reqs))
         return batch
 
     def _admitted(self, req: Req) -> None:
@@ -350,6 +362,9 @@ class Scheduler:
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
         batch.prepare_for_decode()
+        if self.record_batches:
+            n = batch.batch_size
+            self._step_batch = StepBatch(tuple(r.rid for r in batch.reqs), (0,) * n, (1,) * n)
         self.stats.decode_steps += 1
         self.stats.allocations += 1
         self.stats.allocated_tokens += batch.batch_size

@@ -51,18 +51,9 @@ def generate_trace(
     `chat<C>-turn<T>`. Same arguments, same records. `progress(done)` is called every few
     hundred requests.
     """
-    _check_params(
-        rate,
-        requests=num_requests,
-        seed=seed,
-        system_prompts=system_prompts,
-        system_prompt_len=system_prompt_len,
-        turns=turns,
-        input_len=input_len,
-        output_len=output_len,
-        active_chats=active_chats,
-        vocab_size=vocab_size,
-    )
+    _check_params(rate, requests=num_requests, seed=seed, system_prompts=system_prompts,
+                  system_prompt_len=system_prompt_len, turns=turns, input_len=input_len,
+                  output_len=output_len, active_chats=active_chats, vocab_size=vocab_size)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, vocab_size, system_prompt_len) for _ in range(system_prompts)]
     arrivals_ms = np.cumsum(rng.exponential(1000.0 / rate, num_requests)) if rate > 0 else None

@@ -261,3 +261,50 @@ def test_page_size_one_edges(backend):
     short = fn(table(1, 6), [0], cpu([0]), cpu([3]), [torch.empty(0, dtype=torch.int64, device=DEVICE)],
                torch.tensor([4, 5, 6], device=DEVICE), 1, validate=False, num_free=2)
     assert short.out_cache_loc.tolist() == [4, 5, -1]
+
+
+# ----------------------------------------------------------------------------- the plan's host arena
+
+
+def test_plan_arena_carves_segments_and_grows():
+    from memcli.kernels.alloc import PlanArena
+
+    arena = PlanArena(segment=8)
+    cpu_device = torch.device("cpu")
+    a, addr_a = arena.take(6, cpu_device)
+    b, addr_b = arena.take(6, cpu_device)  # no room left in segment 0: segment 1
+    assert addr_b - addr_a == 8 * 8
+    a[:], b[:] = 1, 2
+    assert a.tolist() == [1] * 6 and b.tolist() == [2] * 6  # distinct memory
+    for _ in range(PlanArena.SEGMENTS - 1):
+        c, addr_c = arena.take(6, cpu_device)
+    assert addr_c == addr_a  # the segments are reused in turn
+    big, addr_big = arena.take(20, cpu_device)  # larger than a segment: a new arena
+    assert big.shape == (20,) and arena.take(20, cpu_device)[1] - addr_big == 8 * 20
+
+
+@pytest.mark.gpu
+def test_gpu_back_to_back_extends_read_their_own_plans(monkeypatch):
+    """Many extends queued behind a busy stream, more plans than the arena's segments hold:
+    every launch reads its own plan (a reused segment waits for its event)."""
+    from memcli.kernels import alloc as alloc_module
+
+    monkeypatch.setattr(alloc_module, "_plan_arena", alloc_module.PlanArena(segment=64))
+    gen = torch.Generator().manual_seed(9)
+    cases = [(random_extend_case(gen, bs, ps, max_prefix_len=300, max_extend_len=200, device=DEVICE), ps)
+             for bs, ps in [(1, 1), (9, 16), (3, 1), (10, 64), (2, 16)] * 12]
+    # Lengths on the host and tables made first: nothing below synchronises until the checks.
+    inputs = [(table(case.prefix_lens.numel() + 2, int(case.seq_lens.max()) + 3), case.prefix_lens.cpu(),
+               case.seq_lens.cpu()) for case, _ in cases]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the launches queue behind a spin
+    kernels = []
+    for (case, ps), (t, pre, seq) in zip(cases, inputs):
+        rows = list(range(pre.numel()))
+        kernels.append((alloc_extend_write_triton(t, rows, pre, seq, case.prefix_slots, case.free_pages, ps,
+                                                  validate=False), t))
+    for (case, _), (kernel, t_kernel) in zip(cases, kernels):
+        ref, t_ref = write_case(case, list(range(case.prefix_lens.numel())), alloc_extend_write_torch)
+        assert torch.equal(kernel.out_cache_loc, ref.out_cache_loc) and torch.equal(t_kernel, t_ref)
+        assert torch.equal(kernel.seq_lens, ref.seq_lens) and torch.equal(kernel.prefix_lens, ref.prefix_lens)
+        assert torch.equal(kernel.req_pool_indices, ref.req_pool_indices)

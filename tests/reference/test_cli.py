@@ -169,3 +169,18 @@ def test_diff_chooses_the_triton_interpreter_in_process(ref):
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["divergent"] is False and doc["failure"] is None and doc["config"]["runtime"]["kernel_backend"] == "triton"
+
+
+def test_reference_diff_writes_both_step_logs_and_they_match_the_replays(ref, tmp_path):
+    mine, theirs, replayed = tmp_path / "memcli.jsonl", tmp_path / "sglang.jsonl", tmp_path / "replay.jsonl"
+    trace = "tests/data/conversation_head300.jsonl"
+    result = CliRunner().invoke(app, ["reference", "diff", trace, "--limit", "12", "--steps-out", str(mine),
+                                      "--reference-steps-out", str(theirs)])
+    assert result.exit_code == 0, result.output
+    assert "step logs (A: the engine's own code, B: memcli):" in result.output and "equal:" in result.output
+    replay = CliRunner().invoke(app, ["replay", trace, "--limit", "12", "--arrivals", "burst",
+                                      "--steps-out", str(replayed)])
+    assert replay.exit_code == 0, replay.output
+    # memcli's side of the harness and the replay write the same log; SGLang's side equals it too.
+    assert mine.read_text() == replayed.read_text() and len(mine.read_text().splitlines()) > 10
+    assert CliRunner().invoke(app, ["diff", str(theirs), str(mine)]).exit_code == 0

@@ -212,7 +212,8 @@ PHASE_LABELS = {"prefill_memory": "prefill memory path", "decode_memory": "decod
 def reference_table(result: BenchResult) -> Table:
     """memcli's memory path beside the compared implementation's, timed in the same rounds."""
     ref = result.reference
-    table = Table(title=f"memcli vs {ref.name}: the memory path, same cases, same rounds (medians of round medians)",
+    table = Table(title=f"memcli vs {ref.name}, attention backend {ref.backend_label}: the memory path, same cases,"
+                        " same rounds (medians of round medians)",
                   title_justify="left", caption=f"speedup = {ref.name} median / memcli median (above 1: memcli is"
                   " faster); per round = the median of the same ratio taken round by round, which a slow spell of"
                   " the machine hits on both sides alike; spread as in the case tables", caption_justify="left")

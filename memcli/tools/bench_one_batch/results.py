@@ -207,6 +207,8 @@ class ReferenceResult:
 
     name: str
     phases: list[dict[str, PhaseTiming]]
+    attention_backend: str = ""  # the server argument the reference ran with
+    backend_label: str = ""  # the same, and why (SGLang's default on the device, or asked for)
 
     def rows(self, cases: Sequence[CaseResult]) -> list[tuple[CaseResult, str, PhaseTiming, PhaseTiming]]:
         """(case, phase, memcli's timing, the reference's) for every phase timed on both sides."""
@@ -215,7 +217,8 @@ class ReferenceResult:
                 if name in ref and name in case.phases]
 
     def to_dict(self, cases: Sequence[CaseResult]) -> dict[str, Any]:
-        return {"name": self.name, "rows": [
+        return {"name": self.name, "attention_backend": self.attention_backend, "backend": self.backend_label,
+                "rows": [
             {"case": case.case.label, "phase": name, "memcli": mine.to_dict(), "reference": ref.to_dict(),
              "speedup": speedup(mine, ref), "paired_speedup": paired_speedup(mine, ref)}
             for case, name, mine, ref in self.rows(cases)]}

@@ -117,7 +117,7 @@ def run_cases(config: Config, cases: Sequence[Case], options: BenchOptions,
     if comparison is not None:
         reference = ReferenceResult(comparison.name, [
             {name: combine_rounds([r[name] for r in compared[case]]) for name in compared[case][0]}
-            for case in cases])
+            for case in cases], comparison.backend.name, comparison.backend.label)
     method = results[0].timing_method if results else ""
     shown = replace(config, cache={"kind": options.tree_cache})
     return BenchResult(shown, options.to_dict(), describe_device(device), method, results, reference,

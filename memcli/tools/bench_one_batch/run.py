@@ -46,6 +46,7 @@ class BenchRequest:
     run_name: str = "default"
     compare: Optional[str] = None
     result_file: Optional[Path] = None
+    compare_backend: Optional[str] = None  # SGLang's attention backend (None: its default on the device)
 
 
 def _quiet(line: str) -> None:
@@ -72,7 +73,7 @@ def run_bench_one_batch(request: BenchRequest, hooks: Hooks = Hooks()) -> BenchO
     if request.tree_cache == "hiradix":
         return BenchOutcome(transfers=_transfers(request, cases, options, hooks.say))
     _check_result_file(request.result_file)
-    comparison = _comparison(request.compare, cfg)
+    comparison = _comparison(request.compare, cfg, request.compare_backend)
     if comparison is not None:
         for line in comparison.slow_start_notes(cases):
             hooks.note(line)
@@ -105,9 +106,13 @@ def _transfers(request: BenchRequest, cases: list[Case], options: BenchOptions, 
     return run_transfer_bench(request.config, cases, options.repeat, options.warmup, options.rounds, report)
 
 
-def _comparison(compare: Optional[str], cfg: Config):
-    """SGLang's side of `--compare`, from the cached wheel (exit 2 with the fetch command when absent)."""
+def _comparison(compare: Optional[str], cfg: Config, backend: Optional[str] = None):
+    """SGLang's side of `--compare`, from the cached wheel (exit 2 with the fetch command when absent),
+    with the attention backend `backend` (None: SGLang's default on the device)."""
     if compare is None:
+        if backend is not None:
+            raise MemcliError("--compare-backend names SGLang's attention backend: it needs --compare",
+                              hint="add --compare sglang-0.5.5, or leave out --compare-backend")
         return None
     if compare not in COMPARE_CHOICES:
         raise MemcliError(f"--compare {compare!r}: unknown", hint=f"use one of {', '.join(COMPARE_CHOICES)}")
@@ -118,7 +123,7 @@ def _comparison(compare: Optional[str], cfg: Config):
                                " the cache)")
     from memcli.reference.loader import load_reference
     from memcli.tools.bench_one_batch.sglang_side import SglangComparison
-    return SglangComparison(load_reference(), resolve_device(cfg))
+    return SglangComparison(load_reference(), resolve_device(cfg), backend)
 
 
 def _check_result_file(path: Optional[Path]) -> None:

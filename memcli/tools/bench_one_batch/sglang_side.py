@@ -10,7 +10,10 @@ same statistics (`phases.measure`, `repeat` calls per round):
     decode_memory    common.alloc_for_decode(batch, 1), each step (median over the steps)
     free             cache_finished_req of every request, in one free group
 
-Only the memory stack is SGLang's: its KV pool is a one-layer stand-in of one 1-wide head
+SGLang runs with the attention backend its server picks by default on the device
+(`memcli.reference.backends`: fa3 on an H100 or H200, so `support_triton()` holds and
+`write_cache_indices` launches `write_req_to_token_pool_triton`; torch_native on a CPU), or the
+one `--compare-backend` names. Only the memory stack is SGLang's: its KV pool is a one-layer stand-in of one 1-wide head
 (the allocators only keep a reference to it). The tree cache is SGLang's `RadixCache` for
 `--tree-cache radix` and its `ChunkCache` otherwise (the cache SGLang runs when the radix
 cache is disabled; its bench's three-attribute namespace has no free path to time).
@@ -27,6 +30,7 @@ import triton
 
 from memcli.config import Config
 from memcli.errors import MemcliError
+from memcli.reference.backends import BackendChoice, choose_backend
 from memcli.reference.loader import Reference
 from memcli.reference.standins import ModelConfig, NoSpeculation
 from memcli.tools.bench_one_batch.cases import Case
@@ -63,12 +67,13 @@ class SglangComparison:
 
     name = NAME
 
-    def __init__(self, ref: Reference, device: torch.device):
+    def __init__(self, ref: Reference, device: torch.device, backend: Optional[str] = None):
         if torch.device(ref.device).type != device.type:
             raise MemcliError(f"--compare {NAME}: SGLang's pools live on {ref.device}, memcli's on {device.type}",
                               hint="run both on the same device (runtime.device)")
         self.ref = ref
         self.device_type = device.type
+        self.backend: BackendChoice = choose_backend(device.type, backend)
 
     def slow_start_notes(self, cases: list[Case]) -> list[str]:
         return slow_start_notes(cases, self.device_type)
@@ -76,6 +81,7 @@ class SglangComparison:
     def run_case(self, case: Case, config: Config, options, floor=None) -> dict[str, PhaseTiming]:
         """SGLang's side of one case; with a `floor` (`rounds.GraphFloor`), each decode step's
         memory path is timed in turn with the launch floor, as memcli's is."""
+        self.ref.use_attention_backend(self.backend.name)
         runner = SglangCase(self.ref, case, config, seed=options.seed)
         timed = functools.partial(measure, device=runner.device, repeat=options.repeat, warmup=options.warmup)
         runner.start()

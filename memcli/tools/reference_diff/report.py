@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from memcli.report.envelope import envelope
+from memcli.tools.diff.report import render_diff
 from memcli.tools.reference_diff.results import ReferenceDiffResult
 
 
@@ -35,10 +36,17 @@ def render(result: ReferenceDiffResult) -> str:
     if diff.failure is not None:
         return "\n".join([*notes, f"failed: {diff.failure}", f"{diff.steps} steps compared before it ({times})"])
     if diff.divergence is None:
-        return "\n".join([*notes, f"0 divergent steps in {diff.steps} steps ({times})"])
+        return "\n".join([*notes, f"0 divergent steps in {diff.steps} steps ({times})", *_step_logs(result)])
     sglang, memcli = diff.divergence
     lines = [*notes, f"first divergent step: {sglang.step} (fields: {', '.join(sglang.differing(memcli)) or 'done'})",
              "  sglang:"] + [f"    {line}" for line in sglang.lines()]
     lines += ["  memcli:"] + [f"    {line}" for line in memcli.lines()]
     lines.append(f"{diff.steps} steps run ({times})")
-    return "\n".join(lines)
+    return "\n".join([*lines, *_step_logs(result)])
+
+
+def _step_logs(result: ReferenceDiffResult) -> list[str]:
+    """Both sides' step logs compared, in the shape of `memcli diff`."""
+    if result.steps is None:
+        return []
+    return ["step logs (A: the engine's own code, B: memcli):", *render_diff(result.steps)]

@@ -9,19 +9,22 @@ from memcli.config import Config
 
 if TYPE_CHECKING:
     from memcli.reference.observe import StepDiff
+    from memcli.tools.diff.compare import LogDiff
 
 
 @dataclass(frozen=True)
 class ReferenceDiffResult:
     """`trace` as given on the command line, `limit` (None: the whole trace) and `arrivals`
     as asked, the config both sides ran, and `diff`, the side-by-side run
-    (`memcli.reference.observe.StepDiff`: steps compared, the first divergence, a failure)."""
+    (`memcli.reference.observe.StepDiff`: steps compared, the first divergence, a failure);
+    `steps`, both sides' step logs compared (A: the engine's own code, B: memcli)."""
 
     trace: str
     limit: Optional[int]
     arrivals: str
     config: Config
     diff: StepDiff
+    steps: Optional["LogDiff"] = None
 
     @property
     def equal(self) -> bool:

@@ -18,6 +18,7 @@ compiled kernels: `runtime.kernel_backend: triton` cannot run there, `auto` runs
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 from memcli.capacity import check_fits
@@ -26,16 +27,19 @@ from memcli.errors import MemcliError
 from memcli.reference.loader import choose_triton_mode
 from memcli.reference.loop import ARRIVALS
 from memcli.tools.reference_diff.results import ReferenceDiffResult
+from memcli.tools.reference_diff.steps import BothLogs
 from memcli.workload.readers import read_trace
 from memcli.workload.spec import output_token_base
 
 
 def run_reference_diff(config: Config, trace_path: str, limit: Optional[int] = None, arrivals: str = "burst",
-                       max_steps: Optional[int] = None) -> ReferenceDiffResult:
+                       max_steps: Optional[int] = None, steps_out: Optional[Path] = None,
+                       reference_steps_out: Optional[Path] = None) -> ReferenceDiffResult:
     """Read the first `limit` requests of the trace (None: all), check that each fits the
     config (`memcli.capacity.check_fits`), and step both sides together, at most `max_steps`
     steps (None: until both are done). Raises `MemcliError` for bad input before either side
-    runs."""
+    runs. Both sides' step logs are kept, compared (`result.steps`) and written to `steps_out`
+    (memcli) and `reference_steps_out` (the engine's own code) when given."""
     if arrivals not in ARRIVALS:
         raise MemcliError(f"--arrivals {arrivals}: unknown arrivals mode", f"use one of: {', '.join(ARRIVALS)}")
     trace = read_trace(trace_path, limit=limit)
@@ -50,5 +54,7 @@ def run_reference_diff(config: Config, trace_path: str, limit: Optional[int] = N
     if engine.reference is None:
         raise MemcliError(f"engine {engine.name} has no reference harness to diff against",
                           f"engines with one: {', '.join(n for n in engines.names() if engines.get(n).reference)}")
-    diff = engine.reference(config, trace.requests, arrivals, output_token_base(trace), max_steps)
-    return ReferenceDiffResult(trace_path, limit, arrivals, config, diff)
+    logs = BothLogs(config.pool_size, config.cache.kind == "hiradix")
+    diff = engine.reference(config, trace.requests, arrivals, output_token_base(trace), max_steps, on_step=logs.on_step)
+    logs.save(steps_out, reference_steps_out)
+    return ReferenceDiffResult(trace_path, limit, arrivals, config, diff, logs.compare())

@@ -58,8 +58,9 @@ class TraceSource:
 class ReplayRequest:
     """What `memcli replay TRACE` was asked. `arrivals` None: the trace's default; `check`
     None (no per-step check), "incremental" or "full"; `bound` None or "belady"; `events`,
-    `plot` and `requests_out` are files to write (None: none); `strict_limits`: refuse a trace
-    with a request past the engine's limits instead of cutting it as the engine does."""
+    `plot`, `requests_out`, `steps_out` (the step log) and `timeline` are files to write
+    (None: none); `strict_limits`: refuse a trace with a request past the engine's limits
+    instead of cutting it as the engine does."""
 
     trace: TraceSource
     config: ConfigSource = ConfigSource()
@@ -69,6 +70,8 @@ class ReplayRequest:
     bound: Optional[str] = None
     plot: Optional[Path] = None
     requests_out: Optional[Path] = None
+    steps_out: Optional[Path] = None
+    timeline: Optional[Path] = None
     strict_limits: bool = False  # refuse a request past the engine's limits (exit 2) instead of cutting it
 
 
@@ -124,7 +127,8 @@ def prepare(request: ReplayRequest, hooks: Hooks = Hooks()) -> Prepared:
     trace = read_trace(source.path, format=source.format, block_size=source.block_size, limit=source.limit,
                        progress=reading)
     options = ReplayOptions(request.arrivals or default_arrivals(trace), request.check is not None, request.events,
-                            check_level=request.check or "incremental", strict_limits=request.strict_limits)
+                            check_level=request.check or "incremental", steps_path=request.steps_out,
+                            timeline_path=request.timeline, strict_limits=request.strict_limits)
     check_options(trace, config, options)
     return Prepared(config, ignored, trace, options, shared_prefix_lens(trace))
 

@@ -35,6 +35,7 @@ from memcli.tools.replay import ARRIVALS
 from memcli.tools.replay.ceiling import shared_prefix_lens
 from memcli.tools.replay.requests import RequestLog, delay_stats
 from memcli.tools.replay.host_tier import TierLog, host_tier_stats
+from memcli.tools.replay.instruments import Instruments, opened
 from memcli.tools.replay.metrics import (EngineCounters, EvictionLog, StepSeries, eviction_stats, occupancy_stats, prefix_stats,
                                    queue_stats)
 from memcli.tools.replay.results import (AllocationStats, IntegrityStats, ReplayResult, RunSummary, SchedulingStats,
@@ -64,7 +65,13 @@ class ReplayOptions:
     check_level: str = "incremental"
     walk_every: int = CheckPolicy.walk_every
     walk_budget: float = CheckPolicy.walk_budget
+    steps_path: Optional[Path] = None  # --steps-out: the step log (JSON lines)
+    timeline_path: Optional[Path] = None  # --timeline: the Chrome trace-event timeline
     strict_limits: bool = False  # refuse a trace with a request past the engine's limits (else cut as it does)
+
+    @property
+    def instrumented(self) -> bool:
+        return self.steps_path is not None or self.timeline_path is not None
 
     @property
     def check_policy(self) -> CheckPolicy:
@@ -122,8 +129,8 @@ def replay(config: Config, trace: Trace, options: ReplayOptions, progress: Optio
         config = replace(config, cache={"kv_events": True})
     if shared is None:
         shared = shared_prefix_lens(trace)
-    with _events_file(options.events_path) as events:
-        run = _Run(config, trace, options, events, progress)
+    with _events_file(options.events_path) as events, opened(options.steps_path, options.timeline_path) as files:
+        run = _Run(config, trace, options, events, progress, files)
         return dataclasses.replace(run.execute(shared), limits=cuts)
 
 
@@ -150,7 +157,7 @@ def _events_file(path: Optional[Path]):
 class _Run:
     """One replay in progress: the stack, the scheduler, and what is collected per step."""
 
-    def __init__(self, config: Config, trace: Trace, options: ReplayOptions, events, progress):
+    def __init__(self, config: Config, trace: Trace, options: ReplayOptions, events, progress, files=(None, None)):
         self.config, self.trace, self.options = config, trace, options
         self.events, self.progress = events, progress
         self.index = {spec.rid: i for i, spec in enumerate(trace.requests)}
@@ -168,6 +175,8 @@ class _Run:
         self.stop: Optional[Stop] = None
         self.failure_at: tuple[Optional[int], Optional[str]] = (None, None)
         self.history: tuple = ()  # the failure's page history (`OwnershipError.history`)
+        self.files = files
+        self.instruments: Optional[Instruments] = None
 
     def execute(self, shared: np.ndarray) -> ReplayResult:
         start = time.perf_counter()
@@ -176,12 +185,17 @@ class _Run:
             engine = engines.get(self.config)
             self.stack = engine.build_stack(self.config, future=self.future)
             self.memory = self.stack.memory
+            instrumented = self.options.instrumented
+            if instrumented:
+                self.instruments = Instruments(*self.files, self.memory.size, self.memory.host_tier() is not None)
             self.scheduler = engine.scheduler(self.memory, self.config, SchedulerHooks(
-                output_token_base=output_token_base(self.trace), record_events=False, on_step=self._on_step,
+                output_token_base=output_token_base(self.trace), record_events=instrumented, on_step=self._on_step,
                 checks=self.options.check_policy,
-                on_admission=None if self.future is None else self._on_admission,
+                on_admission=None if self.future is None else self._on_admission, record_batches=instrumented,
             ))
             failure, reports = self._loop()
+            if self.instruments is not None:
+                self.instruments.close()
         wall_s = time.perf_counter() - start
         return self._result(shared, failure, reports, wall_s)
 
@@ -258,10 +272,15 @@ class _Run:
         spec = self.trace.requests[self.next]
         sched = self.scheduler
         sched.add_request(sched.new_req(spec.rid, spec.input_ids(), spec.output_len, spec.extra_key, arrival_ms))
+        if self.instruments is not None:
+            self.instruments.arrived(spec.rid, arrival_ms)
         self.next += 1
 
     def _on_step(self, scheduler: engines.Scheduler, record) -> None:
         self.series.append(record)
+        if self.instruments is not None:
+            self.instruments.step(record, scheduler.events)
+            scheduler.events.clear()
 
     def _after_step(self) -> None:
         sched = self.scheduler

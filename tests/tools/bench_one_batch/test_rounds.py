@@ -171,6 +171,11 @@ def test_compare_rejects_an_unknown_implementation():
     assert result.exit_code == 2 and "sglang-0.5.5" in result.stderr
 
 
+def test_compare_backend_needs_compare_and_a_known_name():
+    alone = runner.invoke(app, ["bench-one-batch", "--compare-backend", "fa3"])
+    assert alone.exit_code == 2 and "needs --compare" in alone.stderr and "Traceback" not in alone.stderr
+
+
 needs_reference = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
 
@@ -232,12 +237,24 @@ def test_compare_prints_a_speedup_per_phase():
     doc = json.loads(result.stdout)
     rows = doc["compare"]["rows"]
     assert doc["compare"]["name"] == "sglang-0.5.5"
+    from memcli.reference.backends import default_backend
+    backend = default_backend(torch.device(load_reference().device).type)
+    assert doc["compare"]["attention_backend"] == backend and doc["compare"]["backend"].startswith(backend)
     assert [r["phase"] for r in rows] == ["prefill_memory", "decode_memory", "free"]
     for row in rows:
         assert row["reference"]["rounds"] == 2 and row["memcli"]["rounds"] == 2
         assert row["speedup"] == pytest.approx(row["reference"]["median_us"] / row["memcli"]["median_us"])
         pairs = [r / m for m, r in zip(row["memcli"]["round_medians_us"], row["reference"]["round_medians_us"])]
         assert row["paired_speedup"] == pytest.approx(sum(pairs) / 2)  # the median of two ratios
+
+
+@needs_reference
+def test_compare_backend_is_checked_before_anything_runs():
+    unknown = runner.invoke(app, ["bench-one-batch", "--compare", "sglang-0.5.5", "--compare-backend", "fa9"])
+    assert unknown.exit_code == 2 and "not an attention backend" in unknown.stderr
+    if not torch.cuda.is_available():
+        triton_path = runner.invoke(app, ["bench-one-batch", "--compare", "sglang-0.5.5", "--compare-backend", "fa3"])
+        assert triton_path.exit_code == 2 and "needs CUDA" in triton_path.stderr
 
 
 def test_slow_start_notes_name_sglangs_large_extend_block():
