@@ -1,18 +1,26 @@
 """Whether every request of a run can ever run whole, checked before anything runs
 (`check_fits`, called by every command that replays requests: replay and its study,
-check-page-size on a trace, reference diff).
+check-page-size on a trace, reference diff), and what an engine's own limits do to the
+requests that cannot (`cut_requests`).
 
 A request fits when it runs whole in one request row (`memory.max_context_len`, with the two
 tokens more that SGLang's request limits need under `semantics.request_limits: max_req_len`)
 and an empty pool both admits and holds it (`pool_need`). The first request that does not is
 a `CapacityError` (exit 2) naming it, with a hint whose settings hold every request given, or
 the number of requests before it.
+
+An engine may cut such requests as it would when serving them (`Engine.limits`, a `LimitRule`):
+SGLang aborts a prompt too long for its request limits at arrival and clips an output to what
+is left of them (`max_req_len_cuts`). `cut_requests` applies the engine's rule (or, under
+`strict`, none) and checks that what is left fits; the cuts are reported, the replay runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from memcli.config import REQ_INPUT_MARGIN, Config
 from memcli.errors import CapacityError
@@ -74,3 +82,120 @@ def _fit_hint(config: Config, requests: Sequence[RequestSpec], index: int, fewer
                         + (" --set memory.kv_budget_gib=null" if mem.kv_budget_gib is not None else ""))
     fewer = f"replay fewer requests ({fewer_flag} {index}), or " if index else ""
     return f"{fewer}hold every request of the trace: {' '.join(settings)}"
+
+
+class CutRequest(NamedTuple):
+    """One request an engine's limits cut: aborted at arrival, or its output clipped."""
+
+    index: int  # 0-based, in trace order
+    rid: str
+    line: Optional[int]  # the trace line (1-based), when known
+    action: str  # "aborted" or "clipped"
+    input_len: int
+    output_len: int  # asked for
+    kept_output_len: int  # what the engine serves (0: aborted)
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"rid": self.rid, "line": self.line, "index": self.index, "action": self.action,
+                "input_len": self.input_len, "output_len": self.output_len, "kept_output_len": self.kept_output_len,
+                "reason": self.reason}
+
+    def label(self) -> str:
+        line = f"line {self.line}" if self.line else f"#{self.index + 1}"
+        return f"{self.rid} ({line})"
+
+
+@dataclass(frozen=True)
+class LimitCuts:
+    """The requests an engine's limits cut, in trace order (empty: none)."""
+
+    requests: tuple[CutRequest, ...] = ()
+    rule: str = ""  # the limits, in words (`max_req_len 59999 = min(context, pool) - 1`)
+
+    @property
+    def aborted(self) -> tuple[CutRequest, ...]:
+        return tuple(r for r in self.requests if r.action == "aborted")
+
+    @property
+    def clipped(self) -> tuple[CutRequest, ...]:
+        return tuple(r for r in self.requests if r.action == "clipped")
+
+    def __bool__(self) -> bool:
+        return bool(self.requests)
+
+    def summary(self) -> str:
+        """`2 requests aborted at arrival, 1 with its output clipped (max_req_len 59999 ...)`."""
+        parts = []
+        if self.aborted:
+            parts.append(f"{len(self.aborted)} request{'s' * (len(self.aborted) != 1)} aborted at arrival")
+        if self.clipped:
+            parts.append(f"{len(self.clipped)} with {'its output' if len(self.clipped) == 1 else 'their outputs'}"
+                         f" clipped")
+        return ", ".join(parts) + (f" by the engine's limits ({self.rule})" if self.rule else "")
+
+    def to_dict(self) -> dict:
+        return {"rule": self.rule, "aborted": len(self.aborted), "clipped": len(self.clipped),
+                "requests": [r.to_dict() for r in self.requests]}
+
+
+# An engine's limits: the cuts of `requests` under `config`, or None when the engine cuts none
+# (a request past its limits is then refused, as `check_fits` does).
+LimitRule = Callable[[Config, Sequence[RequestSpec]], Optional[LimitCuts]]
+
+
+def cut_requests(config: Config, requests: Sequence[RequestSpec], source: str | Path, rule: Optional[LimitRule],
+                 strict: bool = False, fewer_flag: str = "--limit") -> LimitCuts:
+    """The cuts the engine's `rule` makes (none under `strict` or without a rule), after which
+    every request left must fit (`check_fits`, raising `CapacityError`: exit 2)."""
+    if strict and rule is not None:
+        try:
+            check_fits(config, requests, source, fewer_flag)
+        except CapacityError as exc:
+            if not rule(config, requests):
+                raise
+            raise CapacityError(exc.message, f"{exc.hint} (or drop --strict-limits: the engine aborts or clips such"
+                                             " requests, as it does serving them)") from None
+        return LimitCuts()
+    cuts = None if strict or rule is None else rule(config, requests)
+    if not cuts:
+        check_fits(config, requests, source, fewer_flag)
+        return LimitCuts()
+    check_fits(config, _served(requests, cuts), source, fewer_flag)
+    return cuts
+
+
+def _served(requests: Sequence[RequestSpec], cuts: LimitCuts) -> list[RequestSpec]:
+    """The requests as the engine serves them: the aborted left out, the clipped clipped."""
+    by_index = {cut.index: cut for cut in cuts.requests}
+    served = []
+    for index, spec in enumerate(requests):
+        cut = by_index.get(index)
+        if cut is None:
+            served.append(spec)
+        elif cut.action == "clipped":
+            served.append(dataclasses.replace(spec, output_len=cut.kept_output_len))
+    return served
+
+
+def max_req_len_cuts(config: Config, requests: Sequence[RequestSpec]) -> Optional[LimitCuts]:
+    """SGLang's request limits (`semantics.request_limits: max_req_len`; None otherwise):
+    max_req_len = min(context_len, max_total_num_tokens) - 1; at arrival a prompt of
+    max_req_len - 5 tokens or more is aborted, and max_new_tokens is clipped to
+    max_req_len - input - 1. A prompt larger than the pool is thus aborted too."""
+    limit = config.max_req_len
+    if limit is None:
+        return None
+    max_input = limit - REQ_INPUT_MARGIN
+    cuts = []
+    for index, spec in enumerate(requests):
+        if spec.input_len >= max_input:
+            cuts.append(CutRequest(index, spec.rid, spec.line, "aborted", spec.input_len, spec.output_len, 0,
+                                   f"prompt of {spec.input_len} tokens >= max_req_input_len {max_input}"))
+        elif spec.output_len > limit - spec.input_len - 1:
+            kept = limit - spec.input_len - 1
+            cuts.append(CutRequest(index, spec.rid, spec.line, "clipped", spec.input_len, spec.output_len, kept,
+                                   f"max_new_tokens {spec.output_len} clipped to max_req_len - input - 1 = {kept}"))
+    rule = (f"max_req_len {limit} = min(memory.max_context_len {config.memory.max_context_len},"
+            f" pool {config.pool_size}) - 1; max_req_input_len {max_input}")
+    return LimitCuts(tuple(cuts), rule)

@@ -109,3 +109,36 @@ def test_square_brackets_in_help_are_not_eaten_as_markup():
     """rich reads `[ray]` as a style tag: the help escapes it, so the install hint is whole."""
     text = " ".join(_help(["replay"]).split())
     assert "pip install 'memcli[ray]'" in text
+
+
+def _commands():
+    import typer
+
+    def walk(command, path):
+        yield path, command
+        for name, sub in sorted((getattr(command, "commands", None) or {}).items()):
+            yield from walk(sub, [*path, name])
+
+    return list(walk(typer.main.get_command(app), []))
+
+
+def test_every_help_text_shows_literally():
+    """Every command's and option's help, as `--help` renders it (rich markup read), is the text
+    written (an escaped `\\[` shows as `[`): no `[word]` taken for a style tag and dropped."""
+    import re
+
+    flat = lambda text: re.sub(r"[\s│╭╮╰╯─]+", " ", text).strip()  # noqa: E731  (the panels' borders too)
+    commands = _commands()
+    assert {" ".join(path) for path, _ in commands} >= {"replay", "reference diff", "bench-one-batch"}
+    for path, command in commands:
+        shown = flat(CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "3000", "NO_COLOR": "1"}).stdout)
+        assert "\\" not in shown, path
+        texts = [p.help for p in command.params if getattr(p, "help", None)]
+        texts += [part for part in (command.help or "").split("\n\n") if part.strip()]
+        for text in texts:
+            assert flat(text.replace("\\[", "[")) in shown, (path, text)
+
+
+def test_strict_limits_is_documented_on_replay():
+    text = " ".join(_help(["replay"]).split())
+    assert "--strict-limits" in text and "Refuse a trace with a request past the engine's limits" in text

@@ -175,3 +175,31 @@ def test_every_stack_command_takes_engine_and_refuses_an_unknown_one(command):
     result = CliRunner().invoke(app, [*command, "--engine", "nope"])
     assert result.exit_code == 2, result.output
     assert "unknown engine 'nope'" in result.output and "sglang-0.5.5" in result.output
+
+
+def test_an_engine_brings_its_own_limit_rule(toy_engine):
+    """The limits are the engine's (`Engine.limits`), not a branch on its name: a toy rule that
+    clips every output past 3 tokens is what the replay reports; without a rule a request past
+    the context is refused."""
+    import dataclasses
+
+    from memcli.capacity import CutRequest, LimitCuts
+
+    def clip_to_3(config, requests):
+        return LimitCuts(tuple(CutRequest(i, s.rid, s.line, "clipped", s.input_len, s.output_len, 3, "toy: at most 3")
+                               for i, s in enumerate(requests) if s.output_len > 3), "toy rule")
+
+    engines.register(dataclasses.replace(toy_engine, name="toy-clip", limits=clip_to_3))
+    try:
+        result = CliRunner().invoke(app, ["replay", TRACE, "--limit", "5", "--arrivals", "burst", "--json",
+                                          "--set", "semantics.engine=toy-clip"])
+    finally:
+        engines.unregister("toy-clip")
+    assert result.exit_code == 0, result.output
+    limits = json.loads(result.stdout)["limits"]
+    assert limits["rule"] == "toy rule" and limits["clipped"] == len(limits["requests"]) > 0
+    assert all(r["kept_output_len"] == 3 and r["reason"] == "toy: at most 3" for r in limits["requests"])
+    refused = CliRunner().invoke(app, ["replay", TRACE, "--limit", "5", "--arrivals", "burst",
+                                       "--set", "semantics.engine=toy", "--set", "memory.max_context_len=64",
+                                       "--set", "memory.max_total_tokens=64"])
+    assert refused.exit_code == 2 and "error:" in refused.stderr

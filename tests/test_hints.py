@@ -34,7 +34,8 @@ def test_replay_hint_holds_the_longest_request_not_the_first_too_long(tmp_path):
              {"rid": "c", "input_len": 200, "output_len": 4}, {"rid": "d", "input_len": 9000, "output_len": 50}]
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    small = [*CPU, "--set", "memory.max_context_len=2048", "--set", "memory.max_total_tokens=4096"]
+    # --strict-limits: refused, not cut as SGLang would cut b and d (tests/test_capacity.py)
+    small = [*CPU, "--strict-limits", "--set", "memory.max_context_len=2048", "--set", "memory.max_total_tokens=4096"]
     hint = hint_of(invoke("replay", trace, *small))
     # request d, not b; 9,000 + 50 and SGLang's two tokens (semantics.request_limits)
     assert "--set memory.max_context_len=9052" in hint and "--limit 1" in hint
@@ -46,7 +47,7 @@ def test_replay_hint_holds_the_longest_request_not_the_first_too_long(tmp_path):
 def test_replay_pool_hint_for_a_pool_too_small(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"input_len": n, "output_len": 16}) + "\n" for n in (500, 1500, 700)))
-    base = [*CPU, "--set", "memory.max_context_len=1024", "--set", "memory.max_total_tokens=1024",
+    base = [*CPU, "--strict-limits", "--set", "memory.max_context_len=1024", "--set", "memory.max_total_tokens=1024",
             "--set", "memory.page_size=16"]
     hint = hint_of(invoke("replay", trace, *base))
     followed = invoke("replay", trace, *base, *settings(hint), "--json")

@@ -40,6 +40,10 @@ RayAddressOpt: Optional[str] = typer.Option(
 OutOpt: Optional[Path] = typer.Option(
     None, "--out", metavar="DIR", help="Folder for a study's study.json and study.csv, written as points finish")
 ResumeOpt: bool = typer.Option(False, "--resume", help="With --out: skip the points already in DIR/study.json")
+StrictLimitsOpt: bool = typer.Option(
+    False, "--strict-limits",
+    help="Refuse a trace with a request past the engine's limits (exit 2) instead of aborting or clipping it"
+    " as the engine does")
 
 
 def replay_command(
@@ -86,6 +90,7 @@ def replay_command(
         None, "--timeline", metavar="FILE.json",
         help="Write a timeline of steps, pool occupancy, requests and evictions (Chrome trace events: ui.perfetto.dev)"),
     progress: bool = ProgressOpt,
+    strict_limits: bool = StrictLimitsOpt,
 ) -> None:
     """Replay a trace through the memory stack and the scheduler with continuous batching.
 
@@ -97,7 +102,8 @@ def replay_command(
 
     request = ReplayRequest(TraceSource(trace_path, trace_format, block_size, limit),
                             ConfigSource(config, tuple(with_engine(set_, engine))), arrivals=arrivals, check=check, events=events,
-                            bound=bound, plot=plot, requests_out=requests_out, steps_out=steps_out, timeline=timeline)
+                            bound=bound, plot=plot, requests_out=requests_out, steps_out=steps_out, timeline=timeline,
+                            strict_limits=strict_limits)
     study = StudyOptions(tuple(sweep), sweep_file, jobs, use_ray, ray_address, out, resume)
     show = wanted(progress)
     with bars(show) as task:
@@ -125,6 +131,9 @@ def _replay(request, hooks, json_out: bool) -> None:
     from memcli.tools.replay.run import run_replay
 
     outcome = run_replay(request, hooks)
+    if outcome.result.limits:
+        print(f"warning: {outcome.result.limits.summary()}; the report lists them (--strict-limits refuses"
+              " the trace instead)", file=sys.stderr)
     if outcome.requests_out is not None:
         print(f"requests: wrote {outcome.requests_written:,} rows to {outcome.requests_out}", file=sys.stderr)
     _emit(json_out, outcome_document(outcome), lambda console: render_outcome(outcome, console))
@@ -149,6 +158,10 @@ def _study(request, study, hooks, json_out: bool) -> None:
     outcome = run_study(StudyRequest(request, study), hooks)
     if outcome.interrupted is not None:
         raise Interrupted(outcome.interrupted)
+    cut = [entry for entry in outcome.document["points"] if entry.get("limit_cut_requests")]
+    if cut:
+        print(f"warning: the engine's limits cut requests at {len(cut)} of {len(outcome.document['points'])} points;"
+              " the report names them (--strict-limits refuses the trace instead)", file=sys.stderr)
     _emit(json_out, outcome.document, lambda console: render_study(outcome.document, console))
     if outcome.plot is not None:
         print(f"plot: wrote {outcome.plot}", file=sys.stderr)

@@ -55,7 +55,9 @@ class Engine:
     None when the engine has none). `reference` runs the engine's real code beside memcli
     step by step (`reference diff`; None without one); its `on_step(reference, memcli)` keyword
     receives both sides' observations of every step (the step logs of `reference diff`). `profile` is the semantics profile
-    that reproduces the engine, `semantics` the keys of `semantics.*` it reads.
+    that reproduces the engine, `semantics` the keys of `semantics.*` it reads. `limits` is what
+    the engine does with requests past its limits (`memcli.capacity.LimitRule`: the requests
+    it aborts at arrival or clips, as it would serving them); None: such a trace is refused.
     """
 
     name: str
@@ -67,3 +69,4 @@ class Engine:
     make_req: Optional[Callable[..., Any]] = None
     make_batch: Optional[Callable[..., Any]] = None
     reference: Optional[Callable[..., Any]] = None
+    limits: Optional[Callable[..., Any]] = None

@@ -3,13 +3,16 @@
 Memory: the stack builder (`memcli.stack`) behind the memory manager; scheduling: `memcli.sched`
 (`PrefillAdder`, retraction, both event loops); semantics: every key of `semantics.*`, with the
 `sglang-0.5.5` profile as the engine's own values and `memcli` as memcli's improvements on top;
-reference: SGLang 0.5.5's own code from its wheel (`memcli.reference`).
+reference: SGLang 0.5.5's own code from its wheel (`memcli.reference`); limits: SGLang's
+max_req_len (a too long prompt aborted at arrival, an output clipped to what is left;
+`memcli.capacity.max_req_len_cuts`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from memcli.capacity import max_req_len_cuts
 from memcli.config import PROFILE_CHOICES, Config
 from memcli.engines import register
 from memcli.engines.base import Engine
@@ -46,4 +49,5 @@ ENGINE = register(Engine(
     make_req=Req,
     make_batch=_batch,
     reference=_reference,
+    limits=max_req_len_cuts,  # SGLang's request limits; under request_limits: row, none (refused)
 ))

@@ -279,7 +279,7 @@ class MemoryManager:
         Every count and offset comes from the plan's CPU lengths, so the capacity check
         happens on the host, and the device sees one copy and one kernel, with no sync."""
         try:
-            alloc = self.require_extend(plan)
+            alloc = self.require_extend(plan, None if reqs is None else [r.rid for r in reqs])
         except (OutOfMemoryError, RequestSlotsExhausted):
             return None
         if reqs is not None:
@@ -287,9 +287,10 @@ class MemoryManager:
                 req.kv.req_pool_idx, req.kv.kv_allocated_len = row, seq
         return alloc
 
-    def require_extend(self, plan: ExtendPlan) -> ExtendAllocation:
+    def require_extend(self, plan: ExtendPlan, rids: Optional[list] = None) -> ExtendAllocation:
         """`alloc_extend` that raises `OutOfMemoryError` / `RequestSlotsExhausted` (with the
-        numbers) instead of returning None, and writes no request record."""
+        numbers) instead of returning None, and writes no request record. `rids` (the
+        requests, in the plan's order) name the rows in the ledger's history when checking."""
         allocator, pool = self.allocator, self.req_to_token_pool
         self._check_page_size()
         rows, new_rows = self._rows_for(plan.rows)
@@ -305,7 +306,7 @@ class MemoryManager:
             raise self.out_of_memory("prefill", plan.num_pages * self.page_size)
         if ledger is not None:
             ledger.extended(rows, new_rows, plan.prefix_lens_cpu, plan.seq_lens_cpu, plan.prefix_tensors,
-                            written.out_cache_loc)
+                            written.out_cache_loc, rids)
         return ExtendAllocation(written.out_cache_loc, written.req_pool_indices, rows, written.seq_lens)
 
     def _rows_for(self, req_rows: list) -> tuple[list[int], list[int]]:
@@ -376,7 +377,15 @@ class MemoryManager:
     def release(self, req: Any, why: Release = Release.FINISHED) -> None:
         """Give back everything the request holds (its prefix enters the tree unless
         retracted); a retracted request's record is emptied for its next admission."""
-        self.tree_cache.cache_finished_req(req, is_insert=why.inserts)
+        ledger = getattr(self.req_to_token_pool, "ledger", None)
+        if ledger is None:
+            self.tree_cache.cache_finished_req(req, is_insert=why.inserts)
+        else:  # the history names the request and why for every page it gives back
+            ledger.acting = (str(req.rid), why.value)
+            try:
+                self.tree_cache.cache_finished_req(req, is_insert=why.inserts)
+            finally:
+                ledger.acting = None
         if why is Release.RETRACTED:
             req.kv.reset()
 

@@ -9,6 +9,7 @@
     checks        the entry points: run_checks, memory_reports, check_memory
     owners        who owns a page: the owner codes the operations name (FREE, TREE, ...)
     ownership     the ownership ledger: who owns each page, kept by the operations (checking only)
+    history       every transition the ledger made: the story of a failure's pages (`Touch`)
     incremental   the per-step check over the ledger: O(what the step changed)
     checker       when checks run: CheckPolicy, IntegrityChecker (the scheduler's hook), track
 
@@ -24,11 +25,12 @@ from memcli.check_result import (
 )
 from memcli.mem_cache.integrity.checks import CHECK_NAMES, check_memory, memory_reports, run_checks
 from memcli.mem_cache.integrity.requests import InFlightSlot, held_by_request
+from memcli.mem_cache.integrity.history import Touch, page_label, story
 from memcli.mem_cache.integrity.ownership import OwnershipError
 from memcli.mem_cache.integrity.checker import CheckPolicy, CheckStats, IntegrityChecker, track, untrack
 
 __all__ = [
     "CHECK_NAMES", "MAX_OFFENDERS", "CheckPolicy", "CheckStats", "InFlightSlot", "IntegrityChecker", "OwnershipError", "track",
     "untrack", "CheckResult", "IntegrityReport", "check_memory", "failed", "failures",
-    "held_by_request", "joined", "memory_reports", "passed", "run_checks",
+    "held_by_request", "joined", "memory_reports", "passed", "run_checks", "Touch", "page_label", "story",
 ]

@@ -92,6 +92,8 @@ class IntegrityChecker:
         self.stack, self.policy = stack, policy
         self.stats = CheckStats()
         self.ledger = track(stack, running) if policy.tracks else None
+        if self.ledger is not None and self.ledger.step is None:
+            self.ledger.step = 0  # the first step's operations (`after_step` numbers the next ones)
         self._start = time.perf_counter()
         self._idle_since_walk: Optional[int] = None  # None: no idle walk yet
 
@@ -116,9 +118,15 @@ class IntegrityChecker:
         start = time.perf_counter()
         result = step_failure(self.ledger, self.stack, running)
         if result is not None:
-            raise OwnershipError(f"step {step}: {result.name}: {result.detail}", step, result.name)
+            raise self._failure(step, result, running)
         self.stats.incremental += 1
         self.stats.incremental_s += time.perf_counter() - start
+
+    def _failure(self, step: int, result: CheckResult, running: list) -> OwnershipError:
+        """The error of a failed step check, with the history of the pages it names."""
+        touches = self.ledger.history_of(suspect_pages(self.ledger, result, running))
+        return OwnershipError(f"step {step}: {result.name}: {result.detail}", step, result.name, tuple(touches),
+                              self.ledger.story_of(touches))
 
     def _walk_due(self) -> bool:
         if self._idle_since_walk is None:
@@ -138,10 +146,22 @@ class IntegrityChecker:
         if self.ledger is not None:
             result = verify_ledger(self.ledger, self.stack, running)
             if not result.ok:
-                raise OwnershipError(f"step {step}: {result.name}: {result.detail}", step, result.name)
+                raise self._failure(step, result, running)
         self._idle_since_walk = 0
         self.stats.full_walks += 1
         self.stats.walk_s += time.perf_counter() - start
+
+
+def suspect_pages(ledger: OwnershipLedger, result: CheckResult, running: list) -> list[int]:
+    """The pages a failed check points at: those it names (`lost_page` and `ledger` name pages,
+    the layout checks slots), else the pages the ledger gives the row of the request it names."""
+    if result.slots:
+        if result.name in ("lost_page", "ledger"):
+            return list(result.slots)
+        return list(dict.fromkeys(s // ledger.page_size for s in result.slots if s >= 0))
+    rows = [r.req_pool_idx for r in running if result.rid is not None and str(getattr(r, "rid", None)) == result.rid
+            and getattr(r, "req_pool_idx", None) is not None]
+    return np.flatnonzero(ledger.owner == rows[0]).tolist() if rows else []  # O(pool), only on a failure
 
 
 def verify_ledger(ledger: OwnershipLedger, stack: Any, running: list) -> CheckResult:
@@ -168,4 +188,5 @@ def verify_ledger(ledger: OwnershipLedger, stack: Any, running: list) -> CheckRe
         return passed("ledger", f"{np.count_nonzero(known)} pages: the ledger agrees with the walk")
     page = int(bad[0])
     return failed("ledger", f"{ledger.page_label(page)}: the walk sees {owner_name(int(expected[page]))}, the ledger"
-                            f" {owner_name(int(ledger.owner[page]))} ({len(bad)} pages disagree)")
+                            f" {owner_name(int(ledger.owner[page]))} ({len(bad)} pages disagree)",
+                  slots=tuple(int(p) for p in bad[:8]))

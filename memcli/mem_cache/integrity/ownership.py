@@ -43,17 +43,25 @@ import numpy as np
 import torch
 
 from memcli.errors import IntegrityError
+from memcli.mem_cache.integrity.history import MATCH, MAX_PAGES_SHOWN, PageHistory, Touch, page_label, story
 from memcli.mem_cache.integrity.owners import CARRIED, FREE, IN_FLIGHT, LOOSE, OUTSIDE, PADDING, TREE, owner_name
 
 MAX_DIRTY = 4096  # dirty row ranges kept per step before they are merged per row
 
 
 class OwnershipError(IntegrityError):
-    """An operation broke page ownership (or a step check failed): `step` and `check` say where."""
+    """An operation broke page ownership (or a step check failed): `step` and `check` say where,
+    `history` the touches of the pages involved (oldest first, the refused operation last), and
+    `story` the same as text, which `str()` adds below the one-line `message`."""
 
-    def __init__(self, message: str, step: Optional[int] = None, check: Optional[str] = None):
+    def __init__(self, message: str, step: Optional[int] = None, check: Optional[str] = None,
+                 history: tuple[Touch, ...] = (), story: str = ""):
         super().__init__(message)
-        self.step, self.check = step, check
+        self.message, self.step, self.check = message, step, check
+        self.history, self.story = history, story
+
+    def __str__(self) -> str:
+        return f"{self.message}\n{self.story}" if self.story else self.message
 
 
 class LedgerState(NamedTuple):
@@ -99,6 +107,9 @@ class OwnershipLedger:
         self.step: Optional[int] = None  # the step running now (set by the checker), named in errors
         self._handed: Optional[np.ndarray] = None  # pages handed out, FREE until claimed (`hand_out`)
         self._host_table: Optional[tuple] = None  # (request table, its numpy view or None): `host_view`
+        self.history = PageHistory(page_size)  # every transition, for the story of a failure
+        self.row_rid = np.full(num_rows, -1, dtype=np.int64)  # the request of each row (history codes)
+        self.acting: Optional[tuple[Optional[str], str]] = None  # (rid, why) while a request releases memory
         self.reset()
 
     def reset(self) -> None:
@@ -174,16 +185,56 @@ class OwnershipLedger:
         return int(twice.nonzero()[0][0])
 
     def _given_twice(self, pages: np.ndarray, i: int, op: str) -> "OwnershipError":
-        return self.error("double_free", f"{op}: {self.page_label(int(pages[i]))} given twice in one call")
+        page = int(pages[i])
+        return self.error("double_free", f"{op}: {self.page_label(page)} given twice in one call", [page], op,
+                          int(self.owner[page]) if 0 < page <= self.num_pages else None)
 
-    def error(self, check: str, message: str) -> "OwnershipError":
+    def error(self, check: str, message: str, pages: Any = (), op: Optional[str] = None,
+              found: Optional[int] = None) -> "OwnershipError":
+        """The error of `check`; with `pages`, it tells their history, and `op` (refused on the
+        first of them, then owned by `found`) closes it."""
         where = f"step {self.step}: " if self.step is not None else ""
-        return OwnershipError(f"{where}{check}: {message}", self.step, check)
+        touches = self.history_of(pages)
+        if op is not None and len(pages):
+            rid = self.acting[0] if self.acting is not None else None
+            first = int(pages[0])
+            at = max((i + 1 for i, t in enumerate(touches) if t.page == first), default=0)
+            touches.insert(at, self.history.refused(self.step, op, None, first, FREE if found is None else found,
+                                                    rid, check))
+        text = self.story_of(touches)
+        return OwnershipError(f"{where}{check}: {message}", self.step, check, tuple(touches), text)
+
+    def history_of(self, pages: Any) -> list[Touch]:
+        """The touches of (at most `MAX_PAGES_SHOWN` of) `pages`, page after page, oldest first."""
+        pages = [int(p) for p in list(pages)[:MAX_PAGES_SHOWN]]
+        return self.history.of_pages(pages) if pages else []
+
+    def story_of(self, touches: list[Touch]) -> str:
+        return story(touches, self.history.since_step, self.page_label)
+
+    # -- the history's view of requests -----------------------------------------------------
+
+    def name_rows(self, rows: Any, rids: list) -> None:
+        """Request rows `rows` belong to the requests `rids` (named in the history)."""
+        code = self.history.code
+        self.row_rid[np.asarray(rows, dtype=np.int64)] = [code(str(rid)) for rid in rids]
+
+    def _rids(self, src: Any, dst: Any) -> Any:
+        """The request codes of a transition: the row's request (of `dst`, else of `src`), else
+        the request releasing memory now, else -1."""
+        for owner in (dst, src):
+            if isinstance(owner, np.ndarray):
+                return self.row_rid.take(owner)
+            if owner >= 0:
+                return int(self.row_rid[owner])
+        return self.history.code(self.acting[0]) if self.acting is not None else -1
+
+    def _record(self, op: str, pages: Any, src: Any, dst: Any) -> None:
+        why = self.acting[1] if self.acting is not None else None
+        self.history.record(self.step, op, why, pages, src, dst, self._rids(src, dst))
 
     def page_label(self, page: int) -> str:
-        if self.page_size == 1:
-            return f"slot {page}"
-        return f"page {page} (slots {page * self.page_size}..{page * self.page_size + self.page_size - 1})"
+        return page_label(page, self.page_size)
 
     def _refused(self, pages: np.ndarray, found: np.ndarray, bad: np.ndarray, op: str, expected: Any,
                  distinct: bool) -> IntegrityError:
@@ -204,7 +255,7 @@ class OwnershipLedger:
         page, owner = int(pages[i]), int(found[i])
         check = "double_free" if owner == FREE or op in ("allocator.free", "free_row_pages") else "owned_twice"
         return self.error(check, f"{check} in {op}: {self.page_label(page)} is owned by {owner_name(owner)}, expected"
-                              f" {expected} ({int(bad.sum())} of {len(pages)} pages affected)")
+                              f" {expected} ({int(bad.sum())} of {len(pages)} pages affected)", [page], op, owner)
 
     def _transition(self, pages: np.ndarray, src: int, dst: int, op: str, distinct: bool = False) -> None:
         """Pages owned by `src` (a state or a row) now belong to `dst`; raises, changing nothing,
@@ -221,6 +272,7 @@ class OwnershipLedger:
             self._transition_all(pages, src, dst, op, distinct)
         self._count(src, -n)
         self._count(dst, n)
+        self._record(op, pages, src, dst)
 
     def _transition_all(self, pages: np.ndarray, src: int, dst: int, op: str, distinct: bool) -> None:
         found = self.owners_of(pages)  # one gather tests the range and the owner
@@ -334,6 +386,7 @@ class OwnershipLedger:
                 raise self._given_twice(pages, twice, op)
         self.row_pages -= np.bincount(rows, minlength=self.num_rows)
         self._count(dst, len(pages))
+        self._record(op, pages, rows, dst)
 
     def claim_rows(self, slots: Any, rows: np.ndarray, op: str, lens: Optional[np.ndarray] = None) -> None:
         """Slot `slots[i]` was written into row `rows[i]`: its page is claimed by that row, from
@@ -358,6 +411,7 @@ class OwnershipLedger:
             if not np.count_nonzero(self.owner.take(pages) != FREE):
                 self._assign(pages, rows, lens)
                 self.counts[FREE] -= len(pages)
+                self._record(op, pages, FREE, rows if lens is None else rows.repeat(lens))
                 return
         if lens is not None:
             rows = rows.repeat(lens)
@@ -383,6 +437,7 @@ class OwnershipLedger:
             raise self._unexpected(pages, found, bad, op, f"nobody (a new page) or request row {int(rows[i])}")
         new = loose | carried
         self.owner[pages[new]] = rows[new]
+        self._record(op, pages[new], found[new], rows[new])
         self.counts[fresh_state] -= int(loose.sum())
         self.counts[CARRIED] -= int(carried.sum())
         self.row_pages += np.bincount(rows[new], minlength=self.num_rows)
@@ -416,11 +471,15 @@ class OwnershipLedger:
         np.maximum.at(self.row_len, rows, ends)
 
     def extended(self, rows: list[int], new_rows: list[int], prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
-                 prefix_tensors: list[torch.Tensor], out_cache_loc: torch.Tensor) -> None:
+                 prefix_tensors: list[torch.Tensor], out_cache_loc: torch.Tensor, rids: Optional[list] = None) -> None:
         """`alloc_for_extend` wrote rows: request i's new slots (`out_cache_loc`, request after
-        request) are claimed by `rows[i]`; a new row also claims the carried pages of its prefix."""
+        request) are claimed by `rows[i]`; a new row also claims the carried pages of its prefix.
+        `rids`: the requests of the rows (for the history; a new row's prefix is kept there as
+        matched and locked)."""
         op = "alloc_for_extend"
         row_ids = np.asarray(rows, dtype=np.int64)
+        if rids is not None:
+            self.name_rows(row_ids, rids)
         prefix, seq = _host(prefix_lens).copy(), _host(seq_lens).copy()  # kept in `dirty`: own copies
         if not new_rows:
             fresh = np.zeros(len(rows), bool)
@@ -435,6 +494,10 @@ class OwnershipLedger:
                 pages = self.pages_of(prefix_tensors[i])
                 self._transition(pages[self.owner[pages] == CARRIED], CARRIED, int(row_ids[i]), op)
             self._handed = handed
+        if rids is not None:
+            for i in np.flatnonzero(fresh & (prefix > 0)).tolist():  # the tensor itself: O(1) here
+                self.history.record(self.step, MATCH, None, prefix_tensors[i], TREE, TREE,
+                                    int(self.row_rid[row_ids[i]]), slots=True)
         self.claim_rows(out_cache_loc, row_ids, op, lens=seq - prefix)
         # A new row's prefix was copied from the tree: its last page is checked with the new part
         # (the copy's alignment); the rest of it, O(prefix), is left to the full walks.
@@ -466,7 +529,8 @@ class OwnershipLedger:
                 pages = np.flatnonzero(self.owner == row)  # O(pool), only on the way to an error
                 raise self.error("lost_page",
                     f"lost page in {op}: request row {row} is released but still owns {int(self.row_pages[row])}"
-                    f" pages, e.g. {', '.join(self.page_label(int(p)) for p in pages[:3])}; they were never freed")
+                    f" pages, e.g. {', '.join(self.page_label(int(p)) for p in pages[:3])}; they were never freed",
+                    pages[:3], op, row)
             self.row_len[row] = 0
 
     # -- what the whole-stack walk sees ----------------------------------------------------------

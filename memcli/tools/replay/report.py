@@ -8,6 +8,7 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
+from memcli.mem_cache.integrity import page_label, story
 from memcli.tools.replay.host_tier import TIER_DEFINITION, tier_rows
 from memcli.tools.replay.metrics import DEFINITIONS, EVICTION_DEFINITIONS, WINDOW_REQUESTS, downsample
 from memcli.tools.replay.results import ReplayOutcome, ReplayResult
@@ -57,6 +58,7 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS,
             "retractions": q.retractions, "retracted_requests": q.retracted_requests,
             "recomputed_tokens": q.recomputed_tokens, "aborted": q.aborted, **dataclasses.asdict(q.queue),
         },
+        **({"limits": result.limits.to_dict()} if result.limits else {}),
         "integrity": _integrity_section(i),
         "series": {"points": series_points, **downsample(_series_fields(result), series_points)},
         **({"host_tier": result.host_tier.to_dict()} if result.host_tier is not None else {}),
@@ -125,10 +127,12 @@ def _allocation_section(o, a) -> dict[str, Any]:
 
 
 def _integrity_section(i) -> dict[str, Any]:
-    """The integrity checks: how they ran, the first failure, the pool at the end."""
+    """The integrity checks: how they ran, the first failure (with the history of its pages,
+    when there is one), the pool at the end."""
+    history = {"history": [touch.to_dict() for touch in i.history]} if i.history else {}
     return {
         "ok": i.ok, "mode": i.mode, "checks_run": i.checks_run, "failure": i.failure,
-        "failure_step": i.failure_step, "failure_check": i.failure_check,
+        "failure_step": i.failure_step, "failure_check": i.failure_check, **history,
         "incremental_checks": i.incremental_checks, "full_walks": i.full_walks, "check_s": _round(i.check_s, 3),
         "everything_free_at_end": i.everything_free,
         "end": {"available": i.end_available, "evictable": i.end_evictable, "protected": i.end_protected,
@@ -168,10 +172,39 @@ def render_replay(result: ReplayResult, console: Console, bound: Optional[Replay
                       f" ({p.page_size} tokens): they can never hit.")
     if result.host_tier is not None:
         console.print(f"host tier = {TIER_DEFINITION}.")
+    for line in limit_lines(result.limits):
+        console.print(line, markup=False, highlight=False)
     if result.integrity.failure:
-        console.print(f"INTEGRITY FAILURE (replay stopped): {result.integrity.failure}")
+        console.print(f"INTEGRITY FAILURE (replay stopped): {result.integrity.failure}", markup=False)
+        for line in history_lines(result.integrity, result.config.page_size):
+            console.print(line, markup=False, highlight=False)
     if result.stop is not None:
         console.print(f"STOPPED EARLY ({result.stop.reason}): {result.stop.message}")
+
+
+def _limit_rows(cuts) -> list[tuple[str, Any]]:
+    if not cuts:
+        return []
+    return [("aborted by the engine's limits", len(cuts.aborted)),
+            ("outputs clipped by the engine's limits", len(cuts.clipped))]
+
+
+def limit_lines(cuts, shown: int = 20) -> list[str]:
+    """The requests the engine's limits cut, one line per kind (the first `shown` of each)."""
+    lines = []
+    for kind, group in (("aborted at arrival", cuts.aborted), ("output clipped", cuts.clipped)):
+        if group:
+            names = ", ".join(cut.label() for cut in group[:shown])
+            more = f" and {len(group) - shown} more (--json lists them all)" if len(group) > shown else ""
+            lines.append(f"{kind}: {names}{more}")
+    return [f"engine limits: {cuts.rule}.", *lines] if lines else []
+
+
+def history_lines(i, page_size: int) -> list[str]:
+    """The failure's story, page after page (or how to get one)."""
+    if not i.history:
+        return [] if i.mode == "every step" else ["(replay with --check for the history of the pages involved)"]
+    return story(list(i.history), label=lambda page: page_label(page, page_size)).splitlines()
 
 
 def footnotes(result: ReplayResult, bound: Optional[ReplayResult] = None) -> list[tuple[str, str]]:
@@ -224,6 +257,7 @@ def replay_tables(result: ReplayResult, bound: Optional[ReplayResult] = None) ->
     scheduling = kv_table("scheduling", [
         ("retraction events (requests retracted)", f"{q.retractions:,} ({q.retracted_requests:,})"),
         ("recomputed tokens", q.recomputed_tokens), ("aborted", q.aborted),
+        *_limit_rows(result.limits),
         ("running, mean / max", f"{q.queue.mean_running:,.1f} / {q.queue.max_running:,}"),
         ("waiting, mean / max", f"{q.queue.mean_waiting:,.1f} / {q.queue.max_waiting:,}"),
     ])

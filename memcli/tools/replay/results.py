@@ -9,6 +9,7 @@ from typing import Optional
 
 import numpy as np
 
+from memcli.capacity import LimitCuts
 from memcli.config import Config
 from memcli.tools.replay.host_tier import HostTierStats
 from memcli.tools.replay.metrics import EvictionStats, OccupancyStats, PrefixStats, QueueStats
@@ -77,7 +78,8 @@ class IntegrityStats:
     steps and end". `failure` is the first violation's message (the replay stopped there), with
     the step (0-based) and the check that found it when known. `end_*`: the pool when the
     replay ended. `full_walks`: whole-pool walks (sampled on idle steps, every step under
-    --check full, and the final one); `check_s`: wall time spent checking."""
+    --check full, and the final one); `check_s`: wall time spent checking. `history`: under
+    --check (the ownership ledger), every operation that touched the pages the failure names."""
 
     mode: str
     checks_run: int
@@ -93,6 +95,7 @@ class IntegrityStats:
     check_s: float = 0.0
     failure_step: Optional[int] = None
     failure_check: Optional[str] = None
+    history: tuple = ()  # the failure's story: the touches (`integrity.Touch`) of its pages, oldest first
 
     @property
     def ok(self) -> bool:
@@ -138,6 +141,8 @@ class ReplayResult:
     queueing_delay: Optional[DelayStats] = None
     host_tier: Optional[HostTierStats] = None
     """The host tier's tiers, transfers and occupancy (`cache.kind: hiradix` only)."""
+    limits: LimitCuts = LimitCuts()
+    """The requests the engine's limits cut: aborted at arrival, or outputs clipped."""
 
     @property
     def interrupted(self) -> bool:

@@ -59,7 +59,8 @@ class ReplayRequest:
     """What `memcli replay TRACE` was asked. `arrivals` None: the trace's default; `check`
     None (no per-step check), "incremental" or "full"; `bound` None or "belady"; `events`,
     `plot`, `requests_out`, `steps_out` (the step log) and `timeline` are files to write
-    (None: none)."""
+    (None: none); `strict_limits`: refuse a trace with a request past the engine's limits
+    instead of cutting it as the engine does."""
 
     trace: TraceSource
     config: ConfigSource = ConfigSource()
@@ -71,6 +72,7 @@ class ReplayRequest:
     requests_out: Optional[Path] = None
     steps_out: Optional[Path] = None
     timeline: Optional[Path] = None
+    strict_limits: bool = False  # refuse a request past the engine's limits (exit 2) instead of cutting it
 
 
 def _no_notes(ignored: dict[str, str]) -> None:
@@ -126,7 +128,7 @@ def prepare(request: ReplayRequest, hooks: Hooks = Hooks()) -> Prepared:
                        progress=reading)
     options = ReplayOptions(request.arrivals or default_arrivals(trace), request.check is not None, request.events,
                             check_level=request.check or "incremental", steps_path=request.steps_out,
-                            timeline_path=request.timeline)
+                            timeline_path=request.timeline, strict_limits=request.strict_limits)
     check_options(trace, config, options)
     return Prepared(config, ignored, trace, options, shared_prefix_lens(trace))
 

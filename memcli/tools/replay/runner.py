@@ -10,12 +10,14 @@ Arrivals (`ReplayOptions.arrivals`):
 
 Requests are handed to the scheduler only when they arrive, and dropped once finished, so a
 145 M-token trace never holds more than the running and waiting prompts in memory. Nothing
-starts before every request is known to fit (`memcli.capacity.check_fits`).
+starts before every request is known to fit, or to be cut by the engine's limits as the engine
+cuts it (`memcli.capacity.cut_requests`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from memcli.capacity import check_fits
+from memcli.capacity import LimitCuts, cut_requests
 from memcli.config import Config, replace
 from memcli.errors import IntegrityError, MemcliError, StalledError
 from memcli.mem_cache.integrity import CheckPolicy
@@ -65,6 +67,7 @@ class ReplayOptions:
     walk_budget: float = CheckPolicy.walk_budget
     steps_path: Optional[Path] = None  # --steps-out: the step log (JSON lines)
     timeline_path: Optional[Path] = None  # --timeline: the Chrome trace-event timeline
+    strict_limits: bool = False  # refuse a trace with a request past the engine's limits (else cut as it does)
 
     @property
     def instrumented(self) -> bool:
@@ -121,14 +124,21 @@ def replay(config: Config, trace: Trace, options: ReplayOptions, progress: Optio
     cannot work. `shared` is the ceiling of the trace (`shared_prefix_lens`), computed when None.
     """
     check_options(trace, config, options)
-    check_fits(config, trace.requests, trace.path)
+    cuts = limit_cuts(config, trace, options)
     if options.events_path is not None and not config.cache.kv_events:
         config = replace(config, cache={"kv_events": True})
     if shared is None:
         shared = shared_prefix_lens(trace)
     with _events_file(options.events_path) as events, opened(options.steps_path, options.timeline_path) as files:
         run = _Run(config, trace, options, events, progress, files)
-        return run.execute(shared)
+        return dataclasses.replace(run.execute(shared), limits=cuts)
+
+
+def limit_cuts(config: Config, trace: Trace, options: ReplayOptions) -> LimitCuts:
+    """The requests the engine's limits cut (aborted at arrival, outputs clipped), as it does
+    serving them; under `options.strict_limits` none, and a request past them is a
+    `CapacityError`, as is one that cannot run even so."""
+    return cut_requests(config, trace.requests, trace.path, engines.get(config).limits, options.strict_limits)
 
 
 @contextlib.contextmanager
@@ -164,6 +174,7 @@ class _Run:
         self._progress_at = 0.0
         self.stop: Optional[Stop] = None
         self.failure_at: tuple[Optional[int], Optional[str]] = (None, None)
+        self.history: tuple = ()  # the failure's page history (`OwnershipError.history`)
         self.files = files
         self.instruments: Optional[Instruments] = None
 
@@ -220,8 +231,9 @@ class _Run:
             reports = self.memory.check(sched.memory_holders())
         except IntegrityError as exc:
             self.failure_at = (getattr(exc, "step", None), getattr(exc, "check", None))
+            self.history = tuple(getattr(exc, "history", ()))
             self._stopped_mid_step()
-            return str(exc), ()
+            return getattr(exc, "message", str(exc)), ()
         except StalledError as exc:
             self._stopped_mid_step()
             self.stop = Stop("stalled", str(exc))
@@ -350,7 +362,7 @@ class _Run:
                 pool_tokens=pool, full_walks=sched.checker.stats.full_walks + (failure is None),
                 incremental_checks=sched.checker.stats.incremental,
                 check_s=sched.checker.stats.incremental_s + sched.checker.stats.walk_s,
-                failure_step=self.failure_at[0], failure_check=self.failure_at[1],
+                failure_step=self.failure_at[0], failure_check=self.failure_at[1], history=self.history,
             ),
             series=series,
             first_cached_tokens=self.log.cached_tokens,

@@ -17,9 +17,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
-from memcli.capacity import check_fits
 from memcli.config import Config
-from memcli.tools.replay.runner import ReplayOptions, check_options, replay
+from memcli.tools.replay.runner import ReplayOptions, check_options, limit_cuts, replay
 from memcli.tools.study.grid import Point, point_key, point_overrides
 from memcli.tools.study.results import point_row
 from memcli.tools.study.unlimited import reference_row
@@ -93,7 +92,7 @@ def plan_study(points: list[Point], make_config: Callable[[list[str]], Config], 
     for index, point in enumerate(points):
         config = make_config(point_overrides(point, base))
         check_options(trace, config, options)
-        check_fits(config, trace.requests, trace.path)
+        limit_cuts(config, trace, options)  # what cannot run even as the engine cuts it is refused here
         tasks.append(Task(index, "point", point, config))
     page_sizes = sorted({task.config.page_size for task in tasks})
     for offset, ps in enumerate(page_sizes):

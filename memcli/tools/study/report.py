@@ -42,6 +42,10 @@ def render_study(doc: dict[str, Any], console: Console) -> None:
             console.print(f"INTEGRITY FAILURE at {point_label(entry['point'])} (that replay stopped)")
         if entry["stalled"]:
             console.print(f"STALLED at {point_label(entry['point'])} (that replay stopped)")
+        if entry.get("limit_cut_requests"):
+            console.print(f"engine limits at {point_label(entry['point'])}: {entry['limit_aborted']} aborted at"
+                          f" arrival, {entry['limit_clipped']} outputs clipped: {entry['limit_cut_requests']}",
+                          markup=False, highlight=False)
     console.print("ceiling = sequential, never evicting; needed again = share of evicted tokens a later request"
                   " uses (see the single-replay report); --out DIR (study.csv) and --json have every number of"
                   " every point, every hit-rate definition included.")

@@ -48,7 +48,15 @@ def point_row(r: ReplayResult) -> dict[str, Any]:
         "steps": r.summary.steps, "wall_time_s": _round(r.summary.wall_s, 3), "integrity_ok": r.integrity.ok,
         "stalled": r.stop is not None and r.stop.reason == "stalled",
         **(_tier_columns(r) if r.host_tier is not None else {}),
+        **(_limit_columns(r) if r.limits else {}),
     }
+
+
+def _limit_columns(r: ReplayResult) -> dict[str, Any]:
+    """The requests the engine's limits cut at this point: counts, and each named with its line."""
+    cuts = r.limits
+    return {"limit_aborted": len(cuts.aborted), "limit_clipped": len(cuts.clipped),
+            "limit_cut_requests": "; ".join(f"{cut.label()} {cut.action}" for cut in cuts.requests)}
 
 
 def _tier_columns(r: ReplayResult) -> dict[str, Any]:

@@ -28,6 +28,11 @@ def scheduler(page_size=4, cache="radix", profile="sglang-0.5.5", every_step="in
     return stack, sched
 
 
+def story(err: OwnershipError) -> list[tuple]:
+    """The failure's history as (step, rid, op, what) per touch, oldest first."""
+    return [(t.step, t.rid, t.op, t.what) for t in err.history]
+
+
 def run_until(sched, step: int) -> None:
     while sched.step_count < step:
         sched.step()
@@ -74,6 +79,14 @@ def test_free_of_a_slot_still_in_use_is_caught_by_the_free():
     assert err.step == 6 and err.check == "double_free"
     assert f"page {slot // 4}" in str(err) and f"request row {req.req_pool_idx}" in str(err)
     assert "allocator.free" in str(err)
+    # The story: the page was allocated for this request's extend, then freed behind its back.
+    first, *_, last = err.history
+    assert {t.page for t in err.history} == {slot // 4}
+    assert (first.rid, first.op, first.what, first.src) == (req.rid, "alloc_for_extend", "allocated for an extend", "free")
+    assert first.dst == f"request row {req.req_pool_idx}" and first.step < 6
+    assert (last.step, last.rid, last.op, last.what, last.dst) == (6, None, "allocator.free", "double free", "refused")
+    assert last.src == f"request row {req.req_pool_idx}"
+    assert f"history of page {slot // 4} (slots" in str(err) and "allocator.free REFUSED (double free)" in str(err)
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -87,12 +100,26 @@ def test_double_free_by_the_cache_is_caught_at_its_step(profile, monkeypatch):
         free(self, slots, row, op)
         if len(slots) and sched.step_count >= 5 and not planted:
             planted.append(sched.step_count)
+            owners.append((releasing[-1].rid, op, int(slots[0]) // 4))
             self.allocator.free(slots)
 
+    def finishing(self, req, **kw):
+        releasing.append(req)
+        return cache_finished_req(self, req, **kw)
+
+    owners, releasing, cache_finished_req = [], [], RadixCache.cache_finished_req
     monkeypatch.setattr(RadixCache, "_free", free_twice)
+    monkeypatch.setattr(RadixCache, "cache_finished_req", finishing)
     err = failing_step(sched)
     assert planted and err.step == planted[0] == sched.step_count
     assert err.check == "double_free" and "is owned by free" in str(err)
+    # The story of the page: allocated for the request, freed by its release, then freed again.
+    (rid, op, page), = owners
+    *_, alloc, freed, again = story(err)
+    assert alloc[1:] == (rid, "alloc_for_extend", "allocated for an extend") and alloc[0] < planted[0]
+    assert freed == (planted[0], rid, op, "freed at finish" if op == "cache_finished_req" else freed[3])
+    assert again == (planted[0], rid, "allocator.free", "double free")
+    assert {t.page for t in err.history} == {page} and err.history[-1].src == "free"
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -105,13 +132,25 @@ def test_lost_page_is_caught_when_its_request_is_released(profile, monkeypatch):
     def forgetful(self, slots, row, op):
         if op == "cache_finished_req" and len(slots) and sched.step_count >= 4 and not planted:
             planted.append(sched.step_count)
+            rids.append(releasing[-1].rid)
             return
         free(self, slots, row, op)
 
+    def finishing(self, req, **kw):
+        releasing.append(req)
+        return cache_finished_req(self, req, **kw)
+
+    rids, releasing, cache_finished_req = [], [], RadixCache.cache_finished_req
     monkeypatch.setattr(RadixCache, "_free", forgetful)
+    monkeypatch.setattr(RadixCache, "cache_finished_req", finishing)
     err = failing_step(sched)
     assert planted and err.step == planted[0] and err.check == "lost_page"
     assert "still owns" in str(err) and "never freed" in str(err)
+    # Allocated for the request, and the release of its row is refused: nothing freed it.
+    *_, alloc, refused = story(err)
+    assert alloc[1:] == (rids[0], "alloc_for_extend", "allocated for an extend") and alloc[0] < planted[0]
+    assert refused == (planted[0], rids[0], "free request row", "lost page")
+    assert err.history[-1].src.startswith("request row")
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -136,6 +175,39 @@ def test_misaligned_row_is_caught_by_row_layout_at_its_step(profile, monkeypatch
     err = failing_step(sched)
     assert planted and err.step == planted[0] and err.check == "row_layout"
     assert "expected offset" in str(err) or "expected" in str(err)
+    # The page of the misplaced slot: whose it is, since when (the write itself moves no owner).
+    (page,) = {t.page for t in err.history}
+    assert f"of page {page}," in err.message and err.history[0].op == "alloc_for_extend"
+    assert err.history[0].rid in err.message and err.history[0].step < planted[0]
+
+
+def test_a_page_owned_twice_tells_who_owned_it_first():
+    """A page of a running request slips back onto the free list behind the ledger: when the
+    allocator hands it out again, the story runs from its first extend through the tree."""
+    stack, sched = scheduler(page_size=4)
+    run_until(sched, 5)
+    req = sched.active_reqs()[0]
+    slot = int(stack.req_to_token_pool.req_to_token[req.req_pool_idx, 0])
+    allocator = stack.allocator
+    ledger, allocator.ledger = allocator.ledger, None
+    allocator.free(torch.tensor([slot]))  # unseen by the ledger
+    allocator.ledger = ledger
+    err = failing_step(sched)
+    assert err.check == "owned_twice" and err.step == 5
+    steps = [t.step for t in err.history]
+    assert steps == sorted(steps) and {t.page for t in err.history} == {slot // 4}
+    ops = [(t.rid, t.op, t.src, t.dst) for t in err.history]
+    # Its first chunk's row (a chunked request takes a new row for each piece): then into the tree.
+    assert ops[0][:3] == (req.rid, "alloc_for_extend", "free") and ops[0][3].startswith("request row")
+    assert ops[1] == (req.rid, "cache_unfinished_req", ops[0][3], "the tree")
+    assert "matched as a prefix and locked" in err.history[2].what and err.history[2].op == "match_prefix"
+    assert ops[-1] == (None, "allocator.alloc", "the tree", "refused") and err.history[-1].step == 5
+
+
+def test_no_history_is_kept_without_a_ledger():
+    stack, sched = scheduler(every_step="full")
+    sched.run(max_steps=5000)
+    assert sched.checker.ledger is None and stack.allocator.ledger is None
 
 
 def test_page_allocated_and_never_claimed_is_a_lost_page_at_the_next_check():

@@ -154,3 +154,41 @@ def test_duplicates_in_calls_longer_than_the_marks_and_than_the_pool():
         assert_same(ledger, before)
     ledger.move(pages[:5000], 0, TREE, "cache_finished_req")
     assert ledger.counts[TREE] == 5000 and ledger.row_pages[0] == 1000
+
+
+def test_the_history_tells_a_pages_life_with_steps_requests_and_reasons():
+    ledger = OwnershipLedger(NUM_PAGES, 4, num_rows=8)
+    ledger.name_rows([2, 5], ["a", "b"])
+    ledger.step = 3
+    ledger.take([7, 8])
+    ledger.claim_rows(np.array([28, 32]), np.array([2, 5]), "alloc_for_extend")
+    ledger.step = 4
+    ledger.move(np.array([28]), 2, TREE, "cache_unfinished_req")
+    ledger.acting = ("b", "retracted")
+    ledger.free_from([8], 5, "cache_finished_req")
+    ledger.acting = None
+    ledger.step = 9
+    ledger.free_from([7], TREE, "evict")
+    with pytest.raises(OwnershipError) as info:
+        ledger.free_from([7], TREE, "evict")
+    story = [(t.page, t.step, t.rid, t.what, t.src, t.dst) for t in info.value.history]
+    assert story == [
+        (7, 3, None, "handed out by the allocator", "free", "nobody (allocated, unclaimed)"),
+        (7, 3, "a", "allocated for an extend", "nobody (allocated, unclaimed)", "request row 2"),
+        (7, 4, "a", "inserted into the tree", "request row 2", "the tree"),
+        (7, 9, None, "evicted from the tree", "the tree", "free"),
+        (7, 9, None, "double free", "free", "refused"),
+    ]
+    page_8 = ledger.history_of([8])
+    assert [(t.step, t.rid, t.what) for t in page_8][-1] == (4, "b", "freed by a retraction")
+    assert "history of page 7 (slots 28..31):" in str(info.value)
+
+
+def test_the_history_keeps_its_newest_pages_within_its_bound():
+    from memcli.mem_cache.integrity.history import PageHistory
+
+    history = PageHistory(1, max_pages=10)
+    for step in range(8):
+        history.record(step, "evict", None, [1, 2, 3], TREE, FREE, -1)
+    assert history.since_step == 5  # three entries of three pages fit
+    assert [t.step for t in history.of_pages([2])] == [5, 6, 7]

@@ -104,12 +104,45 @@ def test_double_free_is_reported_with_its_step_and_check(memcli_trace, monkeypat
             req = self.active_reqs()[0]
             row = self.memory.req_to_token_pool.req_to_token[req.req_pool_idx]
             planted.append(self.step_count)
+            slot = int(row[req.kv_allocated_len - 1])
+            victims.append((req.rid, slot // self.memory.page_size, req.req_pool_idx))
             self.memory.allocator.free(row[req.kv_allocated_len - 1: req.kv_allocated_len])  # still in use
         return step(self)
 
+    victims = []
     monkeypatch.setattr(Scheduler, "step", freeing_step)
     code, doc = run(memcli_trace, "--check", "--set", f"semantics.profile={profile}")
     i = doc["integrity"]
     assert planted == [7] and code == 1
     assert i["failure_step"] == 7 and i["failure_check"] == "double_free"
     assert "request row" in i["failure"] and "allocator.free" in i["failure"]
+    assert "history of" not in i["failure"]  # the story is the list, not the message
+    # The story, in the JSON: the page was allocated for the request (an extend or a decode
+    # opening it), then freed at step 7 by nobody while the row still owned it.
+    (rid, page, row), = victims
+    first, last = i["history"][0], i["history"][-1]
+    assert {t["page"] for t in i["history"]} == {page}
+    assert first["rid"] == rid and first["op"] in ("alloc_for_extend", "alloc_for_decode") and first["step"] < 7
+    assert first["from"] == "free" and first["to"] == f"request row {row}"
+    assert last == {"step": 7, "rid": None, "op": "allocator.free", "what": "double free", "page": page,
+                    "from": f"request row {row}", "to": "refused"}
+    # ... and in the text report, after the failure.
+    text = invoke(memcli_trace, "--check", "--set", f"semantics.profile={profile}", *SMALL).stdout
+    story = text[text.index("history of page"):]
+    assert f"request {rid}: allocated for a" in story and "allocator.free REFUSED (double free)" in story
+
+
+def test_check_full_fails_without_a_history_and_says_how_to_get_one(memcli_trace, monkeypatch):  # noqa: F811
+    step = Scheduler.step
+
+    def leaky_step(self):
+        record = step(self)
+        if self.step_count == 3:
+            self.memory.allocator.alloc(self.page_size)
+        return record
+
+    monkeypatch.setattr(Scheduler, "step", leaky_step)
+    code, doc = run(memcli_trace, "--check", "full")
+    assert code == 1 and "history" not in doc["integrity"]
+    text = invoke(memcli_trace, "--check", "full", *SMALL).stdout
+    assert "replay with --check for the history" in text

@@ -134,9 +134,12 @@ def test_empty_and_missing_files(tmp_path):
     (["--sweep", "cache.eviction_policy=lru", "--ray-address", "10.0.0.1:6379"], "--ray-address is the Ray cluster"),
     (["--sweep-file", "missing.yaml"], "cannot read --sweep-file missing.yaml"),
     (["--plot", "out.txt"], "unsupported file type"),
-    (["--set", "memory.max_context_len=100"], "more than memory.max_context_len 100"),
-    (["--set", "memory.max_total_tokens=200", "--set", "memory.max_context_len=64", "--set", "memory.page_size=1",
-      "--set", "scheduler.chunked_prefill_size=128"], "more than memory.max_context_len 64"),
+    # Requests past the limits are cut as SGLang cuts them (tests/test_capacity.py), or refused:
+    (["--strict-limits", "--set", "memory.max_context_len=100"], "more than memory.max_context_len 100"),
+    (["--strict-limits", "--set", "memory.max_total_tokens=200", "--set", "memory.max_context_len=64",
+      "--set", "memory.page_size=1", "--set", "scheduler.chunked_prefill_size=128"],
+     "more than memory.max_context_len 64"),
+    (["--set", "semantics.profile=memcli", "--set", "memory.max_context_len=100"], "more than memory.max_context_len 100"),
 ])
 def test_bad_options_exit_2_with_error_and_hint(memcli_trace, monkeypatch, args, needle):
     monkeypatch.setattr(Scheduler, "step", lambda self: pytest.fail("the replay started"))
@@ -251,6 +254,14 @@ def test_integrity_violation_exits_1_with_the_report(memcli_trace, monkeypatch):
     doc = json.loads(result.stdout)
     assert not doc["integrity"]["ok"] and "memory leak detected" in doc["integrity"]["failure"]
     assert doc["summary"]["steps"] == 4
+    # The leaked page's story: handed out after the third step (step 2), so within step 3, whose
+    # check finds it; claimed by nobody; before that, freed by its last owner.
+    *before, leaked = doc["integrity"]["history"]
+    assert leaked["step"] == doc["integrity"]["failure_step"] == 3 and leaked["op"] == "allocator.alloc" and leaked["rid"] is None
+    assert (leaked["from"], leaked["to"], leaked["what"]) == ("free", "nobody (allocated, unclaimed)",
+                                                               "handed out by the allocator")
+    assert all(t["page"] == leaked["page"] and t["step"] <= 3 for t in before)
+    assert not before or before[-1]["to"] == "free"
 
 
 def test_events_file(memcli_trace, tmp_path):

@@ -164,6 +164,9 @@ def test_integrity_violation_stops_with_the_result_so_far(generated, monkeypatch
     result = replay(small_config(1, pool=50_000), generated, ReplayOptions("timestamp", check_every_step=True))
     assert not result.integrity.ok
     assert "memory leak detected" in result.integrity.failure
+    leaked = result.integrity.history[-1]  # the story of the leaked page ends with its hand-out
+    assert (leaked.step, leaked.rid, leaked.op, leaked.dst) == (5, None, "allocator.alloc", "nobody (allocated, unclaimed)")
+    assert all(t.page == leaked.page for t in result.integrity.history)
     # Leaked after step 5, caught by the check of step 6, which is in the series too.
     assert result.summary.steps == 6 and len(result.series["time_ms"]) == 6
     assert result.summary.finished < generated.num_requests

@@ -97,7 +97,25 @@ def test_every_point_is_checked_before_the_first_replay(trace, monkeypatch):
     monkeypatch.setattr(study_mod, "replay", lambda *a, **k: pytest.fail("replayed before checking every point"))
     with pytest.raises(CapacityError):
         plan_study(grid_points([parse_sweep("memory.max_total_tokens=60000,2000")]), _make_config, trace,
-                   ReplayOptions("burst"))
+                   ReplayOptions("burst", strict_limits=True))
+    # Without --strict-limits the small point runs, its long prompts aborted as SGLang aborts them.
+    plan = plan_study(grid_points([parse_sweep("memory.max_total_tokens=60000,2000")]), _make_config, trace,
+                      ReplayOptions("burst"))
+    assert [task.config.pool_size for task in plan.tasks if task.kind == "point"] == [60000, 2000]
+
+
+def test_small_pool_points_name_the_requests_the_engine_aborts(trace):
+    longest = max(spec.input_len for spec in trace.requests)
+    pool = (longest // 1024) * 1024  # whole pages; the longest prompt is past its request limits
+    state, context = _study(trace, grid_points([parse_sweep(f"memory.max_total_tokens={pool},60000")]))
+    rows = run_tasks(state, context, serial).rows
+    small, large = (next(row for key, row in rows.items() if key.startswith("point:") and row["pool_tokens"] == n)
+                    for n in (pool, 60000))
+    too_long = [(i, spec) for i, spec in enumerate(trace.requests) if spec.input_len >= pool - 1 - 5]
+    assert too_long and small["limit_aborted"] == len(too_long) and small["limit_clipped"] >= 0
+    for _, spec in too_long:
+        assert f"{spec.rid} (line {spec.line}) aborted" in small["limit_cut_requests"]
+    assert "limit_aborted" not in large and "limit_cut_requests" not in large
 
 
 def test_reference_is_computed_when_the_pool_would_be_too_large(trace, monkeypatch):
@@ -216,3 +234,20 @@ def test_ctrl_c_keeps_what_finished_and_exits_130(trace_path, tmp_path, monkeypa
     assert "interrupted: 2 of 4 replays finished; --resume --out" in result.stderr
     doc = json.loads((out / "study.json").read_text())
     assert [p["index"] for p in doc["points"]] == [0, 1] and not doc["study"]["complete"]
+
+
+def test_the_small_pool_study_of_the_issue_runs_and_names_the_aborted_request():
+    """synthetic_head200's request 190 (line 190) has a prompt of 82,831 tokens: past SGLang's
+    request limits at a pool of 60,000 (aborted at arrival, as SGLang does), not at 120,000."""
+    from tests.tools.replay.helpers import SYNTHETIC
+
+    result = runner.invoke(app, ["replay", str(SYNTHETIC), "--limit", "190", "--jobs", "1", "--json",
+                                 "--sweep", "memory.max_total_tokens=60000,120000",
+                                 "--set", "memory.max_context_len=140000"])
+    assert result.exit_code == 0, result.stderr
+    points = {entry["pool_tokens"]: entry for entry in json.loads(result.stdout)["points"]}
+    assert points[60000]["limit_cut_requests"] == "190 (line 190) aborted" and points[60000]["limit_aborted"] == 1
+    assert "limit_cut_requests" not in points[120000]
+    assert [line for line in result.stderr.splitlines() if line.startswith("warning:")] == [
+        "warning: the engine's limits cut requests at 1 of 2 points; the report names them (--strict-limits"
+        " refuses the trace instead)"]
