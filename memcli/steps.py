@@ -13,7 +13,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
-from memcli.mem_cache.manager import CheckPolicy, IntegrityChecker
+from memcli.mem_cache.integrity.checker import CheckPolicy, IntegrityChecker
 
 
 class Event(NamedTuple):
