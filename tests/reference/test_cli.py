@@ -184,3 +184,10 @@ def test_reference_diff_writes_both_step_logs_and_they_match_the_replays(ref, tm
     # memcli's side of the harness and the replay write the same log; SGLang's side equals it too.
     assert mine.read_text() == replayed.read_text() and len(mine.read_text().splitlines()) > 10
     assert CliRunner().invoke(app, ["diff", str(theirs), str(mine)]).exit_code == 0
+    # The --json document carries the same comparison, in memcli diff's fields.
+    doc = json.loads(CliRunner().invoke(app, ["reference", "diff", trace, "--limit", "12", "--json"]).stdout)
+    logs = doc["step_logs"]
+    assert logs["a"] == "the engine's own code" and logs["b"] == "memcli"
+    assert logs["equal"] is True and logs["first_divergence"] is None
+    assert logs["steps_a"] == logs["steps_b"] == len(mine.read_text().splitlines())
+    assert logs["cached_tokens"]["a"] == logs["cached_tokens"]["b"] > 0

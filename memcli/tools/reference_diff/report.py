@@ -6,13 +6,14 @@ import dataclasses
 from typing import Any
 
 from memcli.report.envelope import envelope
-from memcli.tools.diff.report import render_diff
+from memcli.tools.diff.report import diff_fields, render_diff
 from memcli.tools.reference_diff.results import ReferenceDiffResult
 
 
 def diff_document(result: ReferenceDiffResult) -> dict[str, Any]:
     """The --json document: the envelope, then the run and, when they diverged, both sides'
-    observations at the first divergent step."""
+    observations at the first divergent step; `step_logs`, both sides' step logs compared in
+    the shape of `memcli diff --json` (A: the engine's own code, B: memcli)."""
     diff = result.diff
     divergence = None
     if diff.divergence is not None:
@@ -24,6 +25,8 @@ def diff_document(result: ReferenceDiffResult) -> dict[str, Any]:
         "steps": diff.steps, "divergent": diff.divergence is not None, "first_divergence": divergence,
         "reference_s": round(diff.reference_s, 3), "memcli_s": round(diff.memcli_s, 3),
         "notes": list(diff.notes), "failure": diff.failure,
+        "step_logs": None if result.steps is None else {"a": "the engine's own code", "b": "memcli",
+                                                         **diff_fields(result.steps)},
     }, result.config)
 
 
