@@ -1,0 +1,272 @@
+"""vLLM 0.33's v1 scheduler (`vllm/v1/core/sched/scheduler.py`, `Scheduler.schedule` and
+`update_from_output`) over memcli's block manager, under a model that samples one token for
+every request whose scheduled chunk reaches its last token.
+
+One step:
+1. running requests first, in order: each gets `min(remaining, long-prefill threshold when
+   > 0 and more than one request is eligible, budget)` tokens; when its slots do not fit, the
+   latest running request (FCFS; under priority the largest (priority, arrival)) is preempted
+   (blocks freed, recomputed later, back at the front of the waiting queue) until they fit or
+   the request preempted itself;
+2. waiting requests next, only when nothing was preempted, while budget remains and fewer
+   than `max_num_seqs` run: prefix lookup, the whole prompt must fit
+   (`scheduler_reserve_full_isl`), and a failed allocation stops admission for the step;
+3. the step's output: computed tokens advance, a request whose chunk completed samples one
+   token, and a request at `max_tokens` outputs (or `max_model_len`) finishes and is freed.
+
+Loops (`semantics.event_loop`): `sync` is `Scheduler` (each step's output processed before the
+next is scheduled). The simulated step costs `sim.step_base_ms + prefill_token_us x prefill
+tokens + decode_req_us x decoding requests + kv_read_ns x context tokens read`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Optional
+
+from memcli.errors import StalledError
+from memcli.mem_cache.block_manager import BlockManager
+from memcli.steps import SchedulerHooks, SchedulerStats, StepRecord
+from memcli.vllm_sched.request import (FINISHED_LENGTH, PREEMPTED, RUNNING, WAITING, VllmRequest)
+
+
+class VllmSchedulerConfig:
+    """The scheduler settings vLLM reads (names are vLLM's)."""
+
+    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                 long_prefill_token_threshold: int = 0, policy: str = "fcfs", enable_chunked_prefill: bool = True,
+                 reserve_full_isl: bool = True):
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.max_model_len, self.long_prefill_token_threshold = max_model_len, long_prefill_token_threshold
+        self.policy, self.enable_chunked_prefill, self.reserve_full_isl = policy, enable_chunked_prefill, reserve_full_isl
+
+
+class StepPlan:
+    """What one `schedule()` decided: tokens per request, in schedule order, and preemptions."""
+
+    def __init__(self):
+        self.num_scheduled: dict[str, int] = {}
+        self.reqs: list[VllmRequest] = []
+        self.preempted: list[str] = []
+        self.admitted: list[VllmRequest] = []
+        self.hits = 0
+
+
+class VllmScheduler:
+    """vLLM's scheduler; `step()` is one schedule + model step + output update."""
+
+    def __init__(self, memory: BlockManager, settings: VllmSchedulerConfig, sim: Any, hooks: SchedulerHooks):
+        self.memory, self.settings, self.sim, self.hooks = memory, settings, sim, hooks
+        self.checker = memory.checker(hooks.checks)
+        self.clock_ms, self.step_count = 0.0, 0
+        self.waiting: deque = deque()
+        self.running: list[VllmRequest] = []
+        self.finished: list = []
+        self.records: list[StepRecord] = []
+        self.stats = SchedulerStats()
+        self.next_token = hooks.output_token_base
+        self.plans: list[StepPlan] = []  # kept only when `keep_plans` (differential tests)
+        self.keep_plans = False
+        self._seq = 0
+
+    # -- requests in ----------------------------------------------------------------------
+    def new_req(self, rid: str, input_ids, max_new_tokens: int, extra_key: Optional[str] = None,
+                arrival_ms: float = 0.0) -> VllmRequest:
+        self._seq += 1
+        req = VllmRequest(rid, [int(t) for t in input_ids], max_new_tokens, extra_key, arrival_ms, seq=self._seq)
+        self.memory.hash_request(req)
+        return req
+
+    def add_request(self, req: VllmRequest) -> None:
+        self.waiting.append(req)
+
+    def is_done(self) -> bool:
+        return not self.waiting and not self.running
+
+    def active_reqs(self) -> list:
+        return list(self.running)
+
+    memory_holders = active_reqs
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> StepRecord:
+        plan = self.schedule()
+        if not plan.reqs:
+            kind, new_tokens = self._idle()
+        else:
+            kind, new_tokens = self._run(plan)
+        if self.keep_plans:
+            self.plans.append(plan)
+        record = self._record(kind, len(plan.reqs), new_tokens)
+        self.step_count += 1
+        if self.checker.after_step(self.memory_holders(), kind == "idle"):
+            self.stats.checks_run += 1
+        if self.hooks.on_step is not None:
+            self.hooks.on_step(self, record)
+        return record
+
+    def _idle(self) -> tuple[str, int]:
+        arrived = [r for r in self.waiting if r.arrival_ms <= self.clock_ms]
+        if arrived and not self.running:
+            r = arrived[0]
+            raise StalledError(f"request {r.request_id} ({r.num_tokens} tokens) cannot be admitted into an idle pool"
+                               f" of {self.memory.size} tokens")
+        later = [r.arrival_ms for r in self.waiting if r.arrival_ms > self.clock_ms]
+        if later:
+            self.clock_ms = min(later)
+        self.stats.idle_steps += 1
+        return "idle", 0
+
+    def schedule(self) -> StepPlan:
+        plan, s, memory = StepPlan(), self.settings, self.memory
+        budget = s.max_num_batched_tokens
+        eligible = len(self.running) + sum(1 for r in self.waiting if r.arrival_ms <= self.clock_ms)
+        threshold = s.long_prefill_token_threshold if eligible > 1 else 0
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = req.num_tokens - req.num_computed_tokens
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, budget, s.max_model_len - req.num_computed_tokens - 1)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                new = memory.allocate_slots(req, n)
+                if new is not None:
+                    break
+                victim = self._victim()
+                self.running.remove(victim)
+                if victim in plan.reqs:  # priority only: give its tokens back
+                    plan.reqs.remove(victim)
+                    budget += plan.num_scheduled.pop(victim.request_id)
+                    i -= 1
+                self._preempt(victim)
+                plan.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if new is None:
+                if s.policy == "priority" and req.status == PREEMPTED:
+                    continue
+                break
+            plan.reqs.append(req)
+            plan.num_scheduled[req.request_id] = n
+            budget -= n
+            i += 1
+        if not plan.preempted:
+            self._admit(plan, budget)
+        return plan
+
+    def _victim(self) -> VllmRequest:
+        if self.settings.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: VllmRequest) -> None:
+        self.memory.free(req)
+        self.stats.recomputed_tokens += req.num_computed_tokens
+        req.status, req.num_computed_tokens = PREEMPTED, 0
+        req.num_preemptions += 1
+        self.stats.retractions += 1
+        self.stats.retracted_requests += 1
+        self._requeue_front(req)
+
+    def _requeue_front(self, req: VllmRequest) -> None:
+        if self.settings.policy == "priority":
+            self.waiting.append(req)
+        else:
+            self.waiting.appendleft(req)
+
+    def _next_waiting(self) -> Optional[VllmRequest]:
+        arrived = [r for r in self.waiting if r.arrival_ms <= self.clock_ms]
+        if not arrived:
+            return None
+        if self.settings.policy == "priority":
+            return min(arrived, key=VllmRequest.sort_key)
+        return arrived[0] if self.waiting[0] is arrived[0] else None
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        s, memory = self.settings, self.memory
+        while budget > 0 and len(self.running) < s.max_num_seqs:
+            req = self._next_waiting()
+            if req is None:
+                break
+            blocks, hit = memory.get_computed_blocks(req)
+            n = req.num_tokens - hit
+            if 0 < s.long_prefill_token_threshold < n and self._eligible() > 1:
+                n = s.long_prefill_token_threshold
+            if not s.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            new = memory.allocate_slots(req, n, hit, blocks, full_sequence_must_fit=s.reserve_full_isl,
+                                        has_scheduled_reqs=bool(self.running))
+            if new is None:
+                break
+            memory.record_prefix_cache_stats(req, hit)
+            self.waiting.remove(req)
+            self.running.append(req)
+            if req.first_cached_tokens is None:
+                req.first_cached_tokens, req.admit_ms = hit, self.clock_ms
+            self.stats.admission_queries += req.num_tokens
+            self.stats.admission_hits += hit
+            req.status, req.num_computed_tokens = RUNNING, hit
+            plan.reqs.append(req)
+            plan.admitted.append(req)
+            plan.num_scheduled[req.request_id] = n
+            plan.hits += hit
+            budget -= n
+
+    def _eligible(self) -> int:
+        return len(self.running) + sum(1 for r in self.waiting if r.arrival_ms <= self.clock_ms)
+
+    # -- the model step and its output ----------------------------------------------------
+    def _run(self, plan: StepPlan) -> tuple[str, int]:
+        prefill_tokens = decode_reqs = kv_read = 0
+        for req in plan.reqs:
+            n = plan.num_scheduled[req.request_id]
+            if req.num_computed_tokens < req.num_prompt_tokens or n > 1:
+                prefill_tokens += n
+            else:
+                decode_reqs += 1
+            kv_read += req.num_computed_tokens
+            req.num_computed_tokens += n
+        sim = self.sim
+        self.clock_ms += (sim.step_base_ms + sim.prefill_token_us * prefill_tokens / 1e3
+                          + sim.decode_req_us * decode_reqs / 1e3 + sim.kv_read_ns * kv_read / 1e6)
+        self._update_from_output(plan)
+        if prefill_tokens:
+            self.stats.prefill_batches += 1
+            self.stats.batch_cached_tokens.append(plan.hits)
+            self.stats.batch_new_tokens.append(prefill_tokens)
+            return "prefill", prefill_tokens + decode_reqs
+        self.stats.decode_steps += 1
+        return "decode", decode_reqs
+
+    def _update_from_output(self, plan: StepPlan) -> None:
+        done = []
+        for req in plan.reqs:
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk that is not the last: nothing sampled
+            token = self.next_token
+            self.next_token += 1
+            req.all_token_ids.append(token)
+            req.output_ids.append(token)
+            self.memory.hash_request(req)
+            if len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.settings.max_model_len:
+                done.append(req)
+        for req in done:
+            self.running.remove(req)
+            self.memory.free(req)
+            req.status, req.finished, req.finish_ms = FINISHED_LENGTH, True, self.clock_ms
+            self.stats.finished += 1
+            self.finished.append(req)
+
+    def _record(self, kind: str, batch_size: int, new_tokens: int) -> StepRecord:
+        memory = self.memory
+        u = memory.usage()
+        held = memory.held_pages(u)
+        record = StepRecord(self.step_count, self.clock_ms, kind, batch_size, new_tokens, len(self.running),
+                            len(self.waiting), u.available, u.evictable, u.protected, held * memory.block_size, held)
+        self.records.append(record)
+        return record
