@@ -50,6 +50,8 @@ class StepPlan:
         self.preempted: list[str] = []
         self.admitted: list[VllmRequest] = []
         self.hits = 0
+        self.sampled: dict[str, int] = {}  # the token each request sampled
+        self.block_ids: dict[str, list[int]] = {}  # blocks after scheduling (kept plans only)
 
 
 class VllmScheduler:
@@ -91,6 +93,8 @@ class VllmScheduler:
     # -- one step -------------------------------------------------------------------------
     def step(self) -> StepRecord:
         plan = self.schedule()
+        if self.keep_plans:
+            plan.block_ids = {r.request_id: self.memory.block_ids(r) for r in plan.reqs}
         if not plan.reqs:
             kind, new_tokens = self._idle()
         else:
@@ -252,6 +256,7 @@ class VllmScheduler:
             self.next_token += 1
             req.all_token_ids.append(token)
             req.output_ids.append(token)
+            plan.sampled[req.request_id] = token
             self.memory.hash_request(req)
             if len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.settings.max_model_len:
                 done.append(req)

@@ -1,0 +1,205 @@
+"""Step-level differential: vLLM 0.33's real v1 `Scheduler` (under a fake model) and memcli's
+`VllmScheduler`, fed the same requests, compared step by step.
+
+The fake model samples one token (unique per request, never in a prompt) for every request
+whose scheduled chunk reaches its last token, and nothing for a non-final prefill chunk.
+Compared per step: the tokens scheduled per request, the preempted requests, the finished
+requests, and each scheduled request's block ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Optional
+
+from memcli.config import SimConfig
+from memcli.mem_cache.block_manager import BlockManager
+from memcli.reference.vllm033.loader import VllmReference, load_vllm
+from memcli.reference.vllm033.ops import real_request
+from memcli.steps import SchedulerHooks
+from memcli.vllm_sched.scheduler import VllmScheduler, VllmSchedulerConfig
+
+
+class Strict(SimpleNamespace):
+    """A config namespace that names the attribute vLLM asked for and memcli did not set."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"memcli's stand-in vLLM config has no {name!r}; vLLM's scheduler reads it")
+
+
+def vllm_config(settings: VllmSchedulerConfig, block_size: int, num_blocks: int, enable_caching: bool = True) -> Strict:
+    """The attributes vLLM's `Scheduler.__init__` and `schedule` read, for one plain
+    decoder-only model on one rank with every optional feature off."""
+    sched = Strict(
+        max_num_seqs=settings.max_num_seqs, max_num_active_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_scheduled_tokens=settings.max_num_batched_tokens,
+        long_prefill_token_threshold=settings.long_prefill_token_threshold,
+        long_prefill_token_threshold_adaptive=False, enable_chunked_prefill=settings.enable_chunked_prefill,
+        policy=settings.policy, watermark=0.0, scheduler_reserve_full_isl=settings.reserve_full_isl,
+        prefill_schedule_interval=1, async_scheduling=False, disable_chunked_mm_input=False)
+    cache = Strict(block_size=block_size, num_gpu_blocks=num_blocks, enable_prefix_caching=enable_caching,
+                   enable_mamba_shared_prefix_checkpoint=False, mamba_cache_mode="none", prefix_caching_hash_algo="sha256")
+    model = Strict(max_model_len=settings.max_model_len, uses_mrope=False, is_encoder_decoder=False, runner_type="generate",
+                   is_diffusion=False, supports_multimodal_inputs=False, return_sampling_mask=False)
+    parallel = Strict(data_parallel_index=0, data_parallel_size=1, pipeline_parallel_size=1,
+                      decode_context_parallel_size=1, prefill_context_parallel_size=1, data_parallel_rank=0,
+                      tensor_parallel_size=1)
+    observability = Strict(kv_cache_metrics=False, kv_cache_metrics_sample=0.0, per_request_spec_decode_metrics=False,
+                           enable_mfu_metrics=False, enable_logging_iteration_details=False)
+    return Strict(scheduler_config=sched, cache_config=cache, model_config=model, parallel_config=parallel,
+                  observability_config=observability, lora_config=None, kv_events_config=None, kv_transfer_config=None,
+                  ec_transfer_config=None, speculative_config=None, max_concurrent_batches=1,
+                  num_lookahead_tokens=0, num_speculative_tokens=0, num_prefill_lookahead_tokens=0,
+                  num_hash_lookahead_tokens=0, max_in_flight_tokens=None, is_mm_encoder_only=False,
+                  use_v2_model_runner=False,
+                  aux_output_config=Strict(enabled=False),
+                  ec_manager_config=Strict(get_encoder_cache_manager_obj=lambda *a, **k: None))
+
+
+class FakeStructuredOutputs:
+    def accept_tokens(self, *args, **kwargs) -> bool:
+        return True
+
+    def should_advance(self, *args, **kwargs) -> bool:
+        return False
+
+    def grammar_init(self, *args, **kwargs) -> None:
+        return None
+
+
+def real_scheduler(ref: VllmReference, settings: VllmSchedulerConfig, block_size: int, num_blocks: int,
+                   enable_caching: bool = True) -> Any:
+    import torch
+    kci = ref.kv_cache_interface
+    spec = kci.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float16)
+    kv_config = kci.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                  kv_cache_groups=[kci.KVCacheGroupSpec(["layer.0"], spec)])
+    return ref.scheduler.Scheduler(vllm_config=vllm_config(settings, block_size, num_blocks, enable_caching),
+                                   kv_cache_config=kv_config, structured_output_manager=FakeStructuredOutputs(),
+                                   block_size=block_size, log_stats=True)
+
+
+class StepObservation(dict):
+    """One step as one side saw it: scheduled tokens per request, preempted and finished ids."""
+
+
+@dataclass
+class VllmStepDiff:
+    """The side-by-side run: steps compared, the first divergence (None: none), prefix stats."""
+
+    steps: int
+    divergence: Optional[tuple[int, dict, dict]]
+    real_stats: tuple[int, int, int, int]  # queries, hits, preempted queries, preempted hits
+    mem_stats: tuple[int, int, int, int]
+    preemptions: int
+    finished: int
+
+
+@dataclass
+class SideBySide:
+    """vLLM's `Scheduler` and memcli's `VllmScheduler` over one list of `RequestSpec`s."""
+
+    specs: list
+    settings: VllmSchedulerConfig
+    block_size: int
+    num_blocks: int
+    arrivals: str = "burst"
+    sim: SimConfig = field(default_factory=SimConfig)
+    token_base: int = 1 << 40
+    ref: VllmReference = field(default_factory=lambda: load_vllm(scheduler=True))
+
+    def __post_init__(self):
+        self.real = real_scheduler(self.ref, self.settings, self.block_size, self.num_blocks)
+        memory = BlockManager(self.num_blocks, self.block_size, self.settings.max_model_len,
+                              max_running=self.settings.max_num_seqs)
+        self.mem = VllmScheduler(memory, self.settings, self.sim, SchedulerHooks(output_token_base=self.token_base))
+        self.mem.keep_plans = True
+        self.next = 0
+        self.real_stats = [0, 0, 0, 0]
+
+    def _add(self, spec, arrival_ms: float) -> None:
+        tokens = [int(t) for t in spec.input_ids()]
+        self.mem.add_request(self.mem.new_req(spec.rid, tokens, spec.output_len, None, arrival_ms))
+        req = real_request(self.ref, spec.rid, tokens, self.block_size, max_tokens=spec.output_len)
+        req.sampling_params.ignore_eos = True
+        self.real.add_request(req)
+
+    def _feed(self) -> None:
+        specs, mem = self.specs, self.mem
+        if self.arrivals == "burst":
+            while self.next < len(specs):
+                self._add(specs[self.next], 0.0)
+                self.next += 1
+            return
+        while self.next < len(specs) and specs[self.next].arrival_ms <= mem.clock_ms:
+            self._add(specs[self.next], specs[self.next].arrival_ms)
+            self.next += 1
+        if self.next < len(specs) and mem.is_done():
+            self._add(specs[self.next], specs[self.next].arrival_ms)
+            self.next += 1
+
+    def run(self, max_steps: Optional[int] = None) -> VllmStepDiff:
+        steps = 0
+        while True:
+            self._feed()
+            if self.mem.is_done() and self.next >= len(self.specs):
+                break
+            if max_steps is not None and steps >= max_steps:
+                break
+            real_obs = self._real_schedule()
+            self.mem.step()
+            mem_obs = self._mem_obs()
+            real_obs["finished"] = self._real_update(real_obs)
+            steps += 1
+            if real_obs != mem_obs:
+                return self._result(steps, (steps - 1, real_obs, mem_obs))
+        return self._result(steps, None)
+
+    def _result(self, steps: int, divergence) -> VllmStepDiff:
+        m = self.mem.memory.stats
+        return VllmStepDiff(steps, divergence, tuple(self.real_stats),
+                            (m.queries, m.hits, m.preempted_queries, m.preempted_hits),
+                            self.mem.stats.retractions, self.mem.stats.finished)
+
+    def _real_schedule(self) -> StepObservation:
+        self._so = so = self.real.schedule()
+        obs = StepObservation(scheduled=dict(so.num_scheduled_tokens), preempted=sorted(so.preempted_req_ids or ()))
+        obs["blocks"] = {rid: list(self.real.kv_cache_manager.get_block_ids(rid)[0]) for rid in so.num_scheduled_tokens}
+        return obs
+
+    def _mem_obs(self) -> StepObservation:
+        plan = self._plan = self.mem.plans[-1]
+        self.mem.plans.clear()
+        finished = sorted(r.request_id for r in self.mem.finished)
+        obs = StepObservation(scheduled=dict(plan.num_scheduled), preempted=sorted(plan.preempted))
+        obs["blocks"] = {rid: plan.block_ids.get(rid, []) for rid in plan.num_scheduled}
+        obs["finished"] = finished
+        self.mem.finished.clear()
+        return obs
+
+    def _real_update(self, obs: StepObservation) -> list[str]:
+        real, so = self.real, self._so
+        ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            req = real.requests[rid]
+            done = req.num_computed_tokens >= req.num_tokens
+            sampled.append([self._mem_token(rid)] if done else [])
+        mro = self.ref.outputs.ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                 sampled_token_ids=sampled)
+        outputs = real.update_from_output(so, mro)
+        finished = []
+        for eco in outputs.values():
+            finished.extend(o.request_id for o in eco.outputs if o.finish_reason is not None)
+            stats = eco.scheduler_stats.prefix_cache_stats if eco.scheduler_stats else None
+            if stats is not None:
+                self.real_stats[0] += stats.queries
+                self.real_stats[1] += stats.hits
+                self.real_stats[2] += stats.preempted_queries
+                self.real_stats[3] += stats.preempted_hits
+        return sorted(finished)
+
+    def _mem_token(self, rid: str) -> int:
+        return self._plan.sampled.get(rid, -1)
