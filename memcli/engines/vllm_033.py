@@ -6,7 +6,8 @@ token granularity, which vLLM lacks, is read as vLLM's default 16), `memory.max_
 is `num_gpu_blocks x block_size` (the null block included), `memory.max_context_len` is
 `max_model_len`; `scheduler.max_num_batched_tokens` (default 2048), `scheduler.max_num_seqs`
 (default 128) and `scheduler.long_prefill_token_threshold` (default 0, off) under their vLLM
-names; `cache.kind=none` is `enable_prefix_caching=False`. Keys vLLM lacks are refused.
+names; `cache.kind=none` is `enable_prefix_caching=False`; `semantics.event_loop` is `async`
+(the default of `vllm serve` in 0.33) or `sync` (`--no-async-scheduling`). Keys vLLM lacks are refused.
 """
 
 from __future__ import annotations
@@ -48,9 +49,6 @@ def check_config(config: Config) -> None:
     loop = config.semantics.event_loop
     if loop in ("overlap", "normal"):
         raise ConfigError(f"semantics.event_loop: {loop} is SGLang's loop", hint="vLLM's loops are async and sync")
-    if loop in (None, "async"):
-        raise ConfigError("semantics.event_loop: vLLM 0.33's async loop (AsyncScheduler) is not reproduced yet",
-                          hint="use --set semantics.event_loop=sync (vLLM's --no-async-scheduling)")
     num_blocks = config.requested_total_tokens // bs
     if num_blocks < 2:
         raise ConfigError(f"memory.max_total_tokens: {config.requested_total_tokens} tokens give {num_blocks} blocks of {bs};"
@@ -64,7 +62,7 @@ def settings(config: Config) -> VllmSchedulerConfig:
         max_num_seqs=s.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
         max_model_len=config.memory.max_context_len,
         long_prefill_token_threshold=s.long_prefill_token_threshold or 0,
-        policy="fcfs")
+        policy="fcfs", async_scheduling=config.semantics.event_loop != "sync")
 
 
 def build_stack(config: Config, *, future=None, page_size_overrides=None, cache_kind=None) -> Any:
@@ -82,7 +80,7 @@ def _scheduler(memory: BlockManager, config: Config, hooks: SchedulerHooks) -> V
 
 ENGINE = register(Engine(
     name=NAME,
-    summary="vLLM 0.33.0 (block pool with prefix caching, v1 scheduler; sync loop)",
+    summary="vLLM 0.33.0 (block pool with prefix caching, v1 scheduler; async and sync loops)",
     build_stack=build_stack,
     scheduler=_scheduler,
     profile="sglang-0.5.5",

@@ -227,6 +227,13 @@ class BlockManager:
             self._cache_blocks(req, held, min(total + num_new_tokens, len(req.all_token_ids)))
         return new
 
+    def cache_blocks(self, req: Any, num_tokens: int) -> None:
+        """Cache the request's blocks that are full within its first `num_tokens` tokens
+        (vLLM's `KVCacheManager.cache_blocks`, called when a step's output comes back)."""
+        held = self.held.get(req.request_id)
+        if self.enable_caching and held is not None:
+            self._cache_blocks(req, held, num_tokens)
+
     def _cache_blocks(self, req: Any, held: _Held, num_tokens: int) -> None:
         cached = held.num_cached or 0
         full = min(num_tokens, len(req.block_hashes) * self.block_size) // self.block_size

@@ -20,7 +20,8 @@ class VllmRequest:
                  "num_preemptions", "block_hashes", "extra_keys", "max_tokens", "priority", "arrival_time",
                  "skip_reading_prefix_cache", "output_ids", "arrival_ms", "first_cached_tokens", "admit_ms",
                  "finish_ms", "finished", "aborted", "num_output_placeholders", "num_cached_tokens",
-                 "extra_key", "seq")
+                 "extra_key", "seq", "num_in_flight_tokens", "num_stale_output_tokens",
+                 "is_prefill_chunk")
 
     def __init__(self, rid: str, input_ids, max_new_tokens: int, extra_key: Optional[str] = None,
                  arrival_ms: float = 0.0, priority: int = 0, seq: int = 0):
@@ -42,7 +43,10 @@ class VllmRequest:
         self.admit_ms: Optional[float] = None
         self.finish_ms: Optional[float] = None
         self.finished = self.aborted = False
-        self.num_output_placeholders = 0
+        self.num_output_placeholders = 0  # async loop: tokens sampled by steps still in flight
+        self.num_in_flight_tokens = 0  # tokens scheduled by steps whose output is not processed yet
+        self.num_stale_output_tokens = 0  # in-flight tokens of a step scheduled before a preemption
+        self.is_prefill_chunk = False
         self.num_cached_tokens = -1  # vLLM's: the hit of the first admission
 
     # memcli's reports

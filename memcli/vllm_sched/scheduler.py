@@ -14,8 +14,12 @@ One step:
 3. the step's output: computed tokens advance, a request whose chunk completed samples one
    token, and a request at `max_tokens` outputs (or `max_model_len`) finishes and is freed.
 
-Loops (`semantics.event_loop`): `sync` is `Scheduler` (each step's output processed before the
-next is scheduled). The simulated step costs `sim.step_base_ms + prefill_token_us x prefill
+Loops (`semantics.event_loop`): `sync` is `Scheduler` with the engine core's plain step (each
+step's output processed before the next is scheduled); `async` is `AsyncScheduler` with the
+engine core's batch queue of two (`step_with_batch_queue`): step N+1 is scheduled before step
+N's output is processed, a request whose step samples holds an output placeholder until then,
+and a request preempted with a step in flight is skipped by admission until that step's
+(stale) output has come back. The simulated step costs `sim.step_base_ms + prefill_token_us x prefill
 tokens + decode_req_us x decoding requests + kv_read_ns x context tokens read`.
 """
 
@@ -35,10 +39,11 @@ class VllmSchedulerConfig:
 
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  long_prefill_token_threshold: int = 0, policy: str = "fcfs", enable_chunked_prefill: bool = True,
-                 reserve_full_isl: bool = True):
+                 reserve_full_isl: bool = True, async_scheduling: bool = False):
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.max_model_len, self.long_prefill_token_threshold = max_model_len, long_prefill_token_threshold
         self.policy, self.enable_chunked_prefill, self.reserve_full_isl = policy, enable_chunked_prefill, reserve_full_isl
+        self.async_scheduling = async_scheduling
 
 
 class StepPlan:
@@ -52,10 +57,12 @@ class StepPlan:
         self.hits = 0
         self.sampled: dict[str, int] = {}  # the token each request sampled
         self.block_ids: dict[str, list[int]] = {}  # blocks after scheduling (kept plans only)
+        self.samples: list[VllmRequest] = []  # requests whose chunk completes: they sample one token
+        self.cost_ms = 0.0
 
 
 class VllmScheduler:
-    """vLLM's scheduler; `step()` is one schedule + model step + output update."""
+    """vLLM's scheduler and engine-core loop; `step()` is one engine-core step."""
 
     def __init__(self, memory: BlockManager, settings: VllmSchedulerConfig, sim: Any, hooks: SchedulerHooks):
         self.memory, self.settings, self.sim, self.hooks = memory, settings, sim, hooks
@@ -67,7 +74,9 @@ class VllmScheduler:
         self.records: list[StepRecord] = []
         self.stats = SchedulerStats()
         self.next_token = hooks.output_token_base
+        self.in_flight: deque = deque()  # async: scheduled steps whose output is not processed
         self.plans: list[StepPlan] = []  # kept only when `keep_plans` (differential tests)
+        self.processed: list[StepPlan] = []  # plans whose output this step processed (kept plans only)
         self.keep_plans = False
         self._seq = 0
 
@@ -83,25 +92,26 @@ class VllmScheduler:
         self.waiting.append(req)
 
     def is_done(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.in_flight
 
     def active_reqs(self) -> list:
         return list(self.running)
 
     memory_holders = active_reqs
 
-    # -- one step -------------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        """Requests the scheduler can see now (vLLM's `has_requests`): running or arrived."""
+        return bool(self.running) or any(r.arrival_ms <= self.clock_ms for r in self.waiting)
+
+    # -- one engine-core step -------------------------------------------------------------
     def step(self) -> StepRecord:
-        plan = self.schedule()
         if self.keep_plans:
-            plan.block_ids = {r.request_id: self.memory.block_ids(r) for r in plan.reqs}
-        if not plan.reqs:
-            kind, new_tokens = self._idle()
+            self.processed = []
+        if self.settings.async_scheduling:
+            kind, batch, new_tokens = self._step_with_batch_queue()
         else:
-            kind, new_tokens = self._run(plan)
-        if self.keep_plans:
-            self.plans.append(plan)
-        record = self._record(kind, len(plan.reqs), new_tokens)
+            kind, batch, new_tokens = self._step_sync()
+        record = self._record(kind, batch, new_tokens)
         self.step_count += 1
         if self.checker.after_step(self.memory_holders(), kind == "idle"):
             self.stats.checks_run += 1
@@ -109,58 +119,127 @@ class VllmScheduler:
             self.hooks.on_step(self, record)
         return record
 
-    def _idle(self) -> tuple[str, int]:
+    def _step_sync(self) -> tuple[str, int, int]:
+        if not self._has_work():
+            return self._idle()
+        plan = self._launch()
+        if not plan.reqs:
+            return self._idle()
+        self._process(plan)
+        return self._kind(plan)
+
+    def _step_with_batch_queue(self) -> tuple[str, int, int]:
+        """`EngineCore.step_with_batch_queue` with a queue of two: schedule when there are
+        requests; process the oldest step's output only when the queue is full or nothing
+        more could be scheduled."""
+        plan = None
+        if self._has_work():
+            plan = self._launch()
+            self.in_flight.appendleft(plan)
+            if len(self.in_flight) < 2 and (plan.reqs or self._has_work()):
+                return self._kind(plan)
+        elif not self.in_flight:
+            return self._idle()
+        if plan is not None and not plan.reqs and not self.running and not any(p.reqs for p in self.in_flight):
+            self.in_flight.clear()
+            return self._idle()  # nothing runs, nothing is in flight: stalled, or waiting for arrivals
+        self._process(self.in_flight.pop())
+        return self._kind(plan) if plan is not None else ("idle", 0, 0)
+
+    def _kind(self, plan: StepPlan) -> tuple[str, int, int]:
+        if not plan.reqs:
+            return "idle", 0, 0
+        new = sum(plan.num_scheduled.values())
+        return ("prefill" if plan.prefill_tokens else "decode"), len(plan.reqs), new
+
+    def _idle(self) -> tuple[str, int, int]:
         arrived = [r for r in self.waiting if r.arrival_ms <= self.clock_ms]
-        if arrived and not self.running:
+        if arrived and not self.running and not any(p.reqs for p in self.in_flight):
             r = arrived[0]
             raise StalledError(f"request {r.request_id} ({r.num_tokens} tokens) cannot be admitted into an idle pool"
                                f" of {self.memory.size} tokens")
         later = [r.arrival_ms for r in self.waiting if r.arrival_ms > self.clock_ms]
-        if later:
+        if later and not self.running:
             self.clock_ms = min(later)
         self.stats.idle_steps += 1
-        return "idle", 0
+        return "idle", 0, 0
 
+    def _launch(self) -> StepPlan:
+        """Schedule a step, advance the requests by it (vLLM's `_update_after_schedule`),
+        and run it on the simulated clock."""
+        plan = self.schedule()
+        if self.keep_plans:
+            plan.block_ids = {r.request_id: self.memory.block_ids(r) for r in plan.reqs}
+            self.plans.append(plan)
+        prefill_tokens = decode_reqs = kv_read = 0
+        for req in plan.reqs:
+            n = plan.num_scheduled[req.request_id]
+            if req.num_computed_tokens < req.num_prompt_tokens or n > 1:
+                prefill_tokens += n
+            else:
+                decode_reqs += 1
+            kv_read += req.num_computed_tokens
+            req.num_computed_tokens += n
+            req.num_in_flight_tokens += n
+            req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens + req.num_output_placeholders
+            if not req.is_prefill_chunk:
+                plan.samples.append(req)
+                if self.settings.async_scheduling:
+                    req.num_output_placeholders += 1
+        plan.prefill_tokens = prefill_tokens
+        if plan.reqs:
+            sim = self.sim
+            self.clock_ms += (sim.step_base_ms + sim.prefill_token_us * prefill_tokens / 1e3
+                              + sim.decode_req_us * decode_reqs / 1e3 + sim.kv_read_ns * kv_read / 1e6)
+            if prefill_tokens:
+                self.stats.prefill_batches += 1
+                self.stats.batch_cached_tokens.append(plan.hits)
+                self.stats.batch_new_tokens.append(prefill_tokens)
+            else:
+                self.stats.decode_steps += 1
+        return plan
+
+    # -- scheduling -----------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan, s, memory = StepPlan(), self.settings, self.memory
         budget = s.max_num_batched_tokens
-        eligible = len(self.running) + sum(1 for r in self.waiting if r.arrival_ms <= self.clock_ms)
-        threshold = s.long_prefill_token_threshold if eligible > 1 else 0
+        threshold = s.long_prefill_token_threshold if self._eligible() > 1 else 0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = req.num_tokens - req.num_computed_tokens
+            if req.num_output_placeholders > 0 and \
+                    req.num_computed_tokens + 2 - req.num_output_placeholders >= req.num_prompt_tokens + req.max_tokens:
+                i += 1  # its last token is in flight
+                continue
+            n = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget, s.max_model_len - req.num_computed_tokens - 1)
             if n <= 0:
                 i += 1
                 continue
-            while True:
-                new = memory.allocate_slots(req, n)
-                if new is not None:
-                    break
-                victim = self._victim()
-                self.running.remove(victim)
-                if victim in plan.reqs:  # priority only: give its tokens back
-                    plan.reqs.remove(victim)
-                    budget += plan.num_scheduled.pop(victim.request_id)
-                    i -= 1
-                self._preempt(victim)
-                plan.preempted.append(victim.request_id)
-                if victim is req:
-                    break
+            new = self._allocate_or_preempt(plan, req, n)
             if new is None:
-                if s.policy == "priority" and req.status == PREEMPTED:
-                    continue
                 break
             plan.reqs.append(req)
             plan.num_scheduled[req.request_id] = n
             budget -= n
             i += 1
         if not plan.preempted:
-            self._admit(plan, budget)
+            self._admit(plan, budget, threshold)
         return plan
+
+    def _allocate_or_preempt(self, plan: StepPlan, req: VllmRequest, n: int) -> Optional[list]:
+        while True:
+            new = self.memory.allocate_slots(req, n)
+            if new is not None:
+                return new
+            victim = self._victim()
+            self.running.remove(victim)
+            self._preempt(victim)
+            plan.preempted.append(victim.request_id)
+            if victim is req:
+                return None
 
     def _victim(self) -> VllmRequest:
         if self.settings.policy == "priority":
@@ -171,35 +250,32 @@ class VllmScheduler:
         self.memory.free(req)
         self.stats.recomputed_tokens += req.num_computed_tokens
         req.status, req.num_computed_tokens = PREEMPTED, 0
+        req.num_stale_output_tokens = req.num_in_flight_tokens
+        req.num_output_placeholders = 0
         req.num_preemptions += 1
         self.stats.retractions += 1
         self.stats.retracted_requests += 1
-        self._requeue_front(req)
+        self.waiting.appendleft(req)
 
-    def _requeue_front(self, req: VllmRequest) -> None:
-        if self.settings.policy == "priority":
-            self.waiting.append(req)
-        else:
-            self.waiting.appendleft(req)
+    def _eligible(self) -> int:
+        return len(self.running) + sum(1 for r in self.waiting if r.arrival_ms <= self.clock_ms)
 
-    def _next_waiting(self) -> Optional[VllmRequest]:
-        arrived = [r for r in self.waiting if r.arrival_ms <= self.clock_ms]
-        if not arrived:
-            return None
-        if self.settings.policy == "priority":
-            return min(arrived, key=VllmRequest.sort_key)
-        return arrived[0] if self.waiting[0] is arrived[0] else None
-
-    def _admit(self, plan: StepPlan, budget: int) -> None:
+    def _admit(self, plan: StepPlan, budget: int, threshold: int) -> None:
+        """The waiting queue in order (arrived requests only); a request with stale output in
+        flight is skipped (put back in place), a failed allocation stops admission."""
         s, memory = self.settings, self.memory
-        while budget > 0 and len(self.running) < s.max_num_seqs:
-            req = self._next_waiting()
-            if req is None:
+        skipped = []
+        while budget > 0 and self.waiting and len(self.running) < s.max_num_seqs:
+            req = self.waiting[0]
+            if req.arrival_ms > self.clock_ms:
                 break
+            if req.num_stale_output_tokens:
+                skipped.append(self.waiting.popleft())
+                continue
             blocks, hit = memory.get_computed_blocks(req)
             n = req.num_tokens - hit
-            if 0 < s.long_prefill_token_threshold < n and self._eligible() > 1:
-                n = s.long_prefill_token_threshold
+            if 0 < threshold < n:
+                n = threshold
             if not s.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget)
@@ -208,7 +284,7 @@ class VllmScheduler:
             if new is None:
                 break
             memory.record_prefix_cache_stats(req, hit)
-            self.waiting.remove(req)
+            self.waiting.popleft()
             self.running.append(req)
             if req.first_cached_tokens is None:
                 req.first_cached_tokens, req.admit_ms = hit, self.clock_ms
@@ -216,56 +292,50 @@ class VllmScheduler:
             self.stats.admission_hits += hit
             req.status, req.num_computed_tokens = RUNNING, hit
             plan.reqs.append(req)
-            plan.admitted.append(req)
             plan.num_scheduled[req.request_id] = n
             plan.hits += hit
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
-    def _eligible(self) -> int:
-        return len(self.running) + sum(1 for r in self.waiting if r.arrival_ms <= self.clock_ms)
-
-    # -- the model step and its output ----------------------------------------------------
-    def _run(self, plan: StepPlan) -> tuple[str, int]:
-        prefill_tokens = decode_reqs = kv_read = 0
+    # -- a step's output ------------------------------------------------------------------
+    def _process(self, plan: StepPlan) -> None:
+        """vLLM's `update_from_output` under the fake model: each request whose chunk
+        completed samples one token (a preempted request's stale one included)."""
+        if self.keep_plans:
+            self.processed.append(plan)
+        sampling = {r.request_id for r in plan.samples}
         for req in plan.reqs:
             n = plan.num_scheduled[req.request_id]
-            if req.num_computed_tokens < req.num_prompt_tokens or n > 1:
-                prefill_tokens += n
-            else:
-                decode_reqs += 1
-            kv_read += req.num_computed_tokens
-            req.num_computed_tokens += n
-        sim = self.sim
-        self.clock_ms += (sim.step_base_ms + sim.prefill_token_us * prefill_tokens / 1e3
-                          + sim.decode_req_us * decode_reqs / 1e3 + sim.kv_read_ns * kv_read / 1e6)
-        self._update_from_output(plan)
-        if prefill_tokens:
-            self.stats.prefill_batches += 1
-            self.stats.batch_cached_tokens.append(plan.hits)
-            self.stats.batch_new_tokens.append(prefill_tokens)
-            return "prefill", prefill_tokens + decode_reqs
-        self.stats.decode_steps += 1
-        return "decode", decode_reqs
-
-    def _update_from_output(self, plan: StepPlan) -> None:
-        done = []
-        for req in plan.reqs:
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk that is not the last: nothing sampled
+            req.num_in_flight_tokens -= n
+            stale = req.num_stale_output_tokens > 0
+            if stale:
+                req.num_stale_output_tokens -= n
+            if req.is_finished or req.request_id not in sampling:
+                continue
             token = self.next_token
             self.next_token += 1
+            plan.sampled[req.request_id] = token
+            running = req.status == RUNNING
             req.all_token_ids.append(token)
             req.output_ids.append(token)
-            plan.sampled[req.request_id] = token
             self.memory.hash_request(req)
-            if len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.settings.max_model_len:
-                done.append(req)
-        for req in done:
+            stopped = len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.settings.max_model_len
+            if not stale and req.num_output_placeholders > 0:
+                req.num_output_placeholders -= 1
+            if not stale and running:
+                self.memory.cache_blocks(req, req.num_computed_tokens - req.num_in_flight_tokens)
+            if stopped:
+                self._finish(req)
+
+    def _finish(self, req: VllmRequest) -> None:
+        if req in self.running:
             self.running.remove(req)
-            self.memory.free(req)
-            req.status, req.finished, req.finish_ms = FINISHED_LENGTH, True, self.clock_ms
-            self.stats.finished += 1
-            self.finished.append(req)
+        else:
+            self.waiting.remove(req)
+        self.memory.free(req)
+        req.status, req.finished, req.finish_ms = FINISHED_LENGTH, True, self.clock_ms
+        self.stats.finished += 1
+        self.finished.append(req)
 
     def _record(self, kind: str, batch_size: int, new_tokens: int) -> StepRecord:
         memory = self.memory

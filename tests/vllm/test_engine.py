@@ -10,7 +10,7 @@ from memcli.cli.app import app
 from memcli.config import Config, load_config
 
 TRACE = "tests/data/conversation_head300.jsonl"
-SYNC = ["--set", "semantics.event_loop=sync"]
+SYNC = []
 
 
 def test_the_engine_is_registered():

@@ -253,7 +253,7 @@ def _multimodal_utils(root: Path) -> dict[str, Any]:
 
 def _platforms(root: Path) -> dict[str, Any]:
     platform = types.SimpleNamespace(register_custom_kv_cache_specs=lambda *a, **k: None, device_type="cpu",
-                                     is_cuda=lambda: False, is_rocm=lambda: False, is_cpu=lambda: True)
+                                     is_cuda=lambda: False, is_rocm=lambda: False, is_cpu=lambda: True, is_xpu=lambda: False)
     return {"current_platform": platform}
 
 

@@ -9,6 +9,7 @@ requests, and each scheduled request's block ids.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -38,7 +39,7 @@ def vllm_config(settings: VllmSchedulerConfig, block_size: int, num_blocks: int,
         long_prefill_token_threshold=settings.long_prefill_token_threshold,
         long_prefill_token_threshold_adaptive=False, enable_chunked_prefill=settings.enable_chunked_prefill,
         policy=settings.policy, watermark=0.0, scheduler_reserve_full_isl=settings.reserve_full_isl,
-        prefill_schedule_interval=1, async_scheduling=False, disable_chunked_mm_input=False)
+        prefill_schedule_interval=1, async_scheduling=settings.async_scheduling, disable_chunked_mm_input=False)
     cache = Strict(block_size=block_size, num_gpu_blocks=num_blocks, enable_prefix_caching=enable_caching,
                    enable_mamba_shared_prefix_checkpoint=False, mamba_cache_mode="none", prefix_caching_hash_algo="sha256")
     model = Strict(max_model_len=settings.max_model_len, uses_mrope=False, is_encoder_decoder=False, runner_type="generate",
@@ -50,7 +51,8 @@ def vllm_config(settings: VllmSchedulerConfig, block_size: int, num_blocks: int,
                            enable_mfu_metrics=False, enable_logging_iteration_details=False)
     return Strict(scheduler_config=sched, cache_config=cache, model_config=model, parallel_config=parallel,
                   observability_config=observability, lora_config=None, kv_events_config=None, kv_transfer_config=None,
-                  ec_transfer_config=None, speculative_config=None, max_concurrent_batches=1,
+                  ec_transfer_config=None, speculative_config=None,
+                  max_concurrent_batches=2 if settings.async_scheduling else 1,
                   num_lookahead_tokens=0, num_speculative_tokens=0, num_prefill_lookahead_tokens=0,
                   num_hash_lookahead_tokens=0, max_in_flight_tokens=None, is_mm_encoder_only=False,
                   use_v2_model_runner=False,
@@ -76,13 +78,17 @@ def real_scheduler(ref: VllmReference, settings: VllmSchedulerConfig, block_size
     spec = kci.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float16)
     kv_config = kci.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                   kv_cache_groups=[kci.KVCacheGroupSpec(["layer.0"], spec)])
-    return ref.scheduler.Scheduler(vllm_config=vllm_config(settings, block_size, num_blocks, enable_caching),
+    cls = ref.async_scheduler.AsyncScheduler if settings.async_scheduling else ref.scheduler.Scheduler
+    return cls(vllm_config=vllm_config(settings, block_size, num_blocks, enable_caching),
                                    kv_cache_config=kv_config, structured_output_manager=FakeStructuredOutputs(),
                                    block_size=block_size, log_stats=True)
 
 
 class StepObservation(dict):
-    """One step as one side saw it: scheduled tokens per request, preempted and finished ids."""
+    """One step as one side saw it: scheduled tokens per request, preempted ids, block ids
+    (and, for memcli's side, finished ids; vLLM's are set after its output is processed)."""
+
+    real_finished: list = []
 
 
 @dataclass
@@ -99,7 +105,9 @@ class VllmStepDiff:
 
 @dataclass
 class SideBySide:
-    """vLLM's `Scheduler` and memcli's `VllmScheduler` over one list of `RequestSpec`s."""
+    """vLLM's `Scheduler` (or `AsyncScheduler` with the engine core's batch queue) and
+    memcli's `VllmScheduler` over one list of `RequestSpec`s. A request reaches vLLM when it
+    has arrived on memcli's simulated clock (vLLM has no clock of its own)."""
 
     specs: list
     settings: VllmSchedulerConfig
@@ -117,14 +125,14 @@ class SideBySide:
         self.mem = VllmScheduler(memory, self.settings, self.sim, SchedulerHooks(output_token_base=self.token_base))
         self.mem.keep_plans = True
         self.next = 0
+        self.pending: list = []  # added to memcli, not yet arrived for vLLM
+        self.queue: deque = deque()  # vLLM's batch queue (async)
         self.real_stats = [0, 0, 0, 0]
 
     def _add(self, spec, arrival_ms: float) -> None:
         tokens = [int(t) for t in spec.input_ids()]
         self.mem.add_request(self.mem.new_req(spec.rid, tokens, spec.output_len, None, arrival_ms))
-        req = real_request(self.ref, spec.rid, tokens, self.block_size, max_tokens=spec.output_len)
-        req.sampling_params.ignore_eos = True
-        self.real.add_request(req)
+        self.pending.append((arrival_ms, spec.rid, tokens, spec.output_len))
 
     def _feed(self) -> None:
         specs, mem = self.specs, self.mem
@@ -132,13 +140,17 @@ class SideBySide:
             while self.next < len(specs):
                 self._add(specs[self.next], 0.0)
                 self.next += 1
-            return
-        while self.next < len(specs) and specs[self.next].arrival_ms <= mem.clock_ms:
-            self._add(specs[self.next], specs[self.next].arrival_ms)
-            self.next += 1
-        if self.next < len(specs) and mem.is_done():
-            self._add(specs[self.next], specs[self.next].arrival_ms)
-            self.next += 1
+        else:
+            while self.next < len(specs) and specs[self.next].arrival_ms <= mem.clock_ms:
+                self._add(specs[self.next], specs[self.next].arrival_ms)
+                self.next += 1
+            if self.next < len(specs) and mem.is_done():
+                self._add(specs[self.next], specs[self.next].arrival_ms)
+                self.next += 1
+        while self.pending and self.pending[0][0] <= mem.clock_ms:
+            _, rid, tokens, output_len = self.pending.pop(0)
+            req = real_request(self.ref, rid, tokens, self.block_size, max_tokens=output_len)
+            self.real.add_request(req)
 
     def run(self, max_steps: Optional[int] = None) -> VllmStepDiff:
         steps = 0
@@ -148,10 +160,10 @@ class SideBySide:
                 break
             if max_steps is not None and steps >= max_steps:
                 break
-            real_obs = self._real_schedule()
+            real_obs = self._real_step()
             self.mem.step()
             mem_obs = self._mem_obs()
-            real_obs["finished"] = self._real_update(real_obs)
+            real_obs["finished"] = mem_obs.real_finished
             steps += 1
             if real_obs != mem_obs:
                 return self._result(steps, (steps - 1, real_obs, mem_obs))
@@ -163,43 +175,66 @@ class SideBySide:
                             (m.queries, m.hits, m.preempted_queries, m.preempted_hits),
                             self.mem.stats.retractions, self.mem.stats.finished)
 
-    def _real_schedule(self) -> StepObservation:
-        self._so = so = self.real.schedule()
-        obs = StepObservation(scheduled=dict(so.num_scheduled_tokens), preempted=sorted(so.preempted_req_ids or ()))
-        obs["blocks"] = {rid: list(self.real.kv_cache_manager.get_block_ids(rid)[0]) for rid in so.num_scheduled_tokens}
+    def _real_step(self) -> StepObservation:
+        """One engine-core step of vLLM: `step()` (sync) or `step_with_batch_queue()` (async)."""
+        real, obs = self.real, StepObservation(scheduled={}, preempted=[], blocks={})
+        launched = None
+        if real.has_requests():
+            launched = real.schedule()
+            obs["scheduled"] = dict(launched.num_scheduled_tokens)
+            obs["preempted"] = sorted(launched.preempted_req_ids or ())
+            obs["blocks"] = {rid: list(real.kv_cache_manager.get_block_ids(rid)[0])
+                             for rid in launched.num_scheduled_tokens}
+            samples = [rid for rid in launched.num_scheduled_tokens if not real.requests[rid].is_prefill_chunk]
+            if not self.settings.async_scheduling:
+                self._pending_process = [(launched, samples)]
+                return obs
+            self.queue.appendleft((launched, samples))
+            if len(self.queue) < 2 and (launched.total_num_scheduled_tokens > 0 or real.has_requests()):
+                self._pending_process = []
+                return obs
+        elif not self.queue:
+            self._pending_process = []
+            return obs
+        self._pending_process = [self.queue.pop()]
         return obs
 
     def _mem_obs(self) -> StepObservation:
-        plan = self._plan = self.mem.plans[-1]
-        self.mem.plans.clear()
-        finished = sorted(r.request_id for r in self.mem.finished)
-        obs = StepObservation(scheduled=dict(plan.num_scheduled), preempted=sorted(plan.preempted))
-        obs["blocks"] = {rid: plan.block_ids.get(rid, []) for rid in plan.num_scheduled}
-        obs["finished"] = finished
-        self.mem.finished.clear()
-        return obs
+        mem = self.mem
+        launched = mem.plans[-1] if mem.plans else None
+        mem.plans.clear()
+        obs = StepObservation(scheduled={}, preempted=[], blocks={})
+        if launched is not None:
+            obs["scheduled"] = dict(launched.num_scheduled)
+            obs["preempted"] = sorted(launched.preempted)
+            obs["blocks"] = {rid: launched.block_ids.get(rid, []) for rid in launched.num_scheduled}
+        obs["finished"] = sorted(r.request_id for r in mem.finished)
+        mem.finished.clear()
+        tokens = {}
+        for plan in mem.processed:
+            tokens.update(plan.sampled)
+        self._tokens = tokens
+        return self._finish_real(obs)
 
-    def _real_update(self, obs: StepObservation) -> list[str]:
-        real, so = self.real, self._so
+    def _finish_real(self, mem_obs: StepObservation) -> StepObservation:
+        """Process vLLM's step output now that memcli has sampled this step's tokens; the
+        real side's finished ids go into `mem_obs["real_finished"]` for the comparison."""
+        finished = []
+        for so, samples in self._pending_process:
+            finished.extend(self._real_update(so, samples))
+        mem_obs.real_finished = sorted(finished)
+        return mem_obs
+
+    def _real_update(self, so, samples: list[str]) -> list[str]:
         ids = list(so.num_scheduled_tokens)
-        sampled = []
-        for rid in ids:
-            req = real.requests[rid]
-            done = req.num_computed_tokens >= req.num_tokens
-            sampled.append([self._mem_token(rid)] if done else [])
+        sampled = [[self._tokens.get(rid, -1)] if rid in samples else [] for rid in ids]
         mro = self.ref.outputs.ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                                  sampled_token_ids=sampled)
-        outputs = real.update_from_output(so, mro)
         finished = []
-        for eco in outputs.values():
+        for eco in self.real.update_from_output(so, mro).values():
             finished.extend(o.request_id for o in eco.outputs if o.finish_reason is not None)
             stats = eco.scheduler_stats.prefix_cache_stats if eco.scheduler_stats else None
             if stats is not None:
-                self.real_stats[0] += stats.queries
-                self.real_stats[1] += stats.hits
-                self.real_stats[2] += stats.preempted_queries
-                self.real_stats[3] += stats.preempted_hits
-        return sorted(finished)
-
-    def _mem_token(self, rid: str) -> int:
-        return self._plan.sampled.get(rid, -1)
+                for i, name in enumerate(("queries", "hits", "preempted_queries", "preempted_hits")):
+                    self.real_stats[i] += getattr(stats, name)
+        return finished
