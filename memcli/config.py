@@ -289,6 +289,11 @@ class Config:
         return out
 
 
+# An engine's own defaults for keys memcli's config leaves at a value that engine lacks:
+# {engine: {key: (memcli's value, the engine's)}}. vLLM has no token granularity (page_size 1
+# is read as its default block size 16) and bounds a request by max_model_len alone (row).
+ENGINE_DEFAULTS = {"vllm-0.33": {"memory.page_size": (1, 16), "semantics.request_limits": (None, "row")}}
+
 # Keys only the vllm-0.33 engine reads; left out of `Config.to_dict` while null.
 VLLM_ONLY_KEYS = ("scheduler.max_num_batched_tokens", "scheduler.max_num_seqs", "scheduler.long_prefill_token_threshold")
 
@@ -394,6 +399,10 @@ def config_from_dict(raw: Any, source: str = "config") -> Config:
         if key not in classes:
             raise ConfigError(f"unknown config section {key!r} in {source}", hint=f"valid sections: {', '.join(SECTIONS)}")
     sections = {name: _build_section(name, cls, raw.get(name)) for name, cls in classes.items()}
+    for key, (unset, value) in ENGINE_DEFAULTS.get(sections["semantics"].engine, {}).items():
+        section, name = key.split(".")
+        if getattr(sections[section], name) == unset:
+            sections[section] = dataclasses.replace(sections[section], **{name: value})
     config = Config(**sections)
     validate(config)
     return config

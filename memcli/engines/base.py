@@ -52,7 +52,9 @@ class Engine:
     that memory. `make_req` / `make_batch` build a request and a static batch (bench-one-batch;
     None when the engine has none). `reference` runs the engine's real code beside memcli
     step by step (`reference diff`; None without one). `profile` is the semantics profile
-    that reproduces the engine, `semantics` the keys of `semantics.*` it reads.
+    that reproduces the engine, `semantics` the keys of `semantics.*` it reads. `describe`
+    gives show-config the engine's own view, (behaviours in force, derived sizes), when it
+    has one (None: the profile's behaviours and memcli's sizes).
     """
 
     name: str
@@ -64,3 +66,4 @@ class Engine:
     make_req: Optional[Callable[..., Any]] = None
     make_batch: Optional[Callable[..., Any]] = None
     reference: Optional[Callable[..., Any]] = None
+    describe: Optional[Callable[[Config], tuple]] = None

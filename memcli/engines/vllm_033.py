@@ -2,7 +2,7 @@
 scheduler, step for step.
 
 Config in vLLM's vocabulary: `memory.page_size` is vLLM's `block_size` (memcli's default 1,
-token granularity, which vLLM lacks, is read as vLLM's default 16), `memory.max_total_tokens`
+token granularity, which vLLM lacks, is read as vLLM's default 16 when the config is loaded), `memory.max_total_tokens`
 is `num_gpu_blocks x block_size` (the null block included), `memory.max_context_len` is
 `max_model_len`; `scheduler.max_num_batched_tokens` (default 2048), `scheduler.max_num_seqs`
 (default 128) and `scheduler.long_prefill_token_threshold` (default 0, off) under their vLLM
@@ -65,6 +65,24 @@ def settings(config: Config) -> VllmSchedulerConfig:
         policy="fcfs", async_scheduling=config.semantics.event_loop != "sync")
 
 
+def describe(config: Config) -> tuple[dict, dict]:
+    """show-config: vLLM's settings in force, and its block counts and KV-cache size."""
+    check_config(config)
+    bs, s = block_size(config), settings(config)
+    num_blocks = config.requested_total_tokens // bs
+    behaviours = {"event_loop": "async" if s.async_scheduling else "sync", "policy": s.policy,
+                  "enable_prefix_caching": str(config.cache.kind != "none").lower(),
+                  "enable_chunked_prefill": "true", "scheduler_reserve_full_isl": "true", "watermark": "0.0",
+                  "prefix_caching_hash_algo": "sha256"}
+    sizes = {"block_size": bs, "num_gpu_blocks": num_blocks, "usable_blocks": num_blocks - 1,
+             "pool_size": (num_blocks - 1) * bs, "kv_cache_tokens": num_blocks * bs,
+             "bytes_per_token": config.model.bytes_per_token,
+             "kv_cache_bytes": num_blocks * bs * config.model.bytes_per_token,
+             "max_num_batched_tokens": s.max_num_batched_tokens, "max_num_seqs": s.max_num_seqs,
+             "max_model_len": s.max_model_len, "long_prefill_token_threshold": s.long_prefill_token_threshold}
+    return behaviours, sizes
+
+
 def build_stack(config: Config, *, future=None, page_size_overrides=None, cache_kind=None) -> Any:
     check_config(config)
     bs = block_size(config)
@@ -85,4 +103,5 @@ ENGINE = register(Engine(
     scheduler=_scheduler,
     profile="sglang-0.5.5",
     semantics=("event_loop",),
+    describe=describe,
 ))

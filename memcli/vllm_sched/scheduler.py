@@ -84,7 +84,8 @@ class VllmScheduler:
     def new_req(self, rid: str, input_ids, max_new_tokens: int, extra_key: Optional[str] = None,
                 arrival_ms: float = 0.0) -> VllmRequest:
         self._seq += 1
-        req = VllmRequest(rid, [int(t) for t in input_ids], max_new_tokens, extra_key, arrival_ms, seq=self._seq)
+        tokens = input_ids.tolist() if hasattr(input_ids, "tolist") else [int(t) for t in input_ids]
+        req = VllmRequest(rid, tokens, max_new_tokens, extra_key, arrival_ms, seq=self._seq)
         self.memory.hash_request(req)
         return req
 
@@ -101,7 +102,7 @@ class VllmScheduler:
 
     def _has_work(self) -> bool:
         """Requests the scheduler can see now (vLLM's `has_requests`): running or arrived."""
-        return bool(self.running) or any(r.arrival_ms <= self.clock_ms for r in self.waiting)
+        return bool(self.running) or self._arrived_waiting() > 0
 
     # -- one engine-core step -------------------------------------------------------------
     def step(self) -> StepRecord:
@@ -258,7 +259,15 @@ class VllmScheduler:
         self.waiting.appendleft(req)
 
     def _eligible(self) -> int:
-        return len(self.running) + sum(1 for r in self.waiting if r.arrival_ms <= self.clock_ms)
+        return len(self.running) + self._arrived_waiting()
+
+    def _arrived_waiting(self) -> int:
+        """Waiting requests that have arrived: all but a tail of later arrivals (requests join
+        the queue in arrival order; preempted ones, arrived, go to its front)."""
+        waiting, clock, n = self.waiting, self.clock_ms, len(self.waiting)
+        while n and waiting[n - 1].arrival_ms > clock:
+            n -= 1
+        return n
 
     def _admit(self, plan: StepPlan, budget: int, threshold: int) -> None:
         """The waiting queue in order (arrived requests only); a request with stale output in
