@@ -201,6 +201,8 @@ class SemanticsConfig:
     @property
     def label(self) -> str:
         """`sglang-0.5.5`, or with overrides `memcli + split_stamp=refresh, lfu_hits=never`."""
+        if self.engine in ENGINE_DEFAULTS:  # not an SGLang profile: the engine and its loop
+            return f"{self.engine} ({self.event_loop or 'async'} loop)"
         extra = ", ".join(f"{k}={v}" for k, v in self.overrides().items())
         return f"{self.profile} + {extra}" if extra else self.profile
 

@@ -96,6 +96,19 @@ def _scheduler(memory: BlockManager, config: Config, hooks: SchedulerHooks) -> V
     return VllmScheduler(memory, settings(config), config.sim, hooks)
 
 
+def _reference(config: Config, requests: list, arrivals: str, output_token_base: int, max_steps=None):
+    from memcli.errors import MemcliError
+    from memcli.reference.vllm033.steps import run_vllm_side_by_side
+
+    check_config(config)
+    if arrivals not in ("burst", "timestamp"):
+        raise MemcliError(f"--arrivals {arrivals}: vLLM's side-by-side run takes burst or timestamp arrivals",
+                          "use --arrivals burst or --arrivals timestamp")
+    bs = block_size(config)
+    return run_vllm_side_by_side(settings(config), bs, config.requested_total_tokens // bs, requests, arrivals,
+                                 config.sim, output_token_base, max_steps)
+
+
 ENGINE = register(Engine(
     name=NAME,
     summary="vLLM 0.33.0 (block pool with prefix caching, v1 scheduler; async and sync loops)",
@@ -104,4 +117,5 @@ ENGINE = register(Engine(
     profile="sglang-0.5.5",
     semantics=("event_loop",),
     describe=describe,
+    reference=_reference,
 ))

@@ -43,3 +43,12 @@ def test_vllm_keys_stay_out_of_documents_while_unset():
     assert "max_num_seqs" not in Config().to_dict()["scheduler"]
     config = load_config(overrides=["scheduler.max_num_seqs=4"])
     assert config.to_dict()["scheduler"]["max_num_seqs"] == 4
+
+
+def test_reference_diff_runs_vllms_own_scheduler(vllm_ref):
+    result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "12", "--engine", "vllm-0.33", "--json",
+                                      "--set", "memory.max_context_len=131072", "--set", "memory.max_total_tokens=200000"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["divergent"] is False and doc["steps"] > 12 and doc["event_loop"] == "async"
+    assert doc["profile"] == "vllm-0.33 (async loop)"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from memcli.config import SimConfig
 from memcli.mem_cache.block_manager import BlockManager
@@ -84,23 +84,43 @@ def real_scheduler(ref: VllmReference, settings: VllmSchedulerConfig, block_size
                                    block_size=block_size, log_stats=True)
 
 
-class StepObservation(dict):
-    """One step as one side saw it: scheduled tokens per request, preempted ids, block ids
-    (and, for memcli's side, finished ids; vLLM's are set after its output is processed)."""
-
-    real_finished: list = []
-
-
 @dataclass
-class VllmStepDiff:
-    """The side-by-side run: steps compared, the first divergence (None: none), prefix stats."""
+class StepObservation:
+    """One engine-core step as one side saw it: the step scheduled (tokens per request,
+    preempted ids, each scheduled request's block ids) and the requests that finished."""
+
+    step: int
+    scheduled: dict = field(default_factory=dict)
+    preempted: list = field(default_factory=list)
+    blocks: dict = field(default_factory=dict)
+    finished: list = field(default_factory=list)
+
+    def differing(self, other: "StepObservation") -> list[str]:
+        return [f for f in ("scheduled", "preempted", "blocks", "finished") if getattr(self, f) != getattr(other, f)]
+
+    def lines(self) -> list[str]:
+        sched = ", ".join(f"{rid}:{n}" for rid, n in self.scheduled.items())
+        return [f"step {self.step}: scheduled {sched or '-'}", f"preempted {self.preempted or '-'}",
+                f"finished {self.finished or '-'}",
+                *(f"blocks {rid}: {ids[:8]}{'...' if len(ids) > 8 else ''} ({len(ids)})" for rid, ids in self.blocks.items())]
+
+
+class VllmStepDiff(NamedTuple):
+    """The side-by-side run: steps compared, the first divergence (vLLM's, memcli's), run
+    times, the loop, and both sides' prefix-cache counters (queries, hits, preempted
+    queries, preempted hits), memcli's preemptions and finishes."""
 
     steps: int
-    divergence: Optional[tuple[int, dict, dict]]
-    real_stats: tuple[int, int, int, int]  # queries, hits, preempted queries, preempted hits
-    mem_stats: tuple[int, int, int, int]
-    preemptions: int
-    finished: int
+    divergence: Optional[tuple[StepObservation, StepObservation]]
+    reference_s: float
+    memcli_s: float
+    event_loop: str
+    notes: tuple = ()
+    failure: Optional[str] = None
+    real_stats: tuple = ()
+    mem_stats: tuple = ()
+    preemptions: int = 0
+    finished: int = 0
 
 
 @dataclass
@@ -153,38 +173,45 @@ class SideBySide:
             self.real.add_request(req)
 
     def run(self, max_steps: Optional[int] = None) -> VllmStepDiff:
-        steps = 0
+        import time
+        steps, times = 0, [0.0, 0.0]
         while True:
             self._feed()
             if self.mem.is_done() and self.next >= len(self.specs):
                 break
             if max_steps is not None and steps >= max_steps:
                 break
-            real_obs = self._real_step()
+            start = time.perf_counter()
+            real_obs = self._real_step(steps)
+            middle = time.perf_counter()
             self.mem.step()
-            mem_obs = self._mem_obs()
-            real_obs["finished"] = mem_obs.real_finished
+            end = time.perf_counter()
+            mem_obs = self._mem_obs(steps)
+            real_obs.finished = self._finish_real()
+            times[0] += middle - start + time.perf_counter() - end
+            times[1] += end - middle
             steps += 1
             if real_obs != mem_obs:
-                return self._result(steps, (steps - 1, real_obs, mem_obs))
-        return self._result(steps, None)
+                return self._result(steps, (real_obs, mem_obs), times)
+        return self._result(steps, None, times)
 
-    def _result(self, steps: int, divergence) -> VllmStepDiff:
+    def _result(self, steps: int, divergence, times) -> VllmStepDiff:
         m = self.mem.memory.stats
-        return VllmStepDiff(steps, divergence, tuple(self.real_stats),
+        loop = "async" if self.settings.async_scheduling else "sync"
+        return VllmStepDiff(steps, divergence, times[0], times[1], loop, (), None, tuple(self.real_stats),
                             (m.queries, m.hits, m.preempted_queries, m.preempted_hits),
                             self.mem.stats.retractions, self.mem.stats.finished)
 
-    def _real_step(self) -> StepObservation:
+    def _real_step(self, step: int) -> StepObservation:
         """One engine-core step of vLLM: `step()` (sync) or `step_with_batch_queue()` (async)."""
-        real, obs = self.real, StepObservation(scheduled={}, preempted=[], blocks={})
+        real, obs = self.real, StepObservation(step)
         launched = None
         if real.has_requests():
             launched = real.schedule()
-            obs["scheduled"] = dict(launched.num_scheduled_tokens)
-            obs["preempted"] = sorted(launched.preempted_req_ids or ())
-            obs["blocks"] = {rid: list(real.kv_cache_manager.get_block_ids(rid)[0])
-                             for rid in launched.num_scheduled_tokens}
+            obs.scheduled = dict(launched.num_scheduled_tokens)
+            obs.preempted = sorted(launched.preempted_req_ids or ())
+            obs.blocks = {rid: list(real.kv_cache_manager.get_block_ids(rid)[0])
+                          for rid in launched.num_scheduled_tokens}
             samples = [rid for rid in launched.num_scheduled_tokens if not real.requests[rid].is_prefill_chunk]
             if not self.settings.async_scheduling:
                 self._pending_process = [(launched, samples)]
@@ -199,31 +226,28 @@ class SideBySide:
         self._pending_process = [self.queue.pop()]
         return obs
 
-    def _mem_obs(self) -> StepObservation:
+    def _mem_obs(self, step: int) -> StepObservation:
         mem = self.mem
         launched = mem.plans[-1] if mem.plans else None
         mem.plans.clear()
-        obs = StepObservation(scheduled={}, preempted=[], blocks={})
+        obs = StepObservation(step)
         if launched is not None:
-            obs["scheduled"] = dict(launched.num_scheduled)
-            obs["preempted"] = sorted(launched.preempted)
-            obs["blocks"] = {rid: launched.block_ids.get(rid, []) for rid in launched.num_scheduled}
-        obs["finished"] = sorted(r.request_id for r in mem.finished)
+            obs.scheduled = dict(launched.num_scheduled)
+            obs.preempted = sorted(launched.preempted)
+            obs.blocks = {rid: launched.block_ids.get(rid, []) for rid in launched.num_scheduled}
+        obs.finished = sorted(r.request_id for r in mem.finished)
         mem.finished.clear()
-        tokens = {}
+        self._tokens = {}
         for plan in mem.processed:
-            tokens.update(plan.sampled)
-        self._tokens = tokens
-        return self._finish_real(obs)
+            self._tokens.update(plan.sampled)
+        return obs
 
-    def _finish_real(self, mem_obs: StepObservation) -> StepObservation:
-        """Process vLLM's step output now that memcli has sampled this step's tokens; the
-        real side's finished ids go into `mem_obs["real_finished"]` for the comparison."""
+    def _finish_real(self) -> list[str]:
+        """Process vLLM's step output with the tokens memcli sampled in this step; its finished ids."""
         finished = []
         for so, samples in self._pending_process:
             finished.extend(self._real_update(so, samples))
-        mem_obs.real_finished = sorted(finished)
-        return mem_obs
+        return sorted(finished)
 
     def _real_update(self, so, samples: list[str]) -> list[str]:
         ids = list(so.num_scheduled_tokens)
@@ -238,3 +262,13 @@ class SideBySide:
                 for i, name in enumerate(("queries", "hits", "preempted_queries", "preempted_hits")):
                     self.real_stats[i] += getattr(stats, name)
         return finished
+
+
+def run_vllm_side_by_side(settings: VllmSchedulerConfig, block_size: int, num_blocks: int, requests: list,
+                          arrivals: str, sim: SimConfig, output_token_base: int,
+                          max_steps: Optional[int] = None) -> VllmStepDiff:
+    """`reference diff --engine vllm-0.33`: vLLM's scheduler and memcli's, `burst` or
+    `timestamp` arrivals, to the end or `max_steps`."""
+    if arrivals not in ("burst", "timestamp"):
+        raise ValueError(f"vLLM's side-by-side run takes burst or timestamp arrivals, not {arrivals}")
+    return SideBySide(list(requests), settings, block_size, num_blocks, arrivals, sim, output_token_base).run(max_steps)

@@ -17,13 +17,19 @@ def diff_document(result: ReferenceDiffResult) -> dict[str, Any]:
     if diff.divergence is not None:
         sglang, memcli = diff.divergence
         divergence = {"step": sglang.step, "fields": sglang.differing(memcli),
-                      "sglang": dataclasses.asdict(sglang), "memcli": dataclasses.asdict(memcli)}
+                      _reference_key(result): dataclasses.asdict(sglang), "memcli": dataclasses.asdict(memcli)}
     return envelope("reference diff", {
         "trace": result.trace, "limit": result.limit, "arrivals": result.arrivals, "event_loop": diff.event_loop,
         "steps": diff.steps, "divergent": diff.divergence is not None, "first_divergence": divergence,
         "reference_s": round(diff.reference_s, 3), "memcli_s": round(diff.memcli_s, 3),
         "notes": list(diff.notes), "failure": diff.failure,
     }, result.config)
+
+
+def _reference_key(result: ReferenceDiffResult) -> str:
+    """What the reference side is called: `sglang` (SGLang 0.5.5's loop), else the engine's name."""
+    engine = result.config.semantics.engine
+    return "sglang" if engine == "sglang-0.5.5" else engine
 
 
 def render(result: ReferenceDiffResult) -> str:
@@ -38,7 +44,7 @@ def render(result: ReferenceDiffResult) -> str:
         return "\n".join([*notes, f"0 divergent steps in {diff.steps} steps ({times})"])
     sglang, memcli = diff.divergence
     lines = [*notes, f"first divergent step: {sglang.step} (fields: {', '.join(sglang.differing(memcli)) or 'done'})",
-             "  sglang:"] + [f"    {line}" for line in sglang.lines()]
+             f"  {_reference_key(result)}:"] + [f"    {line}" for line in sglang.lines()]
     lines += ["  memcli:"] + [f"    {line}" for line in memcli.lines()]
     lines.append(f"{diff.steps} steps run ({times})")
     return "\n".join(lines)
