@@ -88,7 +88,8 @@ def build_stack(config: Config, *, future=None, page_size_overrides=None, cache_
     bs = block_size(config)
     memory = BlockManager(config.requested_total_tokens // bs, bs, config.memory.max_context_len,
                           enable_caching=(cache_kind or config.cache.kind) != "none",
-                          record_events=config.cache.kv_events, max_running=settings(config).max_num_seqs)
+                          record_events=config.cache.kv_events, max_running=settings(config).max_num_seqs,
+                          config=config)
     return memory.stack
 
 

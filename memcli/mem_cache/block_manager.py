@@ -116,7 +116,8 @@ class BlockManager:
     """vLLM's KV-cache manager over `num_blocks` blocks of `block_size` tokens (block 0 null)."""
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, *, enable_caching: bool = True,
-                 watermark: float = 0.0, record_events: bool = False, max_running: int = 1 << 30):
+                 watermark: float = 0.0, record_events: bool = False, max_running: int = 1 << 30,
+                 config: Any = None):
         self.pool = BlockPool(num_blocks, enable_caching, record_events)
         self.block_size, self.max_model_len = block_size, max_model_len
         self.enable_caching, self.max_running = enable_caching, max_running
@@ -125,7 +126,7 @@ class BlockManager:
         self.stats = PrefixCacheStats()
         self.root_hash = none_hash()
         self.clock = lambda: 0.0
-        self.stack = SimpleNamespace(memory=self, device="cpu", backend="torch")
+        self.stack = SimpleNamespace(memory=self, device="cpu", backend="torch", config=config)
 
     # -- what memory is -------------------------------------------------------------------
     @property

@@ -52,3 +52,20 @@ def test_reference_diff_runs_vllms_own_scheduler(vllm_ref):
     doc = json.loads(result.stdout)
     assert doc["divergent"] is False and doc["steps"] > 12 and doc["event_loop"] == "async"
     assert doc["profile"] == "vllm-0.33 (async loop)"
+
+
+@pytest.mark.parametrize("command, message", [(["check-page-size"], "not one yet"),
+                                              (["bench-one-batch"], "no static batch")])
+def test_commands_without_a_vllm_path_say_so(command, message):
+    result = CliRunner().invoke(app, [*command, "--engine", "vllm-0.33"])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "--engine sglang-0.5.5" in result.output
+
+
+def test_show_config_prints_vllms_blocks():
+    result = CliRunner().invoke(app, ["show-config", "--engine", "vllm-0.33", "--json",
+                                      "--set", "memory.max_total_tokens=160000"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["derived"]["num_gpu_blocks"] == 10_000 and doc["derived"]["usable_blocks"] == 9_999
+    assert doc["semantics_in_force"]["event_loop"] == "async" and doc["config"]["memory"]["page_size"] == 16
