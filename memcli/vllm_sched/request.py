@@ -13,8 +13,7 @@ class VllmRequest:
     """Prompt and outputs in `all_token_ids`; `num_computed_tokens` of them have K/V.
 
     `extra_keys` are the first block's extra hash keys: vLLM's `("cache_salt", salt)` for a
-    trace request with an `extra_key`, else None. `priority` and `arrival_time` order the
-    priority queue (`Request.__lt__`)."""
+    trace request with an `extra_key`, else None. `priority` is vLLM's (0: FCFS only)."""
 
     __slots__ = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "status",
                  "num_preemptions", "block_hashes", "extra_keys", "max_tokens", "priority", "arrival_time",
@@ -73,10 +72,6 @@ class VllmRequest:
     @property
     def is_finished(self) -> bool:
         return self.status.startswith("finished")
-
-    def sort_key(self) -> tuple:
-        """vLLM's `Request.__lt__`: priority, then arrival time, then request id."""
-        return (self.priority, self.arrival_time, self.request_id)
 
     def __repr__(self) -> str:
         return f"VllmRequest({self.request_id}, {self.status}, {self.num_computed_tokens}/{self.num_tokens})"

@@ -5,7 +5,7 @@ every request whose scheduled chunk reaches its last token.
 One step:
 1. running requests first, in order: each gets `min(remaining, long-prefill threshold when
    > 0 and more than one request is eligible, budget)` tokens; when its slots do not fit, the
-   latest running request (FCFS; under priority the largest (priority, arrival)) is preempted
+   latest running request (FCFS; vLLM's priority policy is not reproduced) is preempted
    (blocks freed, recomputed later, back at the front of the waiting queue) until they fit or
    the request preempted itself;
 2. waiting requests next, only when nothing was preempted, while budget remains and fewer
@@ -42,6 +42,8 @@ class VllmSchedulerConfig:
                  reserve_full_isl: bool = True, async_scheduling: bool = False):
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.max_model_len, self.long_prefill_token_threshold = max_model_len, long_prefill_token_threshold
+        if policy != "fcfs":
+            raise ValueError(f"vLLM's {policy} policy is not reproduced; only fcfs")
         self.policy, self.enable_chunked_prefill, self.reserve_full_isl = policy, enable_chunked_prefill, reserve_full_isl
         self.async_scheduling = async_scheduling
 
@@ -243,8 +245,7 @@ class VllmScheduler:
                 return None
 
     def _victim(self) -> VllmRequest:
-        if self.settings.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        """FCFS: the latest running request (vLLM's priority rule is not reproduced)."""
         return self.running[-1]
 
     def _preempt(self, req: VllmRequest) -> None:
