@@ -50,7 +50,7 @@ def test_reference_diff_runs_vllms_own_scheduler(vllm_ref):
                                       "--set", "memory.max_context_len=131072", "--set", "memory.max_total_tokens=200000"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
-    assert doc["divergent"] is False and doc["steps"] > 12 and doc["event_loop"] == "async"
+    assert doc["divergent"] is False and doc["steps"] > 12 and doc["event_loop"] == "async" and doc["failure"] is None
     assert doc["profile"] == "vllm-0.33 (async loop)"
 
 

@@ -121,6 +121,7 @@ class VllmStepDiff(NamedTuple):
     mem_stats: tuple = ()
     preemptions: int = 0
     finished: int = 0
+    reference: str = "vllm"  # what reports call the reference side
 
 
 @dataclass

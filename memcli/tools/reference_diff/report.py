@@ -27,9 +27,8 @@ def diff_document(result: ReferenceDiffResult) -> dict[str, Any]:
 
 
 def _reference_key(result: ReferenceDiffResult) -> str:
-    """What the reference side is called: `sglang` (SGLang 0.5.5's loop), else the engine's name."""
-    engine = result.config.semantics.engine
-    return "sglang" if engine == "sglang-0.5.5" else engine
+    """What the reference side is called: the run's own name for it (`sglang` when it has none)."""
+    return getattr(result.diff, "reference", "sglang")
 
 
 def render(result: ReferenceDiffResult) -> str:
