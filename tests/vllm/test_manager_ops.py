@@ -37,3 +37,9 @@ def test_last_token_rule_loses_a_whole_block_and_salt_separates(vllm_ref):
     (real_hit, _), (mem_hit, _) = pair.admit("c", list(range(8)), salt="other")
     assert real_hit == mem_hit == 0
     assert pair.compare() == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_without_prefix_caching_too(vllm_ref, seed):
+    pair = random_ops(seed, steps=150, num_blocks=20, block_size=4, enable_caching=False)
+    assert not pair.mem.pool.cached and pair.mem.stats.queries == 0

@@ -191,11 +191,12 @@ def random_prompts(rng: random.Random, count: int, block_size: int, vocab: int =
     return out
 
 
-def random_ops(seed: int, steps: int = 200, num_blocks: int = 24, block_size: int = 4) -> ManagerPair:
+def random_ops(seed: int, steps: int = 200, num_blocks: int = 24, block_size: int = 4,
+               enable_caching: bool = True) -> ManagerPair:
     """A random sequence of admissions (whole or chunked), chunks, decode tokens, frees and
     preemptions; raises AssertionError at the first operation after which the managers differ."""
     rng = random.Random(seed)
-    pair = ManagerPair(num_blocks, block_size)
+    pair = ManagerPair(num_blocks, block_size, enable_caching=enable_caching)
     prompts = random_prompts(rng, steps, block_size)
     waiting = {}
     for step in range(steps):
