@@ -91,6 +91,10 @@ class SchedulerConfig:
     new_token_ratio_decay_steps: int = 600
     retract_decode_steps: int = 20
     max_new_tokens_clip: int = 4096
+    # vLLM's names, read by the vllm-0.33 engine (null: vLLM 0.33's default; see VLLM_ONLY_KEYS).
+    max_num_batched_tokens: Optional[int] = None
+    max_num_seqs: Optional[int] = None
+    long_prefill_token_threshold: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,7 @@ class SemanticsConfig:
     # The scheduler loop: SGLang's `event_loop_overlap` (batch N+1 is launched before the
     # result of batch N is processed: finishes, frees and the tree update come one iteration
     # late) or `event_loop_normal` (each batch's result is processed before the next is built).
-    event_loop: Optional[Literal["overlap", "normal"]] = None
+    event_loop: Optional[Literal["overlap", "normal", "async", "sync"]] = None  # async/sync: vLLM's loops
     # hiradix: the host pool must be larger than the device pool (SGLang asserts it; a write-back
     # then always finds room), or any size (a node that finds no host room is dropped instead).
     host_pool_floor: Optional[Literal["above_device", "any"]] = None
@@ -197,6 +201,8 @@ class SemanticsConfig:
     @property
     def label(self) -> str:
         """`sglang-0.5.5`, or with overrides `memcli + split_stamp=refresh, lfu_hits=never`."""
+        if self.engine in ENGINE_DEFAULTS:  # not an SGLang profile: the engine and its loop
+            return f"{self.engine} ({self.event_loop or 'async'} loop)"
         extra = ", ".join(f"{k}={v}" for k, v in self.overrides().items())
         return f"{self.profile} + {extra}" if extra else self.profile
 
@@ -276,7 +282,22 @@ class Config:
         return self.memory.max_context_len + 4
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every key, except vLLM's own keys while unset (documents of other engines stay as they were)."""
+        out = dataclasses.asdict(self)
+        for key in VLLM_ONLY_KEYS:
+            section, name = key.split(".")
+            if out[section][name] is None:
+                del out[section][name]
+        return out
+
+
+# An engine's own defaults for keys memcli's config leaves at a value that engine lacks:
+# {engine: {key: (memcli's value, the engine's)}}. vLLM has no token granularity (page_size 1
+# is read as its default block size 16) and bounds a request by max_model_len alone (row).
+ENGINE_DEFAULTS = {"vllm-0.33": {"memory.page_size": (1, 16), "semantics.request_limits": (None, "row")}}
+
+# Keys only the vllm-0.33 engine reads; left out of `Config.to_dict` while null.
+VLLM_ONLY_KEYS = ("scheduler.max_num_batched_tokens", "scheduler.max_num_seqs", "scheduler.long_prefill_token_threshold")
 
 
 # SGLang aborts a prompt of `max_req_len - REQ_INPUT_MARGIN` tokens or more (max_req_input_len).
@@ -380,6 +401,10 @@ def config_from_dict(raw: Any, source: str = "config") -> Config:
         if key not in classes:
             raise ConfigError(f"unknown config section {key!r} in {source}", hint=f"valid sections: {', '.join(SECTIONS)}")
     sections = {name: _build_section(name, cls, raw.get(name)) for name, cls in classes.items()}
+    for key, (unset, value) in ENGINE_DEFAULTS.get(sections["semantics"].engine, {}).items():
+        section, name = key.split(".")
+        if getattr(sections[section], name) == unset:
+            sections[section] = dataclasses.replace(sections[section], **{name: value})
     config = Config(**sections)
     validate(config)
     return config
@@ -420,6 +445,7 @@ RANGES: dict[str, Range] = {
     "scheduler.init_new_token_ratio": RATIO, "scheduler.min_new_token_ratio_factor": RATIO,
     "scheduler.new_token_ratio_decay_steps": COUNT, "scheduler.retract_decode_steps": COUNT,
     "scheduler.max_new_tokens_clip": SIZE,
+    "scheduler.max_num_batched_tokens": SIZE, "scheduler.max_num_seqs": SIZE, "scheduler.long_prefill_token_threshold": COUNT,
     "sim.step_base_ms": COST, "sim.prefill_token_us": COST, "sim.decode_req_us": COST, "sim.kv_read_ns": COST,
     "sim.host_bandwidth_gbps": Range(0.0, 1e6, low_open=True), "sim.host_latency_us": COST,
     "cache.host_ratio": Range(0.0, 1024.0, low_open=True), "cache.host_size_gib": Range(0.0, 2.0**30, low_open=True),

@@ -22,9 +22,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Modules of mem_cache that the scheduler and the tools may import: the memory manager and its
+# Modules of mem_cache that the schedulers and the tools may import: the memory managers (SGLang's, vLLM's) and their
 # value types (the page arithmetic, the KV events, the integrity checks' results).
-MEMORY_FACE = ("manager", "pages", "kv_events", "integrity")
+MEMORY_FACE = ("manager", "block_manager", "pages", "kv_events", "integrity")
 # Component benchmarks time one component on its own, so they build it directly.
 COMPONENT_BENCHES = {"memcli.tools.bench_radix": ("radix_cache", "base_prefix_cache"),
                      "memcli.tools.bench_one_batch.host_tier_bench": ("host_pool",)}
@@ -32,7 +32,7 @@ COMPONENT_BENCHES = {"memcli.tools.bench_radix": ("radix_cache", "base_prefix_ca
 # memcli.engines is an engine's own module.
 REGISTRY_NAMES = ("get", "names", "register", "unregister")
 # What only an engine may import: its scheduling policy and its stack builder.
-ENGINE_INSIDES = ("memcli.sched", "memcli.stack")
+ENGINE_INSIDES = ("memcli.sched", "memcli.stack", "memcli.vllm_sched")
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -97,7 +97,8 @@ def _problem(module: str, name: str) -> str | None:
         for bad in ("memcli.sched", "memcli.tools", "memcli.cli", "memcli.report", "memcli.stack", "rich"):
             if within(name, bad):
                 return "mem_cache imports no scheduler, tool, CLI, report or rich"
-    if within(module, "memcli.sched") or within(module, "memcli.tools") or within(module, "memcli.cli"):
+    if within(module, "memcli.sched") or within(module, "memcli.vllm_sched") or within(module, "memcli.tools") \
+            or within(module, "memcli.cli"):
         if within(name, "memcli.mem_cache") and name != "memcli.mem_cache":
             sub = name.split(".")[2]
             allowed = next((subs for home, subs in COMPONENT_BENCHES.items() if within(module, home)), ())

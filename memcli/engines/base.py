@@ -54,10 +54,13 @@ class Engine:
     that memory. `make_req` / `make_batch` build a request and a static batch (bench-one-batch;
     None when the engine has none). `reference` runs the engine's real code beside memcli
     step by step (`reference diff`; None without one); its `on_step(reference, memcli)` keyword
-    receives both sides' observations of every step (the step logs of `reference diff`). `profile` is the semantics profile
-    that reproduces the engine, `semantics` the keys of `semantics.*` it reads. `limits` is what
-    the engine does with requests past its limits (`memcli.capacity.LimitRule`: the requests
-    it aborts at arrival or clips, as it would serving them); None: such a trace is refused.
+    receives both sides' observations of every step (the step logs of `reference diff`). `profile`
+    is the semantics profile that reproduces the engine, `semantics` the keys of `semantics.*` it
+    reads. `limits` is what the engine does with requests past its limits
+    (`memcli.capacity.LimitRule`: the requests it aborts at arrival or clips, as it would serving
+    them); None: such a trace is refused. `describe` gives show-config the engine's own view
+    (behaviours in force, derived sizes), when it has one (None: the profile's behaviours and
+    memcli's sizes).
     """
 
     name: str
@@ -70,3 +73,4 @@ class Engine:
     make_batch: Optional[Callable[..., Any]] = None
     reference: Optional[Callable[..., Any]] = None
     limits: Optional[Callable[..., Any]] = None
+    describe: Optional[Callable[[Config], tuple]] = None

@@ -39,7 +39,32 @@ class AllBlocksCleared:
     """The cache was reset: every page is gone."""
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+@dataclass(frozen=True)
+class VllmBlockStored:
+    """vLLM's `BlockStored`: full blocks entered the cache (hashes: vLLM's 32-byte block hashes)."""
+
+    block_hashes: list
+    parent_block_hash: Optional[bytes]
+    token_ids: list
+    block_size: int
+    medium: Optional[str]
+    extra_keys: Optional[list] = None
+
+
+@dataclass(frozen=True)
+class VllmBlockRemoved:
+    """vLLM's `BlockRemoved`: a cached block was evicted when its block was reused."""
+
+    block_hashes: list
+    medium: Optional[str]
+
+
+@dataclass(frozen=True)
+class VllmAllBlocksCleared:
+    """vLLM's `AllBlocksCleared` (`reset_prefix_cache`)."""
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared, VllmBlockStored, VllmBlockRemoved, VllmAllBlocksCleared]
 
 
 def page_hash(parent_hash: Optional[int], extra_key: Optional[str], page_tokens: np.ndarray) -> int:

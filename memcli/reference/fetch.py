@@ -1,9 +1,13 @@
-"""Obtain the SGLang 0.5.5 wheel from PyPI and unpack the few files the reference needs.
+"""Obtain an engine's wheel from PyPI and unpack the few files its reference needs.
 
-Layout of the cache (never inside the repository):
+A `Wheel` names the package, its pinned version and the files to extract: `SGLANG` (SGLang
+0.5.5, the default of every function here) and `VLLM` (vLLM 0.33.0). Layout of the cache
+(never inside the repository):
 
     <cache_dir>/reference/sglang-0.5.5-py3-none-any.whl    the wheel, as pip downloaded it
-    <cache_dir>/reference/sglang-0.5.5/sglang/srt/...       the extracted subset (EXTRACT)
+    <cache_dir>/reference/sglang-0.5.5/sglang/srt/...       the extracted subset (`Wheel.extract`)
+    <cache_dir>/reference/vllm-0.33.0-cp38-abi3-...whl      the same for vLLM
+    <cache_dir>/reference/vllm-0.33.0/vllm/...
 
 `cache_dir` is `$MEMCLI_CACHE_DIR`, else `~/.cache/memcli`. The wheel is downloaded once
 (`python -m pip download --no-deps`) and reused; extraction is redone only when its marker
@@ -16,6 +20,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -42,6 +47,42 @@ EXTRACT = (
 )
 _MARKER = ".memcli-extracted"
 
+# Real vLLM 0.33.0 files: those its KV-cache manager and v1 scheduler import, and those the
+# stand-ins borrow definitions from (`memcli.reference.vllm_standins`).
+VLLM_EXTRACT = (
+    "vllm/v1/core/",
+    "vllm/v1/kv_cache_interface.py", "vllm/v1/kv_cache_spec_registry.py", "vllm/v1/kv_cache_layout.py",
+    "vllm/v1/request.py", "vllm/v1/outputs.py", "vllm/v1/metrics/stats.py", "vllm/v1/metrics/cache_hit_source.py",
+    "vllm/v1/hisparse/block_pool.py", "vllm/v1/attention/backends/registry.py",
+    "vllm/utils/", "vllm/envs.py", "vllm/logger.py", "vllm/logging_utils/",
+    # Read (not imported) by the stand-ins:
+    "vllm/distributed/kv_events.py", "vllm/v1/engine/__init__.py", "vllm/v1/utils.py",
+    "vllm/multimodal/utils.py",
+)
+
+
+@dataclass(frozen=True)
+class Wheel:
+    """One engine's pinned wheel: `pip download --no-deps <package>==<version>`, and the
+    members to unpack (directories end with "/"; only `.py` files are taken from them)."""
+
+    package: str
+    version: str
+    extract: tuple[str, ...]
+    label: str  # how messages name the engine
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+    @property
+    def stem(self) -> str:
+        return f"{self.package}-{self.version}"
+
+
+SGLANG = Wheel("sglang", SGLANG_VERSION, EXTRACT, "SGLang")
+VLLM = Wheel("vllm", "0.33.0", VLLM_EXTRACT, "vLLM")
+
 # pip's messages when the index cannot be reached (as opposed to a broken pip or package).
 _NETWORK_SIGNS = (
     "Could not find a version that satisfies",
@@ -60,7 +101,7 @@ _NETWORK_SIGNS = (
 
 
 class ReferenceFetchError(MemcliError):
-    """The SGLang wheel could not be downloaded or unpacked.
+    """An engine's wheel could not be downloaded or unpacked.
 
     `network` is True when pip's output says the package index could not be reached
     (tests skip then; any other failure is a real error).
@@ -81,42 +122,42 @@ def reference_dir(cache_dir: Optional[Path] = None) -> Path:
     return Path(cache_dir or default_cache_dir()) / "reference"
 
 
-def _find_wheel(directory: Path) -> Optional[Path]:
-    wheels = sorted(directory.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+def _find_wheel(directory: Path, wheel: Wheel = SGLANG) -> Optional[Path]:
+    wheels = sorted(directory.glob(f"{wheel.stem}-*.whl"))
     return wheels[0] if wheels else None
 
 
-def cached_wheel(cache_dir: Optional[Path] = None) -> Optional[Path]:
-    """The cached sglang 0.5.5 wheel, or None (nothing is downloaded)."""
-    return _find_wheel(reference_dir(cache_dir))
+def cached_wheel(cache_dir: Optional[Path] = None, wheel: Wheel = SGLANG) -> Optional[Path]:
+    """The cached wheel (sglang 0.5.5 by default), or None (nothing is downloaded)."""
+    return _find_wheel(reference_dir(cache_dir), wheel)
 
 
-def fetch_wheel(cache_dir: Optional[Path] = None) -> Path:
-    """Path of the sglang 0.5.5 wheel, downloading it into the cache when absent.
+def fetch_wheel(cache_dir: Optional[Path] = None, wheel: Wheel = SGLANG) -> Path:
+    """Path of the wheel (sglang 0.5.5 by default), downloading it into the cache when absent.
 
-    Runs `python -m pip download --no-deps sglang==0.5.5` only when no wheel is cached.
+    Runs `python -m pip download --no-deps <package>==<version>` only when no wheel is cached.
     Raises `ReferenceFetchError` (with `network=True` when the index is unreachable).
     """
     directory = reference_dir(cache_dir)
-    cached = _find_wheel(directory)
+    cached = _find_wheel(directory, wheel)
     if cached is not None:
         return cached
     directory.mkdir(parents=True, exist_ok=True)
-    _pip_download(directory)
-    wheel = _find_wheel(directory)
-    if wheel is None:
-        raise ReferenceFetchError(f"pip reported success but no sglang-{SGLANG_VERSION} wheel is in {directory}",
+    _pip_download(directory, wheel.requirement)
+    found = _find_wheel(directory, wheel)
+    if found is None:
+        raise ReferenceFetchError(f"pip reported success but no {wheel.stem} wheel is in {directory}",
                                   hint="remove the directory and try again")
-    return wheel
+    return found
 
 
-def _pip_download(directory: Path) -> None:
+def _pip_download(directory: Path, requirement: str = REQUIREMENT) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--timeout", "30", "--retries", "2", REQUIREMENT, "-d", str(directory)]
+           "--disable-pip-version-check", "--timeout", "30", "--retries", "2", requirement, "-d", str(directory)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ReferenceFetchError(f"could not run pip to download {REQUIREMENT}: {exc}",
+        raise ReferenceFetchError(f"could not run pip to download {requirement}: {exc}",
                                   hint="check that pip is installed in this Python") from exc
     if proc.returncode != 0:
         output = (proc.stdout + proc.stderr).strip()
@@ -124,55 +165,62 @@ def _pip_download(directory: Path) -> None:
         tail = "\n".join(output.splitlines()[-5:])
         hint = ("the package index could not be reached; connect to the network, or put the wheel"
                 f" into {directory}" if network else "run the pip command by hand to see the full error")
-        raise ReferenceFetchError(f"pip download {REQUIREMENT} failed (exit {proc.returncode}): {tail}",
+        raise ReferenceFetchError(f"pip download {requirement} failed (exit {proc.returncode}): {tail}",
                                   hint=hint, network=network)
 
 
-def extract(wheel: Path, cache_dir: Optional[Path] = None) -> Path:
-    """Unpack the `EXTRACT` subset of `wheel`; return the root to import `sglang` from.
+def _members(names: list[str], want: str, python_only: bool) -> list[str]:
+    if not want.endswith("/"):
+        return [n for n in names if n == want]
+    return [n for n in names if n.startswith(want) and (not python_only or n.endswith(".py"))]
+
+
+def extract(path: Path, cache_dir: Optional[Path] = None, wheel: Wheel = SGLANG) -> Path:
+    """Unpack the `wheel.extract` subset of the wheel file `path`; return the root to import
+    the package from. From directories of a wheel other than SGLang's only `.py` files come.
 
     Idempotent: a marker file records a finished extraction. Raises `ReferenceFetchError`
     when the wheel is unreadable or lacks one of the files.
     """
-    root = reference_dir(cache_dir) / f"sglang-{SGLANG_VERSION}"
+    root = reference_dir(cache_dir) / wheel.stem
     if (root / _MARKER).exists():
         return root
     try:
-        with zipfile.ZipFile(wheel) as zf:
+        with zipfile.ZipFile(path) as zf:
             names = zf.namelist()
-            for want in EXTRACT:
-                members = [n for n in names if n == want or (want.endswith("/") and n.startswith(want))]
+            for want in wheel.extract:
+                members = _members(names, want, wheel is not SGLANG)
                 if not members:
-                    raise ReferenceFetchError(f"{wheel.name} has no {want}", hint="delete the wheel to download it again")
+                    raise ReferenceFetchError(f"{path.name} has no {want}", hint="delete the wheel to download it again")
                 for member in members:
                     zf.extract(member, root)
     except zipfile.BadZipFile as exc:
-        raise ReferenceFetchError(f"{wheel} is not a valid wheel: {exc}", hint="delete it to download it again") from exc
-    (root / _MARKER).write_text(REQUIREMENT + "\n")
+        raise ReferenceFetchError(f"{path} is not a valid wheel: {exc}", hint="delete it to download it again") from exc
+    (root / _MARKER).write_text(wheel.requirement + "\n")
     return root
 
 
-def fetch_reference(cache_dir: Optional[Path] = None) -> Path:
+def fetch_reference(cache_dir: Optional[Path] = None, wheel: Wheel = SGLANG) -> Path:
     """Download (if needed) and extract; return the extracted root."""
-    return extract(fetch_wheel(cache_dir), cache_dir)
+    return extract(fetch_wheel(cache_dir, wheel), cache_dir, wheel)
 
 
 @lru_cache(maxsize=None)
-def _availability(cache_dir: Optional[Path]) -> Optional[str]:
+def _availability(cache_dir: Optional[Path], wheel: Wheel) -> Optional[str]:
     try:
-        fetch_reference(cache_dir)
+        fetch_reference(cache_dir, wheel)
     except ReferenceFetchError as exc:
         if exc.network:
-            return f"SGLang {SGLANG_VERSION} wheel unavailable (package index unreachable): {exc.message}"
+            return f"{wheel.label} {wheel.version} wheel unavailable (package index unreachable): {exc.message}"
         raise
     return None
 
 
-def unavailable_reason(cache_dir: Optional[Path] = None) -> Optional[str]:
+def unavailable_reason(cache_dir: Optional[Path] = None, wheel: Wheel = SGLANG) -> Optional[str]:
     """None when the reference is ready; a reason string when the package index cannot be
     reached. Any other failure (a broken pip, a bad wheel) raises: tests must not hide it."""
-    return _availability(Path(cache_dir) if cache_dir else None)
+    return _availability(Path(cache_dir) if cache_dir else None, wheel)
 
 
-def reference_available(cache_dir: Optional[Path] = None) -> bool:
-    return unavailable_reason(cache_dir) is None
+def reference_available(cache_dir: Optional[Path] = None, wheel: Wheel = SGLANG) -> bool:
+    return unavailable_reason(cache_dir, wheel) is None

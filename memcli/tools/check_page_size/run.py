@@ -120,7 +120,12 @@ def run_check_page_size(config: Config, page_sizes: Optional[Sequence[int]] = No
 def _run_page_size(config: Config, injections: dict[str, int], trace: Optional[Workload], steps: int,
                    fault_hook: Optional[FaultHook], progress: Optional[Progress]) -> PageSizeRun:
     static_config, static_adjustments = indices_only(config)
-    stack = engines.get(static_config).build_stack(static_config, page_size_overrides=injections)
+    engine = engines.get(static_config)
+    stack = engine.build_stack(static_config, page_size_overrides=injections)
+    if not hasattr(stack, "page_sizes"):
+        raise MemcliError(f"check-page-size inspects a stack of page-size holders; engine {engine.name}'s memory"
+                          f" ({type(stack.memory).__name__}) is not one yet",
+                          hint="run check-page-size with --engine sglang-0.5.5")
     static = static_checks(stack)
     if trace is not None:
         dyn_config, dyn_adjustments, workload = static_config, static_adjustments, trace

@@ -19,7 +19,7 @@ def diff_document(result: ReferenceDiffResult) -> dict[str, Any]:
     if diff.divergence is not None:
         sglang, memcli = diff.divergence
         divergence = {"step": sglang.step, "fields": sglang.differing(memcli),
-                      "sglang": dataclasses.asdict(sglang), "memcli": dataclasses.asdict(memcli)}
+                      _reference_key(result): dataclasses.asdict(sglang), "memcli": dataclasses.asdict(memcli)}
     return envelope("reference diff", {
         "trace": result.trace, "limit": result.limit, "arrivals": result.arrivals, "event_loop": diff.event_loop,
         "steps": diff.steps, "divergent": diff.divergence is not None, "first_divergence": divergence,
@@ -28,6 +28,11 @@ def diff_document(result: ReferenceDiffResult) -> dict[str, Any]:
         "step_logs": None if result.steps is None else {"a": "the engine's own code", "b": "memcli",
                                                          **diff_fields(result.steps)},
     }, result.config)
+
+
+def _reference_key(result: ReferenceDiffResult) -> str:
+    """What the reference side is called: the run's own name for it (`sglang` when it has none)."""
+    return getattr(result.diff, "reference", "sglang")
 
 
 def render(result: ReferenceDiffResult) -> str:
@@ -42,7 +47,7 @@ def render(result: ReferenceDiffResult) -> str:
         return "\n".join([*notes, f"0 divergent steps in {diff.steps} steps ({times})", *_step_logs(result)])
     sglang, memcli = diff.divergence
     lines = [*notes, f"first divergent step: {sglang.step} (fields: {', '.join(sglang.differing(memcli)) or 'done'})",
-             "  sglang:"] + [f"    {line}" for line in sglang.lines()]
+             f"  {_reference_key(result)}:"] + [f"    {line}" for line in sglang.lines()]
     lines += ["  memcli:"] + [f"    {line}" for line in memcli.lines()]
     lines.append(f"{diff.steps} steps run ({times})")
     return "\n".join([*lines, *_step_logs(result)])

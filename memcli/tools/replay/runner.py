@@ -30,7 +30,8 @@ from memcli.capacity import LimitCuts, cut_requests
 from memcli.config import Config, replace
 from memcli.errors import IntegrityError, MemcliError, StalledError
 from memcli.mem_cache.integrity import CheckPolicy
-from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from memcli.mem_cache.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, VllmAllBlocksCleared,
+                                       VllmBlockRemoved, VllmBlockStored)
 from memcli.tools.replay import ARRIVALS
 from memcli.tools.replay.ceiling import shared_prefix_lens
 from memcli.tools.replay.requests import RequestLog, delay_stats
@@ -395,4 +396,13 @@ def _event_dict(event, step: int, time_ms: float) -> dict:
         return {"type": "removed", **head, "block_hashes": list(event.block_hashes)}
     if isinstance(event, AllBlocksCleared):
         return {"type": "cleared", **head}
+    if isinstance(event, VllmBlockStored):  # vLLM's wire shape: the tag is the class name
+        return {"type": "BlockStored", **head, "block_hashes": list(event.block_hashes),
+                "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
+                "block_size": event.block_size, "lora_id": None, "medium": event.medium, "lora_name": None,
+                "extra_keys": None if event.extra_keys is None else [None if k is None else list(k) for k in event.extra_keys]}
+    if isinstance(event, VllmBlockRemoved):
+        return {"type": "BlockRemoved", **head, "block_hashes": list(event.block_hashes), "medium": event.medium}
+    if isinstance(event, VllmAllBlocksCleared):
+        return {"type": "AllBlocksCleared", **head}
     raise TypeError(f"unknown KV event {event!r}")

@@ -23,5 +23,5 @@ def render(result: ShowConfigResult, console: Console) -> None:
             console.print(kv_table(section, ((f"{section}.{k}", v) for k, v in values.items())))
     overrides = cfg.semantics.overrides()
     rows = [(f"semantics.{k}", f"{v} (set)" if k in overrides else v) for k, v in result.semantics_in_force.items()]
-    console.print(kv_table(f"semantics in force: {cfg.semantics.label}", rows))
+    console.print(kv_table(f"semantics in force: {result.label or cfg.semantics.label}", rows))
     console.print(kv_table("derived sizes", result.derived.items()))

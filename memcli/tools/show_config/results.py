@@ -13,3 +13,4 @@ class ShowConfigResult:
     config: Config
     semantics_in_force: dict[str, str]
     derived: dict[str, int]
+    label: str = ""  # the title of the semantics in force: the engine's own, when it describes itself

@@ -12,7 +12,10 @@ def run_show_config(cfg: Config) -> ShowConfigResult:
     """The config as resolved; raises `ConfigError` when it names an unknown engine."""
     from memcli import engines
 
-    engines.get(cfg)
+    engine = engines.get(cfg)
+    if engine.describe is not None:
+        behaviours, sizes = engine.describe(cfg)
+        return ShowConfigResult(cfg, behaviours, sizes, engine.name)
     return ShowConfigResult(cfg, in_force(cfg), derived_sizes(cfg))
 
 

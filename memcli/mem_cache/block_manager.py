@@ -1,0 +1,317 @@
+"""vLLM 0.33's KV-cache manager for one full-attention group, behind the verbs its scheduler
+uses, plus what memcli's tools read from any memory (usage, held pages, checks, events).
+
+    scheduler                                   BlockManager
+    a waiting request                     ->    get_computed_blocks   -> (blocks, hit tokens)
+    tokens to schedule (+ the hit)        ->    allocate_slots        -> new blocks | None
+    a finished or preempted request       ->    free
+    an admitted request and its hit       ->    record_prefix_cache_stats
+
+A request here is any object with `request_id`, `all_token_ids`, `num_prompt_tokens`,
+`num_computed_tokens`, `status` (`waiting`, `preempted`, `running`), `num_preemptions` and
+`block_hashes` (extended by `hash_request` whenever tokens are appended); `num_tokens` is
+`len(all_token_ids)`. Rules (vLLM's `KVCacheManager`, `FullAttentionManager`, `BlockPool`):
+a hit is the longest run of cached blocks within `num_tokens - 1` tokens; admission needs the
+new blocks plus the hit blocks sitting in the free queue; only full blocks are cached; a
+request's blocks are freed deepest first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, NamedTuple, Optional
+
+from memcli.errors import IntegrityError
+from memcli.mem_cache.block_pool import Block, BlockPool, block_hashes, none_hash
+from memcli.mem_cache.manager import Usage
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+@dataclass
+class PrefixCacheStats:
+    """vLLM's `PrefixCacheStats`: admissions of fresh requests, and of preempted ones apart."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+
+class BlockEviction(NamedTuple):
+    """One cached block evicted by reuse (the replay's eviction log reads these fields)."""
+
+    tokens: int
+    age: float
+    hit_count: int
+    last_use: int = -1
+    next_use: int = -1
+
+
+class BlockCheck(NamedTuple):
+    """The result of one full check of the block pool."""
+
+    holders: int
+    held_blocks: int
+    free_blocks: int
+
+    def to_dict(self) -> dict:
+        return {"check": "block_pool", "holders": self.holders, "held_blocks": self.held_blocks,
+                "free_blocks": self.free_blocks}
+
+
+@dataclass
+class CheckStats:
+    full_walks: int = 0
+    incremental: int = 0
+    incremental_s: float = 0.0
+    walk_s: float = 0.0
+
+
+class BlockChecker:
+    """After-step checks of a block manager: every step under a checking policy, else idle
+    steps only, at most once per `policy.walk_every` of them."""
+
+    def __init__(self, memory: "BlockManager", policy: Any):
+        self.memory, self.policy, self.stats, self._idle = memory, policy, CheckStats(), 0
+
+    def after_step(self, holders: list, idle: bool) -> bool:
+        import time
+        every = getattr(self.policy, "level", "none") != "none"
+        if not every:
+            if not idle:
+                return False
+            self._idle += 1
+            if (self._idle - 1) % max(1, self.policy.walk_every):
+                return False
+        start = time.perf_counter()
+        self.memory.check(holders)
+        self.stats.full_walks += 1
+        self.stats.walk_s += time.perf_counter() - start
+        return True
+
+
+@dataclass
+class _Held:
+    blocks: list = field(default_factory=list)
+    num_cached: Optional[int] = None  # None until the first allocation (vLLM's `num_cached_block` key)
+
+
+class BlockManager:
+    """vLLM's KV-cache manager over `num_blocks` blocks of `block_size` tokens (block 0 null)."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, *, enable_caching: bool = True,
+                 watermark: float = 0.0, record_events: bool = False, max_running: int = 1 << 30,
+                 config: Any = None):
+        self.pool = BlockPool(num_blocks, enable_caching, record_events)
+        self.block_size, self.max_model_len = block_size, max_model_len
+        self.enable_caching, self.max_running = enable_caching, max_running
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.held: dict[str, _Held] = {}
+        self.stats = PrefixCacheStats()
+        self.root_hash = none_hash()
+        self.clock = lambda: 0.0
+        self.stack = SimpleNamespace(memory=self, device="cpu", backend="torch", config=config)
+
+    # -- what memory is -------------------------------------------------------------------
+    @property
+    def page_size(self) -> int:
+        return self.block_size
+
+    @property
+    def size(self) -> int:
+        """Usable KV slots: every block but the null block."""
+        return (self.pool.num_blocks - 1) * self.block_size
+
+    @property
+    def sharing(self) -> bool:
+        return self.enable_caching
+
+    def usage(self) -> Usage:
+        """Tokens of free blocks without a hash, of cached free blocks, of cached held blocks."""
+        pool, bs = self.pool, self.block_size
+        free_cached = pool.num_cached_free
+        return Usage((pool.num_free_blocks - free_cached) * bs, free_cached * bs, (pool.num_cached - free_cached) * bs)
+
+    def held_pages(self, usage: Usage) -> int:
+        """Blocks held by requests (shared ones once)."""
+        return self.pool.num_blocks - 1 - self.pool.num_free_blocks
+
+    def vllm_usage(self) -> float:
+        """vLLM's reported KV-cache usage (held blocks over usable blocks)."""
+        return self.pool.usage()
+
+    def rows_in_use(self) -> int:
+        return sum(1 for held in self.held.values() if held.blocks)
+
+    @property
+    def in_use_tokens(self) -> int:
+        return self.held_pages(self.usage()) * self.block_size
+
+    # -- hashing --------------------------------------------------------------------------
+    def hash_request(self, req: Any) -> None:
+        """Extend `req.block_hashes` over its newly full blocks (vLLM's request block hasher)."""
+        tokens, hashes = req.all_token_ids, req.block_hashes
+        if (len(hashes) + 1) * self.block_size > len(tokens):
+            return
+        parent = hashes[-1] if hashes else None
+        hashes.extend(block_hashes(tokens, self.block_size, len(hashes), parent, req.extra_keys, self.root_hash))
+
+    # -- vLLM's verbs ---------------------------------------------------------------------
+    def get_computed_blocks(self, req: Any) -> tuple[list[Block], int]:
+        """The longest run of cached blocks within `num_tokens - 1` tokens, and its tokens."""
+        if not self.enable_caching or req.skip_reading_prefix_cache:
+            return [], 0
+        limit = (len(req.all_token_ids) - 1) // self.block_size
+        found, get = [], self.pool.get_cached_block
+        for block_hash in req.block_hashes[:limit]:
+            block = get(block_hash)
+            if block is None:
+                break
+            found.append(block)
+        return found, len(found) * self.block_size
+
+    def _blocks_to_allocate(self, held: Optional[_Held], num_tokens: int, new_computed: list[Block]) -> int:
+        required = cdiv(num_tokens, self.block_size)
+        have = len(held.blocks) if held is not None else 0
+        if held is not None and held.num_cached is not None:
+            return max(required - have, 0)
+        evictable = sum(1 for b in new_computed if b.ref_cnt == 0 and not b.is_null)
+        return max(required - (len(new_computed) + have), 0) + evictable
+
+    def allocate_slots(self, req: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: Optional[list[Block]] = None, num_lookahead_tokens: int = 0,
+                       full_sequence_must_fit: bool = False, has_scheduled_reqs: bool = True) -> Optional[list[Block]]:
+        """Blocks for `num_new_tokens` more tokens (after adopting the hit); None (nothing
+        taken) when they do not fit. Caches the request's blocks that became full."""
+        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+            raise IntegrityError(f"request {req.request_id}: allocate_slots of no tokens")
+        new_computed = new_computed_blocks or []
+        held = self.held.get(req.request_id)
+        local = req.num_computed_tokens + num_new_computed_tokens
+        total = min(local, self.max_model_len)
+        watermark = self.watermark_blocks if has_scheduled_reqs and req.status in ("waiting", "preempted") else 0
+        free = self.pool.num_free_blocks
+        if full_sequence_must_fit:
+            whole = min(len(req.all_token_ids), self.max_model_len)
+            if self._blocks_to_allocate(held, whole, new_computed) + watermark > free:
+                return None
+        need_slot = min(total + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        if self._blocks_to_allocate(held, need_slot, new_computed) + watermark > free:
+            return None
+        if held is None:
+            held = self.held[req.request_id] = _Held()
+        if new_computed_blocks is not None and held.num_cached is None:
+            if self.enable_caching:
+                self.pool.touch(new_computed)
+            held.blocks.extend(new_computed)
+            held.num_cached = len(held.blocks)
+        grow = cdiv(need_slot, self.block_size) - len(held.blocks)
+        new = self.pool.get_new_blocks(grow) if grow > 0 else []
+        held.blocks.extend(new)
+        if self.enable_caching:
+            self._cache_blocks(req, held, min(total + num_new_tokens, len(req.all_token_ids)))
+        return new
+
+    def cache_blocks(self, req: Any, num_tokens: int) -> None:
+        """Cache the request's blocks that are full within its first `num_tokens` tokens
+        (vLLM's `KVCacheManager.cache_blocks`, called when a step's output comes back)."""
+        held = self.held.get(req.request_id)
+        if self.enable_caching and held is not None:
+            self._cache_blocks(req, held, num_tokens)
+
+    def _cache_blocks(self, req: Any, held: _Held, num_tokens: int) -> None:
+        cached = held.num_cached or 0
+        full = min(num_tokens, len(req.block_hashes) * self.block_size) // self.block_size
+        if cached >= full:
+            if held.num_cached is None:
+                held.num_cached = cached
+            return
+        self.pool.cache_full_blocks(held.blocks, req.block_hashes, cached, full, self.block_size,
+                                    req.all_token_ids if self.pool.record_events else None, req.extra_keys)
+        held.num_cached = full
+
+    def free(self, req: Any) -> None:
+        """Give back the request's blocks, deepest first (hashed ones stay cached)."""
+        held = self.held.pop(req.request_id, None)
+        if held is not None:
+            self.pool.free_blocks(reversed(held.blocks))
+
+    def record_prefix_cache_stats(self, req: Any, num_hits: int) -> None:
+        if self.enable_caching and not req.skip_reading_prefix_cache:
+            self.stats.record(len(req.all_token_ids), num_hits, req.num_preemptions > 0)
+
+    def block_ids(self, req: Any) -> list[int]:
+        held = self.held.get(req.request_id)
+        return [] if held is None else [b.block_id for b in held.blocks]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    # -- what the tools read --------------------------------------------------------------
+    def checker(self, policy: Any) -> BlockChecker:
+        return BlockChecker(self, policy)
+
+    def check(self, holders: list) -> list:
+        """The full check: the pool's invariants, and every block's holders equal to the
+        requests that hold it (`holders`: the requests holding memory). Raises on a failure."""
+        problems = self.pool.check()
+        counts: dict[int, int] = {}
+        ids = {getattr(r, "request_id", None) for r in holders}
+        for rid, held in self.held.items():
+            if rid not in ids and held.blocks:
+                problems.append(f"request {rid} holds {len(held.blocks)} blocks but is not running")
+            for block in held.blocks:
+                if not block.is_null:
+                    counts[block.block_id] = counts.get(block.block_id, 0) + 1
+        for block in self.pool.blocks[1:]:
+            if block.ref_cnt != counts.get(block.block_id, 0):
+                problems.append(f"block {block.block_id}: {block.ref_cnt} holders counted, {counts.get(block.block_id, 0)} requests hold it")
+                break
+        if problems:
+            raise IntegrityError("block pool check failed: " + "; ".join(problems[:4]))
+        return [BlockCheck(len(self.held), len(counts), self.pool.num_free_blocks)]
+
+    def idle_state(self) -> dict:
+        u = self.usage()
+        ok = not self.held and u.protected == 0 and u.available + u.evictable == self.size
+        return {"ok": ok, "size": self.size, "available": u.available, "evictable": u.evictable,
+                "protected": u.protected, "rows_free": self.max_running - self.rows_in_use(), "rows": self.max_running,
+                "allocator_integrity": self.pool.check()}
+
+    def take_events(self) -> list:
+        return self.pool.take_events()
+
+    def take_evictions(self) -> list:
+        if not self.pool.evicted:
+            return []
+        out = [BlockEviction(self.block_size, 0.0, 0) for _ in self.pool.evicted]
+        self.pool.evicted.clear()
+        return out
+
+    def allocator_totals(self) -> tuple[int, int]:
+        return 0, 0
+
+    def host_tier(self) -> None:
+        return None
+
+    def finish_copies(self) -> None:
+        return None
+
+    def set_clock(self, clock) -> None:
+        self.clock = clock

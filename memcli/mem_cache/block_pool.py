@@ -1,0 +1,292 @@
+"""vLLM 0.33's block pool for one full-attention group: blocks, the cached-block map, the
+ordered free queue, and the chained block hashes its KV events carry.
+
+    pool = BlockPool(num_blocks)           block 0 is the null block (never handed out)
+    pool.get_new_blocks(n)                 from the head of the free queue; a cached block
+                                           popped there is evicted then (lazily)
+    pool.touch(blocks)                     a hit: blocks with no holder leave the queue
+    pool.free_blocks(blocks)               in eviction order: blocks reaching no holder go
+                                           to the head (no hash) or the tail (hashed)
+    pool.cache_full_blocks(...)            register a request's newly full blocks
+
+Keys are vLLM's: `sha256(pickle((parent hash or NONE_HASH, block tokens, extra keys)))`,
+32 bytes, with the group id appended as 4 big-endian bytes for the map. The map keeps
+duplicates (two blocks with one key) and serves the first inserted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
+
+from memcli.errors import IntegrityError
+
+NONE_HASH_SEED = "vllm-none-hash"  # vLLM's seed for sha256 when PYTHONHASHSEED is unset
+MEDIUM_GPU = "GPU"
+GROUP_ID = (0).to_bytes(4, "big")  # the one KV-cache group
+
+
+def sha256(value: Any) -> bytes:
+    """vLLM's default prefix-caching hash: SHA-256 of the highest-protocol pickle."""
+    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def none_hash() -> bytes:
+    """The parent hash of a first block: the hash of `PYTHONHASHSEED`, else of vLLM's seed."""
+    seed = os.getenv("PYTHONHASHSEED")
+    return sha256(NONE_HASH_SEED if seed is None else seed)
+
+
+def external_hash(block_hash: bytes) -> int:
+    """A block hash as vLLM's KV events carry it by default
+    (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`): the low 64 bits of its big-endian value."""
+    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, start: int = 0, parent: Optional[bytes] = None,
+                 first_extra: Optional[tuple] = None, root: Optional[bytes] = None) -> list[bytes]:
+    """Chained hashes of the full blocks of `tokens` from block `start` on; `parent` is the
+    hash of block `start - 1` (None for the first block, which then hashes `root`, the
+    none-hash), `first_extra` the extra keys of block 0 (vLLM's `("cache_salt", salt)`)."""
+    out = []
+    prev = parent if parent is not None else (root if root is not None else none_hash())
+    for i in range(start, len(tokens) // block_size):
+        extra = first_extra if i == 0 else None
+        prev = sha256((prev, tuple(tokens[i * block_size:(i + 1) * block_size]), extra))
+        out.append(prev)
+    return out
+
+
+class Block:
+    """One KV block: its holders (`ref_cnt`), its map key while cached, and its links in the
+    free queue (None when not in it)."""
+
+    __slots__ = ("block_id", "ref_cnt", "key", "prev", "next", "is_null")
+
+    def __init__(self, block_id: int):
+        self.block_id, self.ref_cnt, self.key = block_id, 0, None
+        self.prev: Optional[Block] = None
+        self.next: Optional[Block] = None
+        self.is_null = False
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.key is not None})"
+
+
+class FreeQueue:
+    """vLLM's free-block queue: a doubly linked list, head = next block handed out."""
+
+    def __init__(self, blocks: list[Block]):
+        self.head, self.tail = Block(-1), Block(-2)
+        self.num_free = 0
+        self.head.next, self.tail.prev = self.tail, self.head
+        self.append_n(blocks)
+
+    def popleft_n(self, n: int) -> list[Block]:
+        out, block = [], self.head.next
+        for _ in range(n):
+            if block is self.tail:
+                raise IntegrityError(f"free queue ran out after {len(out)} of {n} blocks")
+            out.append(block)
+            nxt = block.next
+            block.prev = block.next = None
+            block = nxt
+        self.head.next, block.prev = block, self.head
+        self.num_free -= n
+        return out
+
+    def remove(self, block: Block) -> None:
+        if block.prev is None:
+            raise IntegrityError(f"block {block.block_id} is not in the free queue")
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def append_n(self, blocks: list[Block]) -> None:
+        last = self.tail.prev
+        for block in blocks:
+            last.next, block.prev = block, last
+            last = block
+        last.next, self.tail.prev = self.tail, last
+        self.num_free += len(blocks)
+
+    def prepend_n(self, blocks: list[Block]) -> None:
+        first, prev = self.head.next, self.head
+        for block in blocks:
+            prev.next, block.prev = block, prev
+            prev = block
+        prev.next, first.prev = first, prev
+        self.num_free += len(blocks)
+
+    def ids(self) -> list[int]:
+        """Block ids from head to tail (O(queue); checks and tests)."""
+        out, block = [], self.head.next
+        while block is not self.tail:
+            out.append(block.block_id)
+            block = block.next
+        return out
+
+
+class Removed(NamedTuple):
+    """A cached block evicted when reused: its hash (without the group id) and its block."""
+
+    block_hash: bytes
+    block_id: int
+
+
+class BlockPool:
+    """`num_blocks` blocks (block 0 the null block), the cached map and the free queue.
+
+    `events`: KV events (`kv_events` stand-ins of vLLM's: stored / removed) when `record_events`.
+    `evicted`: hashes of cached blocks evicted by reuse since the caller last drained it.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False):
+        if num_blocks < 2:
+            raise IntegrityError(f"a block pool needs the null block and at least one more, got {num_blocks}")
+        self.num_blocks, self.enable_caching, self.record_events = num_blocks, enable_caching, record_events
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free = FreeQueue(self.blocks)
+        self.cached: dict[bytes, dict[int, Block]] = {}
+        self.null_block = self.free.popleft_n(1)[0]
+        self.null_block.is_null = True
+        self.events: list = []
+        self.evicted: list[Removed] = []
+        self.num_cached = 0  # blocks holding a hash
+        self.num_cached_free = 0  # of which in the free queue (evictable)
+
+    # -- lookups --------------------------------------------------------------------------
+    def get_cached_block(self, block_hash: bytes) -> Optional[Block]:
+        found = self.cached.get(block_hash + GROUP_ID)
+        return None if not found else next(iter(found.values()))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free.num_free
+
+    def usage(self) -> float:
+        """vLLM's KV-cache usage: 1 - free / (blocks - null block)."""
+        usable = self.num_blocks - 1
+        return 1.0 - self.free.num_free / usable if usable else 0.0
+
+    # -- hand-out, hits and frees ---------------------------------------------------------
+    def get_new_blocks(self, n: int) -> list[Block]:
+        if n > self.free.num_free:
+            raise IntegrityError(f"cannot get {n} free blocks from a pool with {self.free.num_free} free")
+        out = self.free.popleft_n(n)
+        for block in out:
+            if block.key is not None:
+                self.num_cached_free -= 1
+                self._evict(block)
+            if block.ref_cnt:
+                raise IntegrityError(f"block {block.block_id} was in the free queue with {block.ref_cnt} holders")
+            block.ref_cnt = 1
+        return out
+
+    def _evict(self, block: Block) -> None:
+        key = block.key
+        entry = self.cached.get(key)
+        if entry is not None and entry.pop(block.block_id, None) is not None:
+            if not entry:
+                del self.cached[key]
+            self.num_cached -= 1
+            self.evicted.append(Removed(key[:-4], block.block_id))
+            if self.record_events:
+                from memcli.mem_cache.kv_events import VllmBlockRemoved
+                self.events.append(VllmBlockRemoved([external_hash(key[:-4])], MEDIUM_GPU))
+        block.key = None
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                self.free.remove(block)
+                self.num_cached_free -= block.key is not None
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered: Iterable[Block]) -> None:
+        """Blocks in eviction order (the first evicted first)."""
+        first, last = [], []
+        for block in ordered:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                (first if block.key is None or not self.enable_caching else last).append(block)
+            elif block.ref_cnt < 0:
+                raise IntegrityError(f"block {block.block_id} freed more often than it was held")
+        self.free.prepend_n(first)
+        self.free.append_n(last)
+        if self.enable_caching:
+            self.num_cached_free += len(last)
+        else:
+            self.num_cached_free += sum(1 for b in first if b.key is not None)
+
+    # -- caching --------------------------------------------------------------------------
+    def cache_full_blocks(self, blocks: list[Block], hashes: Sequence[bytes], num_cached: int, num_full: int,
+                          block_size: int, token_ids: Optional[Sequence[int]] = None,
+                          first_extra: Optional[tuple] = None) -> None:
+        """Register `blocks[num_cached:num_full]` under `hashes[num_cached:num_full]`; with
+        events on, one stored event for them (`token_ids`: the request's tokens)."""
+        if num_cached >= num_full:
+            return
+        new_hashes = []
+        for i in range(num_cached, num_full):
+            block = blocks[i]
+            if block.is_null:
+                continue
+            key = hashes[i] + GROUP_ID
+            if block.key is not None:
+                raise IntegrityError(f"block {block.block_id} is cached twice")
+            entry = self.cached.setdefault(key, {})
+            if block.block_id not in entry:
+                block.key = key
+                entry[block.block_id] = block
+                self.num_cached += 1
+            new_hashes.append(external_hash(hashes[i]))
+        if self.record_events:
+            from memcli.mem_cache.kv_events import VllmBlockStored
+            parent = external_hash(hashes[num_cached - 1]) if num_cached else None
+            # Published untagged, one entry per block: a cache salt as (salt,).
+            salt = None if first_extra is None else tuple(key[1] for key in first_extra)
+            extra = [salt if i == 0 else None for i in range(num_cached, num_full)]
+            self.events.append(VllmBlockStored(
+                new_hashes, parent, list(token_ids[num_cached * block_size:num_full * block_size]), block_size,
+                MEDIUM_GPU, extra or None))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (only when no request holds one)."""
+        if self.num_blocks - self.free.num_free != 1:
+            return False
+        self.cached.clear()
+        for block in self.blocks:
+            block.key = None
+        self.num_cached = self.num_cached_free = 0
+        if self.record_events:
+            from memcli.mem_cache.kv_events import VllmAllBlocksCleared
+            self.events.append(VllmAllBlocksCleared())
+        return True
+
+    def take_events(self) -> list:
+        events, self.events = self.events, []
+        return events
+
+    def check(self) -> list[str]:
+        """The pool's own invariants (O(pool)): what is wrong, or nothing."""
+        problems = []
+        queued = self.free.ids()
+        if len(queued) != self.free.num_free or len(set(queued)) != len(queued):
+            problems.append(f"free queue holds {len(queued)} links for {self.free.num_free} free blocks")
+        in_queue = set(queued)
+        for block in self.blocks[1:]:
+            if (block.block_id in in_queue) != (block.ref_cnt == 0):
+                problems.append(f"block {block.block_id}: {block.ref_cnt} holders, in free queue: {block.block_id in in_queue}")
+        cached = [b for entry in self.cached.values() for b in entry.values()]
+        if len(cached) != self.num_cached or sum(b.ref_cnt == 0 for b in cached) != self.num_cached_free:
+            problems.append(f"cached-block counters {self.num_cached}/{self.num_cached_free} disagree with the map")
+        if any(b.key is None or b.is_null for b in cached) or 0 in in_queue:
+            problems.append("the map holds an unhashed or the null block, or the null block is queued")
+        return problems[:8]
