@@ -53,8 +53,9 @@ class Engine:
     check-page-size inspects); `scheduler(memory, config, hooks)` its scheduling policy over
     that memory. `make_req` / `make_batch` build a request and a static batch (bench-one-batch;
     None when the engine has none). `reference` runs the engine's real code beside memcli
-    step by step (`reference diff`; None without one); its `on_step(reference, memcli)` keyword
-    receives both sides' observations of every step (the step logs of `reference diff`). `profile`
+    step by step (`reference diff`; None without one); when `reference_steps`, its
+    `on_step(reference, memcli)` keyword receives both sides' observations of every step (the
+    step logs of `reference diff`). `profile`
     is the semantics profile that reproduces the engine, `semantics` the keys of `semantics.*` it
     reads. `limits` is what the engine does with requests past its limits
     (`memcli.capacity.LimitRule`: the requests it aborts at arrival or clips, as it would serving
@@ -74,3 +75,4 @@ class Engine:
     reference: Optional[Callable[..., Any]] = None
     limits: Optional[Callable[..., Any]] = None
     describe: Optional[Callable[[Config], tuple]] = None
+    reference_steps: bool = False  # `reference` takes `on_step` (both sides' step observations)

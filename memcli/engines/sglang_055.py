@@ -49,5 +49,6 @@ ENGINE = register(Engine(
     make_req=Req,
     make_batch=_batch,
     reference=_reference,
+    reference_steps=True,
     limits=max_req_len_cuts,  # SGLang's request limits; under request_limits: row, none (refused)
 ))

@@ -297,6 +297,11 @@ class BlockManager:
     def take_events(self) -> list:
         return self.pool.take_events()
 
+    @property
+    def evicted_tokens_total(self) -> int:
+        """Tokens of cached blocks evicted by reuse since the manager was built."""
+        return self.pool.num_evicted * self.block_size
+
     def take_evictions(self) -> list:
         if not self.pool.evicted:
             return []

@@ -154,6 +154,7 @@ class BlockPool:
         self.null_block.is_null = True
         self.events: list = []
         self.evicted: list[Removed] = []
+        self.num_evicted = 0  # cached blocks evicted by reuse, since the pool was built
         self.num_cached = 0  # blocks holding a hash
         self.num_cached_free = 0  # of which in the free queue (evictable)
 
@@ -192,6 +193,7 @@ class BlockPool:
             if not entry:
                 del self.cached[key]
             self.num_cached -= 1
+            self.num_evicted += 1
             self.evicted.append(Removed(key[:-4], block.block_id))
             if self.record_events:
                 from memcli.mem_cache.kv_events import VllmBlockRemoved

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from memcli.errors import StalledError
 from memcli.mem_cache.block_manager import BlockManager
-from memcli.steps import SchedulerHooks, SchedulerStats, StepRecord
+from memcli.steps import Event, SchedulerHooks, SchedulerStats, StepBatch, StepRecord
 from memcli.vllm_sched.request import (FINISHED_LENGTH, PREEMPTED, RUNNING, WAITING, VllmRequest)
 
 
@@ -60,6 +60,7 @@ class StepPlan:
         self.sampled: dict[str, int] = {}  # the token each request sampled
         self.block_ids: dict[str, list[int]] = {}  # blocks after scheduling (kept plans only)
         self.samples: list[VllmRequest] = []  # requests whose chunk completes: they sample one token
+        self.admitted_hits: dict[str, int] = {}  # prefix tokens reused by the requests admitted in this step
         self.cost_ms = 0.0
 
 
@@ -81,6 +82,9 @@ class VllmScheduler:
         self.processed: list[StepPlan] = []  # plans whose output this step processed (kept plans only)
         self.keep_plans = False
         self._seq = 0
+        self.events: list[Event] = []  # this step's events, when hooks.record_events (the caller clears it)
+        self._evicted_seen = 0
+        self._step_batch: Optional[StepBatch] = None  # the batch launched this step, when hooks.record_batches
 
     # -- requests in ----------------------------------------------------------------------
     def new_req(self, rid: str, input_ids, max_new_tokens: int, extra_key: Optional[str] = None,
@@ -93,6 +97,11 @@ class VllmScheduler:
 
     def add_request(self, req: VllmRequest) -> None:
         self.waiting.append(req)
+        self._event("arrive", req.request_id, req.num_prompt_tokens)
+
+    def _event(self, kind: str, rid: str, tokens: int = 0) -> None:
+        if self.hooks.record_events:
+            self.events.append(Event(self.step_count, self.clock_ms, kind, rid, tokens))
 
     def is_done(self) -> bool:
         return not self.waiting and not self.running and not self.in_flight
@@ -190,6 +199,10 @@ class VllmScheduler:
                 if self.settings.async_scheduling:
                     req.num_output_placeholders += 1
         plan.prefill_tokens = prefill_tokens
+        if self.hooks.record_batches and plan.reqs:
+            self._step_batch = StepBatch(tuple(r.request_id for r in plan.reqs),
+                                         tuple(plan.admitted_hits.get(r.request_id, 0) for r in plan.reqs),
+                                         tuple(plan.num_scheduled[r.request_id] for r in plan.reqs))
         if plan.reqs:
             sim = self.sim
             self.clock_ms += (sim.step_base_ms + sim.prefill_token_us * prefill_tokens / 1e3
@@ -255,6 +268,7 @@ class VllmScheduler:
         req.num_stale_output_tokens = req.num_in_flight_tokens
         req.num_output_placeholders = 0
         req.num_preemptions += 1
+        self._event("retract", req.request_id, req.num_prompt_tokens)
         self.stats.retractions += 1
         self.stats.retracted_requests += 1
         self.waiting.appendleft(req)
@@ -304,6 +318,8 @@ class VllmScheduler:
             plan.reqs.append(req)
             plan.num_scheduled[req.request_id] = n
             plan.hits += hit
+            plan.admitted_hits[req.request_id] = hit
+            self._event("admit", req.request_id, hit)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
@@ -346,12 +362,19 @@ class VllmScheduler:
         req.status, req.finished, req.finish_ms = FINISHED_LENGTH, True, self.clock_ms
         self.stats.finished += 1
         self.finished.append(req)
+        self._event("finish", req.request_id, len(req.output_ids))
 
     def _record(self, kind: str, batch_size: int, new_tokens: int) -> StepRecord:
         memory = self.memory
+        evicted = memory.evicted_tokens_total
+        if evicted > self._evicted_seen:
+            self._event("evict", "", evicted - self._evicted_seen)
+            self._evicted_seen = evicted
+        batch, self._step_batch = self._step_batch, None
         u = memory.usage()
         held = memory.held_pages(u)
         record = StepRecord(self.step_count, self.clock_ms, kind, batch_size, new_tokens, len(self.running),
-                            len(self.waiting), u.available, u.evictable, u.protected, held * memory.block_size, held)
+                            len(self.waiting), u.available, u.evictable, u.protected, held * memory.block_size, held,
+                            batch=batch)
         self.records.append(record)
         return record

@@ -69,3 +69,41 @@ def test_show_config_prints_vllms_blocks():
     doc = json.loads(result.stdout)
     assert doc["derived"]["num_gpu_blocks"] == 10_000 and doc["derived"]["usable_blocks"] == 9_999
     assert doc["semantics_in_force"]["event_loop"] == "async" and doc["config"]["memory"]["page_size"] == 16
+
+
+def test_the_step_log_and_the_timeline_of_a_vllm_run_add_up_to_its_document(tmp_path):
+    """The engine fills the engine-neutral step records (batches, events), so the step log
+    and the timeline are what they are for SGLang: checked here against the run's own document
+    on a pool small enough to preempt and evict."""
+    steps, timeline = tmp_path / "steps.jsonl", tmp_path / "timeline.json"
+    result = CliRunner().invoke(app, ["replay", "tests/data/conversation_head300.jsonl", "--engine", "vllm-0.33",
+                                      "--limit", "80", "--arrivals", "burst", "--set", "memory.max_total_tokens=90000",
+                                      "--set", "memory.max_context_len=88000", "--json", "--steps-out", str(steps),
+                                      "--timeline", str(timeline)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    log = [json.loads(line) for line in steps.read_text().splitlines()]
+    assert len(log) == doc["summary"]["steps"]
+    first: dict[str, int] = {}  # a request's first admission (the document counts those; re-admissions hit again)
+    for s in log:
+        for e in s["requests"]:
+            first.setdefault(e["rid"], e["cached"])
+    assert sum(first.values()) == doc["cached_tokens"] > 0
+    assert sum(e["cached"] for s in log for e in s["requests"]) > doc["cached_tokens"]  # preempted ones re-hit
+    assert sum(len(s["finished"]) for s in log) == doc["summary"]["finished"] == 80
+    assert sum(len(s["retracted"]) for s in log) == doc["scheduling"]["retracted_requests"] > 0
+    assert sum(s["evicted_tokens"] for s in log) == doc["eviction"]["tokens_evicted"] > 0
+    pool = doc["allocation"]["pool_tokens"]
+    assert all(s["used"] + s["evictable"] + s["protected"] + s["free"] == pool for s in log)
+    events = json.loads(timeline.read_text())["traceEvents"]
+    begun = [e for e in events if e["ph"] == "b" and e["name"].startswith("request ")]
+    ended = [e for e in events if e["ph"] == "e" and e["name"].startswith("request ")]
+    assert len(begun) == len(ended) == 80
+
+
+def test_reference_diff_refuses_step_logs_its_harness_does_not_observe(tmp_path):
+    result = CliRunner().invoke(app, ["reference", "diff", "tests/data/conversation_head300.jsonl", "--engine",
+                                      "vllm-0.33", "--limit", "3", "--steps-out", str(tmp_path / "s.jsonl")])
+    assert result.exit_code == 2
+    assert "not step logs" in result.output and "memcli replay TRACE --engine vllm-0.33" in result.output
+    assert not (tmp_path / "s.jsonl").exists()

@@ -54,6 +54,14 @@ def run_reference_diff(config: Config, trace_path: str, limit: Optional[int] = N
     if engine.reference is None:
         raise MemcliError(f"engine {engine.name} has no reference harness to diff against",
                           f"engines with one: {', '.join(n for n in engines.names() if engines.get(n).reference)}")
+    if not engine.reference_steps:
+        if steps_out is not None or reference_steps_out is not None:
+            raise MemcliError(f"--steps-out / --reference-steps-out: engine {engine.name}'s reference harness"
+                              " compares scheduled tokens, preemptions, finishes and block ids, not step logs",
+                              f"drop them, or write memcli's side with: memcli replay TRACE --engine {engine.name}"
+                              " --arrivals burst --steps-out FILE.jsonl")
+        diff = engine.reference(config, trace.requests, arrivals, output_token_base(trace), max_steps)
+        return ReferenceDiffResult(trace_path, limit, arrivals, config, diff, None)
     logs = BothLogs(config.pool_size, config.cache.kind == "hiradix")
     diff = engine.reference(config, trace.requests, arrivals, output_token_base(trace), max_steps, on_step=logs.on_step)
     logs.save(steps_out, reference_steps_out)
