@@ -27,6 +27,7 @@ def _load_builtin() -> None:
     if not _BUILTIN_LOADED:
         _BUILTIN_LOADED = True
         from memcli.engines import sglang_055  # noqa: F401  (registers itself)
+        from memcli.engines import sglang_0523  # noqa: F401
 
 
 def register(engine: Engine) -> Engine:

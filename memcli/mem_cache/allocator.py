@@ -184,7 +184,7 @@ class BaseAllocator:
         self._release, self._num_release = [], 0
 
     def free(self, indices: torch.Tensor, distinct_pages: bool = False, _grouped: bool = False, *,
-             owner: Any = None, op: str = "allocator.free") -> None:
+             owner: Any = None, op: str = "allocator.free", segment: bool = False) -> None:
         """Free KV slots. Paged: frees the whole page of every slot given (de-duplicated).
 
         `distinct_pages`: the caller guarantees that no two of `indices` share a page (one
@@ -197,6 +197,10 @@ class BaseAllocator:
         `memcli.mem_cache.integrity.owners`, a row, or one row per entry as an array), and the operation,
         when the caller frees them straight from their owner: the observer is told in one call
         (`taken_back`). The default (None) is a plain free of pages already released.
+
+        `segment` (SGLang 0.5.23's `free_segment`): `indices` are a page-aligned run of one
+        request row; paged, one slot per page is taken, and the pages go back in row order,
+        neither sorted nor de-duplicated.
         """
         if indices.numel() == 0:
             return
@@ -207,10 +211,13 @@ class BaseAllocator:
             # before then) is copied, as the int64 conversion the group's cat needs anyway.
             self._group.append(indices.reshape(-1).to(torch.int64))
             return
-        entries, divisor = self._freed_entries(indices, distinct_pages)
+        if segment and self.page_size > 1:
+            entries, divisor = indices.reshape(-1)[:: self.page_size], self.page_size
+        else:
+            entries, divisor = self._freed_entries(indices, distinct_pages)
         if self.ledger is not None and not _grouped:  # raises on a double free, or a free behind the owner's back
             if not isinstance(owner, np.ndarray):
-                self._observe_free(entries, distinct_pages, owner, op, divisor)
+                self._observe_free(entries, distinct_pages, owner, op, divisor, in_order=segment)
             else:
                 self._observe_free(indices, distinct_pages, owner, op)
         n = entries.numel()
@@ -232,7 +239,7 @@ class BaseAllocator:
             self.check_integrity().raise_if_failed()
 
     def _observe_free(self, indices: torch.Tensor, distinct_pages: bool, owner: Any, op: str,
-                      divisor: int = 0) -> None:
+                      divisor: int = 0, in_order: bool = False) -> None:
         """The observer's side of a free: the freed pages, from `owner`. `divisor` 0: `indices`
         are the caller's slots (not yet `_freed_entries`)."""
         if isinstance(owner, np.ndarray):  # one row per entry: the caller's order, one slot per page
@@ -243,7 +250,7 @@ class BaseAllocator:
         pages = indices // divisor if divisor > 1 else indices
         # Paged, the entries are sorted: de-duplicated by `unique`, or (the caller's word,
         # `distinct_pages`) checked by comparing neighbours, not with the scratch array.
-        self.ledger.taken_back(pages, owner, op, sorted_pages=self.page_size > 1)
+        self.ledger.taken_back(pages, owner, op, sorted_pages=self.page_size > 1 and not in_order)
 
     def free_group_begin(self) -> None:
         self._group = []
