@@ -166,7 +166,10 @@ class SemanticsConfig:
     chunked_prefix: Optional[Literal["deferred", "immediate", "deferred_row_kept"]] = None
     # When new requests are admitted: SGLang's `batch_is_full` flag (set when the pool or the
     # request limit is reached, cleared only when a batch shrinks) or a fresh budget every step.
-    admission_gate: Optional[Literal["batch_is_full", "every_step"]] = None
+    # batch_is_full_relaxed (SGLang 0.5.23): the flag also clears when the running batch is
+    # empty or loses finished requests (filtered every step); NO_TOKEN sets it only when
+    # something runs or was admitted.
+    admission_gate: Optional[Literal["batch_is_full", "every_step", "batch_is_full_relaxed"]] = None
     # The next piece of a chunked request: as long as the budget allows, or floored to a page.
     chunk_alignment: Optional[Literal["unaligned", "page"]] = None
     # The chunk cache's protected size: the prefix tokens of running requests, or zero.
@@ -272,7 +275,7 @@ SGLANG_0523_CHOICES: dict[str, str] = {
     "retract_batch_order": "victim_sort",
     "retract_free": "one_call",  # release_kv_cache [2.6]
     "chunked_prefix": "deferred_row_kept",  # stash_chunked_request [2.9]
-    "admission_gate": "batch_is_full",
+    "admission_gate": "batch_is_full_relaxed",  # get_next_batch_to_run's filter [2.9]
     "chunk_alignment": "unaligned",
     "chunk_cache_protected": "zero",
     "bench_decode_steps": "output_len_minus_1",

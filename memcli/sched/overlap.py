@@ -97,7 +97,7 @@ class OverlapLoop:
 
     def get_next_batch_to_run(self) -> tuple[Optional[str], Optional[ScheduleBatch]]:
         s = self.sched
-        s.cache_deferred_chunk(give_back_row=s.defer_chunk_caching)
+        s.cache_deferred_chunk(give_back_row=s.chunk_gives_back_row)
         last = self.last_batch
         if last is not None and self.last_kind == "prefill":
             keep = [i for i, r in enumerate(last.reqs) if not r.finished and r is not s.chunked_req]

@@ -60,8 +60,10 @@ class Scheduler:
         self.new_token_ratio = self.init_new_token_ratio
         self.retract_to_front = behaviour.retract_requeue == "front"
         self.retract_keep_victim_order = behaviour.retract_batch_order == "victim_sort"
-        self.defer_chunk_caching = behaviour.chunked_prefix == "deferred"
+        self.defer_chunk_caching = behaviour.chunked_prefix in ("deferred", "deferred_row_kept")
+        self.chunk_gives_back_row = behaviour.chunked_prefix == "deferred"
         self.align_chunks = behaviour.chunk_alignment == "page"
+        self.admission_reserve = behaviour.admission_reserve
         self.gate = AdmissionGate(behaviour.admission_gate, self.max_running)
         self.max_req_len = config.max_req_len
         self.chunk_to_cache: Req | None = None  # a chunk that enters the tree next step (deferred)
@@ -139,7 +141,7 @@ class Scheduler:
     def _iterate_normal(self) -> tuple[str, int, int]:
         """One iteration of `event_loop_normal`; returns (kind, batch size, new tokens)."""
         self.admit_arrivals()
-        self.cache_deferred_chunk()
+        self.cache_deferred_chunk(self.chunk_gives_back_row)
         batch = self.get_new_batch_prefill()
         if batch is not None:
             kind, bs, new_tokens = "prefill", batch.batch_size, batch.extend_num_tokens
@@ -226,7 +228,7 @@ class Scheduler:
         self.waiting = order_waiting(self.waiting, self.cfg.policy, self.memory)
         adder = PrefillAdder(self.memory, self.running.reqs, self.new_token_ratio,
                              self.cfg.max_prefill_tokens, self.cfg.chunked_prefill_size, self.page_size,
-                             self.cfg.max_new_tokens_clip, self.align_chunks)
+                             self.cfg.max_new_tokens_clip, self.align_chunks, self.admission_reserve)
         chunked_pending = self.chunked_req
         if chunked_pending is not None:
             chunked_pending.init_next_round_input(None)
@@ -234,12 +236,17 @@ class Scheduler:
             if added:
                 self.chunked_req = still
         for req in list(self.waiting):
+            if adder.reserve and adder.budget_state() == AddResult.OTHER:
+                break  # 0.5.23 checks the input and chunk budgets before each request
             if not gate.has_room(len(self.running.reqs), len(adder.can_run_list), self.chunked_req is not None):
                 break
             if not matched:
                 req.init_next_round_input(self.memory)
-            has_chunked = self.chunked_req is not None or adder.new_chunked_req is not None
-            result = adder.add_one_req(req, has_chunked)
+            if adder.reserve:
+                result = adder.add_one_req_budget(req)
+            else:
+                has_chunked = self.chunked_req is not None or adder.new_chunked_req is not None
+                result = adder.add_one_req(req, has_chunked)
             if req in adder.can_run_list:
                 self.waiting.remove(req)
             if result != AddResult.CONTINUE:

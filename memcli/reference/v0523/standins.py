@@ -8,6 +8,7 @@ placeholder class (a base class, an annotation, an `except` target) that raises
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, NamedTuple
 
 from memcli.reference.standins import StandInUsed
@@ -77,6 +78,8 @@ class SamplingBatchInfo:
 
     def __init__(self, size: int = 0):
         self.size = size
+        # no penalties: prepare_for_decode and retraction ask only `is_required`
+        self.penalizer_orchestrator = SimpleNamespace(is_required=False)
 
     @classmethod
     def from_schedule_batch(cls, batch: Any, vocab_size: int) -> "SamplingBatchInfo":

@@ -1,0 +1,79 @@
+"""Step-level differential: SGLang 0.5.23's loop over its own code vs memcli's scheduler under
+the `sglang-0.5.23` engine, step by step (`reference diff --engine sglang-0.5.23`).
+
+The reference runs whole in the 0.5.23 worker (`memcli.reference.v0523.loop`) and gives back
+its step observations; memcli's scheduler runs here (`memcli.reference.observe.MemcliSide`);
+the first step whose compared fields differ is the divergence.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Sequence
+
+from memcli.config import Config
+from memcli.errors import MemcliError
+from memcli.reference.observe import COMPARED, MemcliSide, StepDiff, StepObservation
+from memcli.workload.spec import RequestSpec
+
+CORE = "rust"  # SGLang's default tree core
+
+
+def _wire(spec: RequestSpec) -> list:
+    return [spec.rid, [int(t) for t in spec.input_ids()], spec.output_len, spec.extra_key, spec.arrival_ms]
+
+
+def _observation(raw: dict) -> StepObservation:
+    fields = {name: tuple(raw[name]) if isinstance(raw[name], list) else raw[name] for name in raw}
+    return StepObservation(**fields)
+
+
+def reference_steps(worker: Any, config: Config, requests: Sequence[RequestSpec], arrivals: str,
+                    output_token_base: int, max_steps: Optional[int] = None, core: str = CORE) -> list[StepObservation]:
+    raw = worker.call("replay", config=config.to_dict(), requests=[_wire(r) for r in requests], arrivals=arrivals,
+                      output_token_base=output_token_base, core=core, max_steps=max_steps)
+    return [_observation(step) for step in raw]
+
+
+def compare_steps(reference: list[StepObservation], config: Config, requests: Sequence[RequestSpec], arrivals: str,
+                  output_token_base: int, ref_s: float = 0.0) -> StepDiff:
+    mem = MemcliSide(config, requests, arrivals, output_token_base)
+    start = time.perf_counter()
+    for index, ref_obs in enumerate(reference):
+        if mem.is_done():
+            return StepDiff(index + 1, (ref_obs, ref_obs._replace(kind="done") if hasattr(ref_obs, "_replace")
+                                        else ref_obs), ref_s, time.perf_counter() - start, config.behaviour.event_loop)
+        mem_obs = mem.step()
+        if ref_obs.differing(mem_obs):
+            return StepDiff(index + 1, (ref_obs, mem_obs), ref_s, time.perf_counter() - start,
+                            config.behaviour.event_loop)
+    if not mem.is_done():
+        mem_obs = mem.step()
+        return StepDiff(len(reference) + 1, (mem_obs, mem_obs), ref_s, time.perf_counter() - start,
+                        config.behaviour.event_loop, failure="memcli's scheduler has steps left after SGLang finished")
+    return StepDiff(len(reference), None, ref_s, time.perf_counter() - start, config.behaviour.event_loop)
+
+
+def run_side_by_side_0523(config: Config, requests: Sequence[RequestSpec], arrivals: str, output_token_base: int,
+                          max_steps: Optional[int] = None, worker: Any = None) -> StepDiff:
+    from memcli.reference.v0523.client import Worker0523, unavailable_reason_0523
+
+    if config.behaviour.event_loop != "normal":
+        raise MemcliError("the SGLang 0.5.23 reference loop runs event_loop_normal only",
+                          "add --set semantics.event_loop=normal")
+    reason = unavailable_reason_0523()
+    if reason is not None:
+        raise MemcliError(f"the SGLang 0.5.23 reference cannot run here: {reason}")
+    own = worker is None
+    worker = worker or Worker0523()
+    try:
+        start = time.perf_counter()
+        reference = reference_steps(worker, config, requests, arrivals, output_token_base, max_steps)
+        ref_s = time.perf_counter() - start
+    finally:
+        if own:
+            worker.close()
+    return compare_steps(reference, config, requests, arrivals, output_token_base, ref_s)
+
+
+__all__ = ["COMPARED", "compare_steps", "reference_steps", "run_side_by_side_0523"]
