@@ -150,7 +150,7 @@ def evict_rule(behaviour: SemanticsConfig) -> EvictRule:
 
 
 # The radix cache's options for 0.5.23's unified tree (`radix_semantics`), which the host tier does not take.
-UNIFIED_TREE_OPTIONS = ("tree_stamps", "insert_hits", "free_order")
+UNIFIED_TREE_OPTIONS = ("tree_stamps", "insert_hits", "free_order", "prompt_split")
 
 
 def radix_semantics(behaviour: SemanticsConfig) -> dict[str, Any]:
@@ -158,7 +158,7 @@ def radix_semantics(behaviour: SemanticsConfig) -> dict[str, Any]:
     return {"lru_clock": behaviour.lru_clock, "split_stamp": behaviour.split_stamp,
             "count_hits": behaviour.lfu_hits == "count", "retract_free": behaviour.retract_free,
             "tree_stamps": behaviour.tree_stamps, "insert_hits": behaviour.lfu_hits == "insert",
-            "free_order": behaviour.free_order}
+            "free_order": behaviour.free_order, "prompt_split": behaviour.prompt_split}
 
 
 def make_host_pool(config: Config, device: torch.device, page_size: int) -> HostKVPool:

@@ -161,6 +161,7 @@ class BaseAllocator:
         self._num_release = 0
         self._in_use_pages = 0
         self._group: list[torch.Tensor] | None = None
+        self._group_segments: list[torch.Tensor] = []
         self.num_frees = 0  # calls that returned pages (a free group counts once)
         self.freed_tokens = 0
         if self.ledger is not None:
@@ -204,14 +205,24 @@ class BaseAllocator:
         """
         if indices.numel() == 0:
             return
+        paged_segment = segment and self.page_size > 1
         if self._group is not None:
             if self.ledger is not None:  # each call on its own: the group's cat would merge a double free
-                self._observe_free(indices, distinct_pages, owner, op)
+                if paged_segment:
+                    self._observe_free(indices.reshape(-1)[:: self.page_size], False, owner, op, self.page_size, True)
+                else:
+                    self._observe_free(indices, distinct_pages, owner, op)
             # Kept until the group ends: an int32 view of a request row (which may be reused
             # before then) is copied, as the int64 conversion the group's cat needs anyway.
-            self._group.append(indices.reshape(-1).to(torch.int64))
+            # Segments (0.5.23's free_page_ids_group): one slot per page, released after the rest.
+            if paged_segment:
+                self._group_segments.append(indices.reshape(-1)[:: self.page_size].to(torch.int64))
+            else:
+                self._group.append(indices.reshape(-1).to(torch.int64))
             return
-        if segment and self.page_size > 1:
+        if _grouped == "segments":
+            entries, divisor = indices, self.page_size
+        elif paged_segment:
             entries, divisor = indices.reshape(-1)[:: self.page_size], self.page_size
         else:
             entries, divisor = self._freed_entries(indices, distinct_pages)
@@ -254,11 +265,15 @@ class BaseAllocator:
 
     def free_group_begin(self) -> None:
         self._group = []
+        self._group_segments: list[torch.Tensor] = []
 
     def free_group_end(self) -> None:
         group, self._group = self._group, None
         if group:
             self.free(torch.cat(group), _grouped=True)  # the observer saw each call already
+        segments, self._group_segments = self._group_segments, []
+        if segments:  # in call order, in row order, in front of the pages just freed
+            self.free(torch.cat(segments), _grouped="segments")
 
     def backup_state(self) -> AllocatorState:
         release = torch.cat(self._release) if self._release else self._buf[:0].clone()

@@ -113,7 +113,7 @@ class RadixCache(BasePrefixCache):
                  device: Optional[torch.device | str] = None, disable: bool = False,
                  lru_clock: str = "simulated", split_stamp: str = "keep", count_hits: bool = True,
                  retract_free: str = "one_call", tree_stamps: str = "radix", insert_hits: bool = False,
-                 free_order: str = "sorted"):
+                 free_order: str = "sorted", prompt_split: str = "none"):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.req_to_token_pool = req_to_token_pool
@@ -142,6 +142,7 @@ class RadixCache(BasePrefixCache):
         self.unified = tree_stamps == "unified"
         self.insert_hits = insert_hits
         self._segment = {"segment": True} if free_order == "row" else {}  # allocator.free's keyword
+        self.split_prompt = prompt_split == "prompt"  # 0.5.23's checkpoint (tree_stamps="unified" only)
         self._now = 0.0  # the current operation's time on `clock`
         self.eviction_log: list[EvictionRecord] = []
         self.evicted_tokens_total = 0  # every token `evict` ever freed (never reset)
@@ -570,6 +571,8 @@ class RadixCache(BasePrefixCache):
         """
         if req.kv_freed:
             raise IntegrityError(f"cache_finished_req on request row {req.req_pool_idx} that was already freed")
+        if self.unified and not self.disable:
+            return self._release_unified(req, is_insert)
         ps, row, op = self.page_size, req.req_pool_idx, "cache_finished_req"
         allocated = req.kv_allocated_len
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :allocated].to(torch.int64)
@@ -611,6 +614,9 @@ class RadixCache(BasePrefixCache):
         if self.disable:
             req.kv.prefix_indices = kv
             return
+        if self.unified:
+            self._checkpoint_unified(req, fill_len)
+            return
         aligned = align_down(fill_len, ps)
         start = align_down(len(req.prefix_indices), ps)
         key = RadixKey(req.fill_ids[:aligned], req.extra_key)
@@ -634,6 +640,60 @@ class RadixCache(BasePrefixCache):
         req.kv.prefix_indices = torch.cat([new_indices, kv[tree_len:]])
         req.kv.last_node = node
         req.kv.last_matched_prefix_len = tree_len
+
+    # -- SGLang 0.5.23's request paths (checkpoint_into_tree, release_kv_cache) -----------
+
+    def _checkpoint_unified(self, req: Any, up_to: int) -> None:
+        """0.5.23's `checkpoint_into_tree`: insert the row's first `up_to` tokens (page-aligned;
+        the insert frees what duplicates the tree past the protected prefix), then, with
+        `split_prompt`, the prompt again (one priority up, freeing and counting nothing) so a
+        leaf that runs past the prompt splits at its page-aligned end; the row points at the
+        tree's slots, and the lock moves to the node the first insert ended on."""
+        ps, row_id = self.page_size, req.req_pool_idx
+        row = self.req_to_token_pool.req_to_token[row_id]
+        aligned = align_down(up_to, ps)
+        protected = len(req.prefix_indices) - len(req.prefix_indices) % ps
+        kv = row[:aligned].to(torch.int64)
+        key = RadixKey(req.token_ids(aligned), req.extra_key)
+        ledger = getattr(self.allocator, "ledger", None)
+        _, node = self.insert_unified(key, kv, protected, req.kv.cache_inserted_len, owner=row_id)
+        req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, aligned)
+        prompt = align_down(req.input_len, ps)
+        if self.split_prompt and 0 < prompt < aligned:
+            self.insert_unified(RadixKey(req.token_ids(prompt), req.extra_key), kv[:prompt], prompt, prompt)
+        new_indices = self._path_values(node)
+        if protected < aligned:
+            if ledger is not None:
+                ledger.move(kv[protected:aligned][new_indices[protected:] == kv[protected:aligned]], row_id, TREE,
+                            "checkpoint")
+            row[protected:aligned] = new_indices[protected:].to(row.dtype)
+            if ledger is not None:
+                ledger.wrote(row_id, protected, aligned)
+        self.inc_lock_ref(node)
+        self.dec_lock_ref(req.last_node)
+        req.kv.prefix_indices = torch.cat([new_indices, row[aligned:up_to].to(torch.int64)])
+        req.kv.last_node = node
+        req.kv.last_matched_prefix_len = aligned
+
+    def _path_values(self, node: TreeNode) -> torch.Tensor:
+        values = []
+        while node is not self.root:
+            values.append(node.value)
+            node = node.parent
+        return self._cat(values[::-1])
+
+    def _release_unified(self, req: Any, checkpoint: bool) -> None:
+        """0.5.23's `release_kv_cache`: with `checkpoint`, the row's committed tokens go into
+        the tree first; then the row is freed past its protected prefix in one segment."""
+        committed = min(req.kv_committed_len, req.kv_allocated_len)
+        if checkpoint:
+            self._checkpoint_unified(req, committed)
+        start = req.kv.last_matched_prefix_len
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_allocated_len].to(torch.int64)
+        self._free(row[start:], req.req_pool_idx, "release_kv_cache")
+        self.req_to_token_pool.free(req.req_pool_idx)
+        self.dec_lock_ref(req.last_node)
+        req.kv.kv_freed = True
 
     @staticmethod
     def _check_prefix_kept(req: Any, start: int, new_prefix_len: int) -> None:
