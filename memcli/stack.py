@@ -114,7 +114,8 @@ def build_stack(config: Config, cache_kind: str | None = None,
     check_footprint(config if cache_kind is None else replace(config, cache={"kind": cache_kind}), device)
     mem, model = config.memory, config.model
     size = config.pool_size
-    req_to_token_pool = ReqToTokenPool(mem.max_running_requests, config.req_to_token_cols, device)
+    req_to_token_pool = ReqToTokenPool(mem.max_running_requests, config.req_to_token_cols, device,
+                                       config.behaviour.row_order)
     kv_pool = KVPool(size, overrides.get("kv_pool", ps), model.num_layers, model.num_kv_heads, model.head_dim,
                      model.dtype, device, materialized=mem.kv_pool == "materialized")
     alloc_ps = overrides.get("allocator", ps)

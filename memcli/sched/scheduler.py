@@ -25,6 +25,10 @@ from memcli.steps import Event, SchedulerHooks, SchedulerStats, StepRecord
 
 __all__ = ["Event", "Scheduler", "SchedulerHooks", "SchedulerStats", "StepRecord"]
 
+# SGLang 0.5.23's waiting-prefix refresh (schedule_policy.py): every 32nd ordering, 128 requests.
+WAITING_PREFIX_REFRESH_INTERVAL = 32
+WAITING_PREFIX_REFRESH_MAX = 128
+
 
 class Scheduler:
     def __init__(self, memory: MemoryManager, config: Config, hooks: SchedulerHooks = SchedulerHooks()):
@@ -64,6 +68,9 @@ class Scheduler:
         self.chunk_gives_back_row = behaviour.chunked_prefix == "deferred"
         self.align_chunks = behaviour.chunk_alignment == "page"
         self.admission_reserve = behaviour.admission_reserve
+        self.refresh_waiting = (behaviour.waiting_prefix_refresh == "touch" and memory.sharing
+                                and config.cache.eviction_policy == "lru")
+        self._refresh_calls = 0
         self.gate = AdmissionGate(behaviour.admission_gate, self.max_running)
         self.max_req_len = config.max_req_len
         self.chunk_to_cache: Req | None = None  # a chunk that enters the tree next step (deferred)
@@ -226,6 +233,8 @@ class Scheduler:
             self.memory.ack_host_copies()
         matched = uses_lpm(self.waiting, self.cfg.policy, self.memory)
         self.waiting = order_waiting(self.waiting, self.cfg.policy, self.memory)
+        if self.refresh_waiting and not matched and self.waiting:
+            self._touch_waiting_prefixes()
         adder = PrefillAdder(self.memory, self.running.reqs, self.new_token_ratio,
                              self.cfg.max_prefill_tokens, self.cfg.chunked_prefill_size, self.page_size,
                              self.cfg.max_new_tokens_clip, self.align_chunks, self.admission_reserve)
@@ -258,6 +267,15 @@ class Scheduler:
             self._unstick()
             return None
         return self._prepare_prefill(adder.can_run_list, adder.log_hit_tokens, adder.log_input_tokens)
+
+    def _touch_waiting_prefixes(self) -> None:
+        """SGLang 0.5.23's `_touch_waiting_prefixes`: on the first and every 32nd ordering, the
+        prefixes of the first 128 waiting requests are touched in the LRU, the head last."""
+        refresh = self._refresh_calls % WAITING_PREFIX_REFRESH_INTERVAL == 0
+        self._refresh_calls += 1
+        if refresh:
+            for req in reversed(self.waiting[:WAITING_PREFIX_REFRESH_MAX]):
+                self.memory.touch_prefix(req.token_ids(req.seqlen), req.extra_key)
 
     def _unstick(self) -> None:
         """Nothing holds memory and the head request still cannot be admitted: the pool can

@@ -22,9 +22,9 @@ def _case(case):
 def test_steps_match_sglang_0523(worker0523, case):
     config, requests, base = _case(case)
     steps = reference_steps(worker0523, config, requests, case.arrivals, base)
-    finished = [rid for step in steps for rid in step.finished]
+    finished = [rid for step, _ in steps for rid in step.finished]
     assert sorted(finished, key=int) == sorted((r.rid for r in requests), key=int)
-    last = steps[-1]
+    last = steps[-1].obs
     assert last.available + last.evictable == config.pool_size and last.protected == 0
     diff = compare_steps(steps, config, requests, case.arrivals, base)
     assert diff.failure is None, diff.failure
@@ -37,5 +37,17 @@ def test_the_0523_engine_is_not_0055(worker0523):
     case = CASES[1]
     config, requests, base = _case(case)
     steps = reference_steps(worker0523, config, requests, case.arrivals, base)
-    old = replace(config, semantics={"engine": "sglang-0.5.5", "profile": "sglang-0.5.5", "event_loop": "normal"})
-    assert compare_steps(steps, old, requests, case.arrivals, base).divergence is not None
+    old = replace(config, semantics={"engine": "sglang-0.5.5", "profile": "sglang-0.5.5", "event_loop": "normal",
+                                     "row_order": "lifo_row0"})  # past the rows, which differ at step 0
+    diff = compare_steps(steps, old, requests, case.arrivals, base)
+    assert diff.divergence is not None and diff.steps < len(steps)
+
+
+def test_request_rows_are_0523s(worker0523):
+    """Rows come from the tail with row 0 reserved: memcli's FIFO rows are caught."""
+    case = CASES[3]
+    config, requests, base = _case(case)
+    steps = reference_steps(worker0523, config, requests, case.arrivals, base)
+    assert compare_steps(steps, config, requests, case.arrivals, base).failure is None
+    fifo = replace(config, semantics={**ENGINE, "row_order": "fifo"})
+    assert "request rows" in compare_steps(steps, fifo, requests, case.arrivals, base).failure

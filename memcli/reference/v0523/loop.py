@@ -236,6 +236,7 @@ class ReferenceLoop0523:
     def run_batch(self, batch: Any) -> list[int]:
         """The simulated forward (memcli's cost model); one fresh token per request."""
         sim = self.config.sim
+        self.step_rows = [int(r.kv.req_pool_idx) for r in batch.reqs]
         if batch.forward_mode.is_extend():
             kv_read = int(sum(batch.prefix_lens))
             self.clock_ms += (sim.step_base_ms + sim.prefill_token_us * batch.extend_num_tokens / 1e3
@@ -289,7 +290,9 @@ class ReferenceLoop0523:
             if self.step_kind == "prefill":
                 extend = tuple(int(v) for v in batch.extend_lens)
                 prefix = tuple(int(v) for v in batch.prefix_lens)
+        rows = self.step_rows if batch is not None else []
         return {"step": self.step_count - 1, "kind": self.step_kind, "rids": list(rids), "extend_lens": list(extend),
+                "rows": rows,
                 "prefix_lens": list(prefix), "out_cache_loc": list(loc), "evicted": self.step_evicted,
                 "retracted": self.step_retracted, "finished": self.step_finished,
                 "available": self.allocator.available_size(), "evictable": self.tree.evictable_size(),
