@@ -218,6 +218,14 @@ class SemanticsConfig:
     # (unified: a match stamps its path once at the end, the deepest node newest; a split's
     # upper node keeps the creation time and hits, its tail is restamped).
     tree_stamps: Optional[Literal["radix", "unified"]] = None
+    # Overlap loop: a request its in-flight result finishes by length is decoded once more
+    # (decode), or left out of the decode, which is skipped instead of retracting when memory
+    # is short while such requests exist (skip: 0.5.23's _reqs_finishing_inflight).
+    skip_finishing_decode: Optional[Literal["decode", "skip"]] = None
+    # Overlap loop: a released request's slot allocated by a batch in flight is freed when that
+    # batch's result comes (lagging: 0.5.5), or with the rest of its row at once (committed:
+    # 0.5.23 counts the slot committed when it is allocated, PR #12224).
+    overlap_release: Optional[Literal["lagging", "committed"]] = None
 
     def resolved(self) -> "SemanticsConfig":
         """The same section with every behaviour set: the override where one is set, else the
@@ -263,6 +271,8 @@ PROFILE_CHOICES: dict[str, dict[str, str]] = {
     "row_order": {"sglang-0.5.5": "fifo", "memcli": "fifo"},
     "free_order": {"sglang-0.5.5": "sorted", "memcli": "sorted"},
     "tree_stamps": {"sglang-0.5.5": "radix", "memcli": "radix"},
+    "skip_finishing_decode": {"sglang-0.5.5": "decode", "memcli": "decode"},
+    "overlap_release": {"sglang-0.5.5": "lagging", "memcli": "lagging"},
 }
 # SGLang 0.5.23's values (docs/FIDELITY.md; the reference page's sections in brackets).
 SGLANG_0523_CHOICES: dict[str, str] = {
@@ -291,6 +301,8 @@ SGLANG_0523_CHOICES: dict[str, str] = {
     "row_order": "lifo_row0",  # ReqToTokenPool [2.2]
     "free_order": "row",  # free_segment [2.1]
     "tree_stamps": "unified",  # UnifiedTreeCore [2.3]
+    "skip_finishing_decode": "skip",  # _reqs_finishing_inflight [2.9]
+    "overlap_release": "committed",  # release_kv_cache, kv_committed_len [2.6, 2.9]
 }
 for _key, _value in SGLANG_0523_CHOICES.items():
     PROFILE_CHOICES[_key]["sglang-0.5.23"] = _value
@@ -298,7 +310,7 @@ for _key, _value in SGLANG_0523_CHOICES.items():
 ENGINE_KEYS: dict[str, tuple[str, ...]] = {
     key: ("sglang-0.5.23",) for key in ("prompt_split", "waiting_prefix_refresh", "admission_reserve",
                                          "rem_input_gate", "chunk_progress", "row_order", "free_order",
-                                         "tree_stamps")
+                                         "tree_stamps", "skip_finishing_decode", "overlap_release")
 }
 
 

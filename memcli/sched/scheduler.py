@@ -68,6 +68,8 @@ class Scheduler:
         self.chunk_gives_back_row = behaviour.chunked_prefix == "deferred"
         self.align_chunks = behaviour.chunk_alignment == "page"
         self.admission_reserve = behaviour.admission_reserve
+        self.skip_finishing_decode = behaviour.skip_finishing_decode == "skip"
+        self.release_committed = behaviour.overlap_release == "committed"
         self.refresh_waiting = (behaviour.waiting_prefix_refresh == "touch" and memory.sharing
                                 and config.cache.eviction_policy == "lru")
         self._refresh_calls = 0

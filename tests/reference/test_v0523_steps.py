@@ -1,4 +1,4 @@
-"""Step-level differential against SGLang 0.5.23: its event_loop_normal over its own Req,
+"""Step-level differential against SGLang 0.5.23: both its loops over its own Req,
 ScheduleBatch, PrefillAdder, allocation.py, common.py and UnifiedRadixCache (Rust tree core),
 vs memcli's scheduler under the sglang-0.5.23 engine, on the bundled traces (the cases of the
 0.5.5 step tests): every step's batch, prefixes, slots, evictions, retractions, finishes and
@@ -13,14 +13,15 @@ from tests.reference.test_steps import CASES, _load
 ENGINE = {"engine": "sglang-0.5.23", "profile": "sglang-0.5.23", "event_loop": "normal"}
 
 
-def _case(case):
-    config, requests, base = _load(case, "normal")
-    return replace(config, semantics=ENGINE), requests, base
+def _case(case, event_loop="normal"):
+    config, requests, base = _load(case, event_loop)
+    return replace(config, semantics={**ENGINE, "event_loop": event_loop}), requests, base
 
 
+@pytest.mark.parametrize("event_loop", ["overlap", "normal"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_steps_match_sglang_0523(worker0523, case):
-    config, requests, base = _case(case)
+def test_steps_match_sglang_0523(worker0523, case, event_loop):
+    config, requests, base = _case(case, event_loop)
     steps = reference_steps(worker0523, config, requests, case.arrivals, base)
     finished = [rid for step, _ in steps for rid in step.finished]
     assert sorted(finished, key=int) == sorted((r.rid for r in requests), key=int)
@@ -51,3 +52,13 @@ def test_request_rows_are_0523s(worker0523):
     assert compare_steps(steps, config, requests, case.arrivals, base).failure is None
     fifo = replace(config, semantics={**ENGINE, "row_order": "fifo"})
     assert "request rows" in compare_steps(steps, fifo, requests, case.arrivals, base).failure
+
+
+def test_overlap_skips_the_decode_of_requests_finishing_in_flight(worker0523):
+    """0.5.5's overlap loop (one more decode of a request its in-flight result finishes) is caught."""
+    case = CASES[1]
+    config, requests, base = _case(case, "overlap")
+    steps = reference_steps(worker0523, config, requests, case.arrivals, base)
+    old = replace(config, semantics={**ENGINE, "event_loop": "overlap", "skip_finishing_decode": "decode",
+                                     "overlap_release": "lagging"})
+    assert compare_steps(steps, old, requests, case.arrivals, base).divergence is not None

@@ -10,9 +10,13 @@ those functions of 0.5.23; everything it drives is 0.5.23's own: `Req` (`init_ne
 `PrefillAdder` over `PrefillBudget`, `common.py`'s `checkpoint_kv_cache` / `release_kv_cache`,
 `UnifiedRadixCache` on the chosen tree core, the allocator and `ReqToTokenPool`.
 
+`OverlapReferenceLoop0523` is `event_loop_overlap` (SGLang's default): batch N+1 is launched
+before batch N's result is processed; decode leaves out the requests its queued result
+finishes by length (`_reqs_finishing_inflight`), and skips the step instead of retracting
+when memory is short while such requests exist.
+
 Left out, as in the 0.5.5 loop: mixed chunks, priorities, LoRA, grammars, PD, DP attention,
-speculative decoding, EOS (a request finishes at its `max_new_tokens`), the host tier, and
-the overlap loop (not written yet). Settings come from a memcli `Config` as for 0.5.5
+speculative decoding, EOS (a request finishes at its `max_new_tokens`), and the host tier. Settings come from a memcli `Config` as for 0.5.5
 (`memcli.reference.loop`); `run_reference_replay` returns one observation per step, in the
 terms of `memcli.reference.observe.StepObservation` (JSON).
 """
@@ -52,6 +56,7 @@ class ReferenceLoop0523:
         self.model_config = SimpleNamespace(vocab_size=VOCAB_SIZE, is_encoder_decoder=False, hidden_size=64,
                                             is_matryoshka=False, attention_chunk_size=None)
         self.spec = importlib.import_module("sglang.srt.speculative.spec_info").SpeculativeAlgorithm.NONE
+        self.enable_overlap = False
         self.max_running = mem.max_running_requests
         self.max_req_len = min(mem.max_context_len - 1, config.pool_size - 1)
         self.init_ratio = min(sched.init_new_token_ratio, 1.0)
@@ -205,18 +210,27 @@ class ReferenceLoop0523:
         if self.chunked_req is not None:
             self.chunked_req.inflight_middle_chunks += 1
         batch = self.ref.ScheduleBatch.init_new(can_run, self.req_to_token_pool, self.allocator, self.tree,
-                                                self.model_config, False, self.spec, chunked_req=self.chunked_req)
+                                                self.model_config, self.enable_overlap, self.spec,
+                                                chunked_req=self.chunked_req)
         batch.prepare_for_extend()
         batch.decoding_reqs = None
         return batch
 
+    def _reqs_finishing_inflight(self, batch: Any) -> list:
+        return []
+
     def update_running_batch(self, batch: Any) -> Optional[Any]:
         initial_bs = batch.batch_size()
-        batch.filter_batch(reqs_to_exclude=[])
+        finishing = self._reqs_finishing_inflight(batch)
+        batch.filter_batch(reqs_to_exclude=finishing)
         if batch.is_empty():
             batch.batch_is_full = False
             return batch
-        if not batch.check_decode_mem():
+        short = not batch.check_decode_mem()
+        if short and finishing:
+            batch.batch_is_full = False
+            return None
+        if short:
             retracted, self.new_token_ratio, aborted = batch.retract_decode()
             for req in retracted:
                 self.step_retracted.append(req.rid)
@@ -302,11 +316,49 @@ class ReferenceLoop0523:
                 "new_token_ratio": self.new_token_ratio}
 
 
+class OverlapReferenceLoop0523(ReferenceLoop0523):
+    """`ReferenceLoop0523` stepping `event_loop_overlap`."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.enable_overlap = True
+        self.result_queue: deque = deque()
+
+    def is_done(self) -> bool:
+        return super().is_done() and self.last_batch is None and not self.result_queue
+
+    def step(self) -> None:
+        self.step_evicted, self.step_retracted, self.step_finished = 0, [], []
+        self._recv_requests()
+        batch = self.get_next_batch_to_run()
+        self.step_kind = "idle" if batch is None else "prefill" if batch.forward_mode.is_extend() else "decode"
+        if batch is not None:
+            tokens = self.run_batch(batch)
+            self.result_queue.append((batch.copy(), tokens))
+        if self.last_batch is not None:
+            queued, tokens = self.result_queue.popleft()
+            self.process_batch_result(queued, tokens)
+        elif batch is None:
+            self.on_idle()
+        self.step_batch = self.last_batch = batch
+        self.step_count += 1
+
+    def _reqs_finishing_inflight(self, batch: Any) -> list:
+        """Requests of the queued (launched, unprocessed) batch whose result finishes them by length."""
+        if not self.result_queue:
+            return []
+        queued = set(self.result_queue[0][0].reqs)
+        return [r for r in batch.reqs if r in queued and r.next_output_finishes_by_length()]
+
+
 def run_reference_replay(ref: Any, config: dict, requests: list, arrivals: str = "burst",
                          output_token_base: int = 1 << 40, core: str = "rust",
                          max_steps: Optional[int] = None) -> list[dict]:
-    """Every step's observation until all requests finished (or `max_steps`)."""
-    loop = ReferenceLoop0523(ref, config_from_dict(config), requests, arrivals, output_token_base, core)
+    """Every step's observation until all requests finished (or `max_steps`), in the loop
+    `semantics.event_loop` names."""
+    config = config_from_dict(config)
+    cls = OverlapReferenceLoop0523 if config.behaviour.event_loop == "overlap" else ReferenceLoop0523
+    loop = cls(ref, config, requests, arrivals, output_token_base, core)
     out = []
     while not loop.is_done() and (max_steps is None or loop.step_count < max_steps):
         loop.step()
