@@ -354,7 +354,7 @@ class Config:
     def max_req_len(self) -> Optional[int]:
         """SGLang's longest request, `min(context_len - 1, max_total_num_tokens - 1)`, under
         `semantics.request_limits: max_req_len`; None under `row` (no such limit)."""
-        if self.behaviour.request_limits != "max_req_len":
+        if self.behaviour.request_limits not in SGLANG_LIMITS:
             return None
         return min(self.memory.max_context_len, self.pool_size) - 1
 
@@ -362,7 +362,7 @@ class Config:
         """The shortest `memory.max_context_len` (and pool) that runs a request whole: under
         SGLang's request limits, input + output two tokens under the context and the prompt
         `REQ_INPUT_MARGIN` + 1 under max_req_len; else input + output (one request row)."""
-        if self.behaviour.request_limits == "max_req_len":
+        if self.behaviour.request_limits in SGLANG_LIMITS:
             return max(input_len + output_len + 2, input_len + REQ_INPUT_MARGIN + 2)
         return input_len + output_len
 
@@ -379,6 +379,8 @@ class Config:
         return out
 
 
+# The request_limits values that apply SGLang's max_req_len (memory_clip clips further).
+SGLANG_LIMITS = ("max_req_len", "memory_clip")
 # SGLang aborts a prompt of `max_req_len - REQ_INPUT_MARGIN` tokens or more (max_req_input_len).
 REQ_INPUT_MARGIN = 5
 

@@ -39,12 +39,16 @@ def order_waiting(queue: list, policy: str, memory: MemoryManager) -> list:
 class PrefillAdder:
     def __init__(self, memory: MemoryManager, running_reqs: list, new_token_ratio: float,
                  max_prefill_tokens: int, chunked_prefill_size: int | None, page_size: int, clip: int,
-                 align_chunks: bool = True, budget: str = "none"):
+                 align_chunks: bool = True, budget: str = "none", chunk_instead: bool = False,
+                 full_chunk: bool = False):
         self.memory = memory
         self.align_chunks = align_chunks
-        # "page": SGLang 0.5.23's PrefillBudget (semantics.admission_reserve); the other
-        # 0.5.23 rules (rem_input_gate: chunk, chunk_progress: full_chunk) come with it.
+        # SGLang 0.5.23's PrefillBudget: one page per request (semantics.admission_reserve:
+        # page); with it, a long request chunked where 0.5.5 stopped (rem_input_gate: chunk)
+        # and a whole chunk for a continuation the budget leaves nothing (chunk_progress).
         self.reserve = page_size if budget == "page" else 0
+        self.chunk_instead = chunk_instead
+        self.full_chunk = full_chunk
         self.page_size = page_size
         self.clip = clip
         self.rem_input_tokens = max_prefill_tokens
@@ -90,7 +94,9 @@ class PrefillAdder:
         piece must progress to free its KV); one page reserved with it."""
         room = int(self.rem_total_tokens)
         if self.rem_chunk_tokens is not None:
-            room = min(room, self.rem_chunk_tokens) if room > 0 else self.rem_chunk_tokens
+            room = min(room, self.rem_chunk_tokens) if room > 0 or not self.full_chunk else self.rem_chunk_tokens
+        if room <= 0:
+            return req, False
         truncated = req.extend_input_len > room
         req.extend_input_len = min(req.extend_input_len, room)
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
@@ -118,7 +124,7 @@ class PrefillAdder:
         self._update_budget(req.extend_input_len, 0 if truncated else min(req.max_new_tokens, self.clip))
         return (req if truncated else None), True
 
-    def add_one_req_budget(self, req) -> AddResult:
+    def add_one_req_budget(self, req, has_chunked: bool = False) -> AddResult:
         """SGLang 0.5.23's admission (`_select_prefill_admission` over `PrefillBudget`): the
         prefix locked, prompt + expected output + one page must fit; with chunked prefill a
         request longer than the chunk budget is chunked (its end floored to a page), whatever
@@ -131,12 +137,13 @@ class PrefillAdder:
             memory.unlock(req.last_node)
             return AddResult.NO_TOKEN
         paged = align_up(extend, ps)
-        if self.rem_chunk_tokens is None and self.can_run_list and paged >= self.rem_input_tokens:
+        gate_input = self.rem_chunk_tokens is None or not self.chunk_instead
+        if gate_input and self.can_run_list and paged >= self.rem_input_tokens:
             memory.unlock(req.last_node)
             return AddResult.OTHER
         if self.rem_chunk_tokens is not None and paged > self.rem_chunk_tokens:
             extend = align_down(prefix + align_down(self.rem_chunk_tokens, ps), ps) - prefix
-            if extend <= 0:
+            if extend <= 0 or (has_chunked and not self.chunk_instead):
                 memory.unlock(req.last_node)
                 return AddResult.OTHER
             req.extend_input_len, max_new = extend, 0

@@ -16,6 +16,7 @@ from collections import deque
 
 from memcli.config import REQ_INPUT_MARGIN, Config
 from memcli.mem_cache.manager import MemoryManager, Release
+from memcli.mem_cache.pages import align_up
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.overlap import OverlapLoop
 from memcli.sched.progress import ProgressGuard
@@ -69,6 +70,9 @@ class Scheduler:
         self.align_chunks = behaviour.chunk_alignment == "page"
         self.admission_reserve = behaviour.admission_reserve
         self.skip_finishing_decode = behaviour.skip_finishing_decode == "skip"
+        self.memory_clip = behaviour.request_limits == "memory_clip"
+        self.chunk_instead = behaviour.rem_input_gate == "chunk"
+        self.full_chunk = behaviour.chunk_progress == "full_chunk"
         self.release_committed = behaviour.overlap_release == "committed"
         self.refresh_waiting = (behaviour.waiting_prefix_refresh == "touch" and memory.sharing
                                 and config.cache.eviction_policy == "lru")
@@ -178,6 +182,10 @@ class Scheduler:
                     self._abort_waiting(req)
                     continue
                 req.max_new_tokens = min(req.max_new_tokens, limit - req.input_len - 1)
+                if self.memory_clip:  # 0.5.23's max_new_tokens_for_memory
+                    ps = self.page_size
+                    room = self.memory.size - align_up(req.input_len, ps) - ps - 1
+                    req.max_new_tokens = max(0, min(req.max_new_tokens, room))
             self.waiting.append(req)
 
     def cache_deferred_chunk(self, give_back_row: bool = True) -> None:
@@ -239,7 +247,8 @@ class Scheduler:
             self._touch_waiting_prefixes()
         adder = PrefillAdder(self.memory, self.running.reqs, self.new_token_ratio,
                              self.cfg.max_prefill_tokens, self.cfg.chunked_prefill_size, self.page_size,
-                             self.cfg.max_new_tokens_clip, self.align_chunks, self.admission_reserve)
+                             self.cfg.max_new_tokens_clip, self.align_chunks, self.admission_reserve,
+                             self.chunk_instead, self.full_chunk)
         chunked_pending = self.chunked_req
         if chunked_pending is not None:
             chunked_pending.init_next_round_input(None)
@@ -253,10 +262,10 @@ class Scheduler:
                 break
             if not matched:
                 req.init_next_round_input(self.memory)
+            has_chunked = self.chunked_req is not None or adder.new_chunked_req is not None
             if adder.reserve:
-                result = adder.add_one_req_budget(req)
+                result = adder.add_one_req_budget(req, has_chunked)
             else:
-                has_chunked = self.chunked_req is not None or adder.new_chunked_req is not None
                 result = adder.add_one_req(req, has_chunked)
             if req in adder.can_run_list:
                 self.waiting.remove(req)
