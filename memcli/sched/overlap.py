@@ -106,6 +106,11 @@ class OverlapLoop:
             last.filter_batch(keep)
             if last.reqs:
                 s.running.merge_batch(last)
+        if s.gate.relaxed:  # 0.5.23 filters the running batch every step: finished requests leave now
+            before = len(s.running.reqs)
+            s.running.filter_batch()
+            if len(s.running.reqs) < before:
+                s.gate.shrank()
         batch = s.get_new_batch_prefill()
         if batch is not None:
             return "prefill", batch
