@@ -38,7 +38,7 @@ def check_fits(config: Config, requests: Sequence[RequestSpec], source: str | Pa
     The hint's values hold every request given (the largest need), so that following it is
     enough."""
     ps, pool, context = config.page_size, config.pool_size, config.memory.max_context_len
-    sglang = config.behaviour.request_limits == "max_req_len"
+    sglang = config.behaviour.request_limits in ("max_req_len", "memory_clip")
     for index, spec in enumerate(requests):
         need = spec.input_len + spec.output_len
         whole = config.context_need(spec.input_len, spec.output_len)

@@ -127,12 +127,12 @@ class RuntimeConfig:
     seed: int = 0
 
 
-PROFILES = ("sglang-0.5.5", "memcli")
+PROFILES = ("sglang-0.5.5", "memcli", "sglang-0.5.23")
 
 
 @dataclass(frozen=True)
 class SemanticsConfig:
-    """Which stack the replay describes: SGLang 0.5.5 step for step, or memcli's improvements.
+    """Which stack the replay describes: SGLang 0.5.5 or 0.5.23 step for step, or memcli's improvements.
 
     `profile` picks a value for every behaviour below; a behaviour set here (not null)
     overrides the profile's choice. `PROFILE_CHOICES` gives each profile's values, and
@@ -141,7 +141,8 @@ class SemanticsConfig:
 
     # The engine the stack reproduces (`memcli.engines`; an unknown name is refused with the list).
     engine: str = "sglang-0.5.5"
-    profile: Literal["sglang-0.5.5", "memcli"] = "sglang-0.5.5"
+    # An engine's own profile carries its name; `--engine NAME` selects it too (cli.options.with_engine).
+    profile: Literal["sglang-0.5.5", "memcli", "sglang-0.5.23"] = "sglang-0.5.5"
     # Eviction when the free list is short: evict the whole need, or only the shortfall.
     evict_amount: Optional[Literal["full_need", "shortfall"]] = None
     # Pages an extend batch is assumed to open before evicting: one extra per request, or the exact count.
@@ -149,8 +150,10 @@ class SemanticsConfig:
     # A node split: the cut-off tail keeps the access time the walk just gave it, and the new
     # upper node is stamped fresh (refresh); or both keep the node's old times (keep).
     split_stamp: Optional[Literal["refresh", "keep"]] = None
-    # Hit counts for LFU: never counted (SGLang's plain radix cache: LFU orders as LRU) or counted per match.
-    lfu_hits: Optional[Literal["never", "count"]] = None
+    # Hit counts for LFU: never counted (SGLang 0.5.5's radix cache: LFU orders as LRU), counted
+    # per match (count), or once per request on each node its insert walks past what it had
+    # already inserted (insert: SGLang 0.5.23).
+    lfu_hits: Optional[Literal["never", "count", "insert"]] = None
     # Access and creation stamps: a logical clock that ticks at every stamp (one reading per
     # node, in the reference's order), or the simulated clock (one time per operation).
     lru_clock: Optional[Literal["logical", "simulated"]] = None
@@ -163,10 +166,14 @@ class SemanticsConfig:
     retract_free: Optional[Literal["two_calls", "one_call"]] = None
     # A non-final prefill chunk goes into the tree, and gives back its request row, at the
     # start of the next step (deferred), or in the step's own result processing, keeping its row.
-    chunked_prefix: Optional[Literal["deferred", "immediate"]] = None
+    # deferred_row_kept (SGLang 0.5.23): deferred, and the request keeps its row between pieces.
+    chunked_prefix: Optional[Literal["deferred", "immediate", "deferred_row_kept"]] = None
     # When new requests are admitted: SGLang's `batch_is_full` flag (set when the pool or the
     # request limit is reached, cleared only when a batch shrinks) or a fresh budget every step.
-    admission_gate: Optional[Literal["batch_is_full", "every_step"]] = None
+    # batch_is_full_relaxed (SGLang 0.5.23): the flag also clears when the running batch is
+    # empty or loses finished requests (filtered every step); NO_TOKEN sets it only when
+    # something runs or was admitted.
+    admission_gate: Optional[Literal["batch_is_full", "every_step", "batch_is_full_relaxed"]] = None
     # The next piece of a chunked request: as long as the budget allows, or floored to a page.
     chunk_alignment: Optional[Literal["unaligned", "page"]] = None
     # The chunk cache's protected size: the prefix tokens of running requests, or zero.
@@ -186,7 +193,43 @@ class SemanticsConfig:
     # Request lengths: SGLang's limits (max_req_len = min(context, pool) - 1; a request's output
     # is clipped to max_req_len - input - 1 at arrival, a prompt of max_req_len - 5 tokens or
     # more is aborted), or row (a request fits when input + output fits a request row).
-    request_limits: Optional[Literal["max_req_len", "row"]] = None
+    # memory_clip (SGLang 0.5.23): max_req_len, then also max_new <= pool - ceil_page(input) - page - 1.
+    request_limits: Optional[Literal["max_req_len", "row", "memory_clip"]] = None
+    # -- keys of SGLang 0.5.23 (ENGINE_KEYS: only that engine reads them) --------------------
+    # A finished request's insert: one leaf for prompt + output (none), or the prompt inserted
+    # again right after, so the leaf splits at the page-aligned prompt end (prompt).
+    prompt_split: Optional[Literal["none", "prompt"]] = None
+    # FCFS under lru: nothing (off), or the prefixes of the first 128 waiting requests touched
+    # in the LRU, head last, on the first and every 32nd ordering (touch).
+    waiting_prefix_refresh: Optional[Literal["off", "touch"]] = None
+    # Admission: no reserve (none), or one page per admitted request in the pool check and
+    # in the budget it charges (page: SGLang 0.5.23's PrefillBudget).
+    admission_reserve: Optional[Literal["none", "page"]] = None
+    # A request longer than the input budget: stopped even with chunked prefill (stop), or
+    # chunked to the chunk budget (chunk; the stop stays without chunked prefill).
+    rem_input_gate: Optional[Literal["stop", "chunk"]] = None
+    # The next piece of a chunked request with no budget left: not scheduled (budget), or a
+    # whole chunk (full_chunk: the piece must progress to free its KV).
+    chunk_progress: Optional[Literal["budget", "full_chunk"]] = None
+    # Request rows: from the head of the free list, rows 0..n-1 (fifo), or from its tail,
+    # rows 1..n with row 0 reserved for padding (lifo_row0).
+    row_order: Optional[Literal["fifo", "lifo_row0"]] = None
+    # Paged frees of tree evictions, insert duplicates and releases: the pages sorted and
+    # de-duplicated (sorted), or one slot per page in row order (row: 0.5.23's free_segment).
+    free_order: Optional[Literal["sorted", "row"]] = None
+    # The tree's stamps: SGLang 0.5.5's RadixCache (radix: every node a match passes is
+    # stamped as it is walked; a split's upper node is new) or 0.5.23's UnifiedTreeCore
+    # (unified: a match stamps its path once at the end, the deepest node newest; a split's
+    # upper node keeps the creation time and hits, its tail is restamped).
+    tree_stamps: Optional[Literal["radix", "unified"]] = None
+    # Overlap loop: a request its in-flight result finishes by length is decoded once more
+    # (decode), or left out of the decode, which is skipped instead of retracting when memory
+    # is short while such requests exist (skip: 0.5.23's _reqs_finishing_inflight).
+    skip_finishing_decode: Optional[Literal["decode", "skip"]] = None
+    # Overlap loop: a released request's slot allocated by a batch in flight is freed when that
+    # batch's result comes (lagging: 0.5.5), or with the rest of its row at once (committed:
+    # 0.5.23 counts the slot committed when it is allocated, PR #12224).
+    overlap_release: Optional[Literal["lagging", "committed"]] = None
 
     def resolved(self) -> "SemanticsConfig":
         """The same section with every behaviour set: the override where one is set, else the
@@ -226,7 +269,60 @@ PROFILE_CHOICES: dict[str, dict[str, str]] = {
     "host_pool_floor": {"sglang-0.5.5": "above_device", "memcli": "any"},
     "hicache_ack": {"sglang-0.5.5": "prefill_attempt", "memcli": "every_step"},
     "request_limits": {"sglang-0.5.5": "max_req_len", "memcli": "row"},
+    "prompt_split": {"sglang-0.5.5": "none", "memcli": "none"},
+    "waiting_prefix_refresh": {"sglang-0.5.5": "off", "memcli": "off"},
+    "admission_reserve": {"sglang-0.5.5": "none", "memcli": "none"},
+    "rem_input_gate": {"sglang-0.5.5": "stop", "memcli": "stop"},
+    "chunk_progress": {"sglang-0.5.5": "budget", "memcli": "budget"},
+    "row_order": {"sglang-0.5.5": "fifo", "memcli": "fifo"},
+    "free_order": {"sglang-0.5.5": "sorted", "memcli": "sorted"},
+    "tree_stamps": {"sglang-0.5.5": "radix", "memcli": "radix"},
+    "skip_finishing_decode": {"sglang-0.5.5": "decode", "memcli": "decode"},
+    "overlap_release": {"sglang-0.5.5": "lagging", "memcli": "lagging"},
 }
+# SGLang 0.5.23's values (docs/FIDELITY.md; the reference page's sections in brackets).
+SGLANG_0523_CHOICES: dict[str, str] = {
+    "evict_amount": "shortfall",  # evict_to_free_tokens [2.1]
+    "page_estimate": "one_per_request",
+    "split_stamp": "refresh",  # the tail is restamped [2.3]
+    "lfu_hits": "insert",  # _inc_hit_count_and_check [2.3]
+    "lru_clock": "logical",  # SGLang's own logical counter [2.3]
+    "retract_requeue": "back",
+    "retract_batch_order": "victim_sort",
+    "retract_free": "one_call",  # release_kv_cache [2.6]
+    "chunked_prefix": "deferred_row_kept",  # stash_chunked_request [2.9]
+    "admission_gate": "batch_is_full_relaxed",  # get_next_batch_to_run's filter [2.9]
+    "chunk_alignment": "unaligned",
+    "chunk_cache_protected": "zero",
+    "bench_decode_steps": "output_len_minus_1",
+    "event_loop": "overlap",
+    "host_pool_floor": "any",  # a warning [2.5]
+    "hicache_ack": "every_step",  # _process_hicache_events [2.5]
+    "request_limits": "memory_clip",  # max_new_tokens_for_memory [2.10]
+    "prompt_split": "prompt",  # checkpoint_into_tree [2.3]
+    "waiting_prefix_refresh": "touch",  # _touch_waiting_prefixes [2.8]
+    "admission_reserve": "page",  # PrefillBudget.reserve [2.8]
+    "rem_input_gate": "chunk",  # _select_prefill_admission [2.8]
+    "chunk_progress": "full_chunk",  # available_chunk_tokens [2.8]
+    "row_order": "lifo_row0",  # ReqToTokenPool [2.2]
+    "free_order": "row",  # free_segment [2.1]
+    "tree_stamps": "unified",  # UnifiedTreeCore [2.3]
+    "skip_finishing_decode": "skip",  # _reqs_finishing_inflight [2.9]
+    "overlap_release": "committed",  # release_kv_cache, kv_committed_len [2.6, 2.9]
+}
+for _key, _value in SGLANG_0523_CHOICES.items():
+    PROFILE_CHOICES[_key]["sglang-0.5.23"] = _value
+# Keys only some engines read: a document of another engine leaves them out while unset.
+ENGINE_KEYS: dict[str, tuple[str, ...]] = {
+    key: ("sglang-0.5.23",) for key in ("prompt_split", "waiting_prefix_refresh", "admission_reserve",
+                                         "rem_input_gate", "chunk_progress", "row_order", "free_order",
+                                         "tree_stamps", "skip_finishing_decode", "overlap_release")
+}
+
+
+def engine_reads(key: str, engine: str) -> bool:
+    """Whether `engine` reads the semantics key `key` (every engine reads the shared keys)."""
+    return engine in ENGINE_KEYS.get(key, (engine,))
 
 
 @dataclass(frozen=True)
@@ -264,7 +360,7 @@ class Config:
     def max_req_len(self) -> Optional[int]:
         """SGLang's longest request, `min(context_len - 1, max_total_num_tokens - 1)`, under
         `semantics.request_limits: max_req_len`; None under `row` (no such limit)."""
-        if self.behaviour.request_limits != "max_req_len":
+        if self.behaviour.request_limits not in SGLANG_LIMITS:
             return None
         return min(self.memory.max_context_len, self.pool_size) - 1
 
@@ -272,7 +368,7 @@ class Config:
         """The shortest `memory.max_context_len` (and pool) that runs a request whole: under
         SGLang's request limits, input + output two tokens under the context and the prompt
         `REQ_INPUT_MARGIN` + 1 under max_req_len; else input + output (one request row)."""
-        if self.behaviour.request_limits == "max_req_len":
+        if self.behaviour.request_limits in SGLANG_LIMITS:
             return max(input_len + output_len + 2, input_len + REQ_INPUT_MARGIN + 2)
         return input_len + output_len
 
@@ -282,8 +378,11 @@ class Config:
         return self.memory.max_context_len + 4
 
     def to_dict(self) -> dict[str, Any]:
-        """Every key, except vLLM's own keys while unset (documents of other engines stay as they were)."""
+        """Every key, except the unset semantics keys that the config's engine does not read
+        and vLLM's own keys while unset (documents of other engines stay as they were)."""
         out = dataclasses.asdict(self)
+        engine = self.semantics.engine
+        out["semantics"] = {k: v for k, v in out["semantics"].items() if v is not None or engine_reads(k, engine)}
         for key in VLLM_ONLY_KEYS:
             section, name = key.split(".")
             if out[section][name] is None:
@@ -300,6 +399,8 @@ ENGINE_DEFAULTS = {"vllm-0.33": {"memory.page_size": (1, 16), "semantics.request
 VLLM_ONLY_KEYS = ("scheduler.max_num_batched_tokens", "scheduler.max_num_seqs", "scheduler.long_prefill_token_threshold")
 
 
+# The request_limits values that apply SGLang's max_req_len (memory_clip clips further).
+SGLANG_LIMITS = ("max_req_len", "memory_clip")
 # SGLang aborts a prompt of `max_req_len - REQ_INPUT_MARGIN` tokens or more (max_req_input_len).
 REQ_INPUT_MARGIN = 5
 
@@ -401,6 +502,7 @@ def config_from_dict(raw: Any, source: str = "config") -> Config:
         if key not in classes:
             raise ConfigError(f"unknown config section {key!r} in {source}", hint=f"valid sections: {', '.join(SECTIONS)}")
     sections = {name: _build_section(name, cls, raw.get(name)) for name, cls in classes.items()}
+    sections["semantics"] = _profile_of_engine(sections["semantics"])
     for key, (unset, value) in ENGINE_DEFAULTS.get(sections["semantics"].engine, {}).items():
         section, name = key.split(".")
         if getattr(sections[section], name) == unset:
@@ -408,6 +510,16 @@ def config_from_dict(raw: Any, source: str = "config") -> Config:
     config = Config(**sections)
     validate(config)
     return config
+
+
+def _profile_of_engine(semantics: SemanticsConfig) -> SemanticsConfig:
+    """An engine's own profile follows the engine: with `engine: sglang-0.5.23`, a profile
+    naming another engine (`sglang-0.5.5`, as the built-in configs say) becomes the engine's;
+    `memcli` (and an engine without a profile of its own) is kept."""
+    engine, profile = semantics.engine, semantics.profile
+    if engine in PROFILES and profile not in ("memcli", engine):
+        return dataclasses.replace(semantics, profile=engine)
+    return semantics
 
 
 class Range(NamedTuple):

@@ -114,7 +114,8 @@ def build_stack(config: Config, cache_kind: str | None = None,
     check_footprint(config if cache_kind is None else replace(config, cache={"kind": cache_kind}), device)
     mem, model = config.memory, config.model
     size = config.pool_size
-    req_to_token_pool = ReqToTokenPool(mem.max_running_requests, config.req_to_token_cols, device)
+    req_to_token_pool = ReqToTokenPool(mem.max_running_requests, config.req_to_token_cols, device,
+                                       config.behaviour.row_order)
     kv_pool = KVPool(size, overrides.get("kv_pool", ps), model.num_layers, model.num_kv_heads, model.head_dim,
                      model.dtype, device, materialized=mem.kv_pool == "materialized")
     alloc_ps = overrides.get("allocator", ps)
@@ -149,10 +150,16 @@ def evict_rule(behaviour: SemanticsConfig) -> EvictRule:
                      page_per_request=behaviour.page_estimate == "one_per_request")
 
 
+# The radix cache's options for 0.5.23's unified tree (`radix_semantics`), which the host tier does not take.
+UNIFIED_TREE_OPTIONS = ("tree_stamps", "insert_hits", "free_order", "prompt_split")
+
+
 def radix_semantics(behaviour: SemanticsConfig) -> dict[str, Any]:
     """The radix cache's constructor options for the behaviours in force."""
     return {"lru_clock": behaviour.lru_clock, "split_stamp": behaviour.split_stamp,
-            "count_hits": behaviour.lfu_hits == "count", "retract_free": behaviour.retract_free}
+            "count_hits": behaviour.lfu_hits == "count", "retract_free": behaviour.retract_free,
+            "tree_stamps": behaviour.tree_stamps, "insert_hits": behaviour.lfu_hits == "insert",
+            "free_order": behaviour.free_order, "prompt_split": behaviour.prompt_split}
 
 
 def make_host_pool(config: Config, device: torch.device, page_size: int) -> HostKVPool:
@@ -191,7 +198,8 @@ def make_hiradix_cache(config: Config, req_to_token_pool: ReqToTokenPool, alloca
     controller = CacheController(allocator, host_pool, cache.write_policy, config.model.bytes_per_token,
                                  config.sim.host_bandwidth_gbps, config.sim.host_latency_us, kv_pool=kv_pool)
     semantics = radix_semantics(behaviour)
-    semantics.pop("count_hits")
+    for key in ("count_hits", *UNIFIED_TREE_OPTIONS):  # the host tier runs on 0.5.5's tree
+        semantics.pop(key)
     return HiRadixCache(req_to_token_pool, allocator, page_size, host_pool, write_policy=cache.write_policy,
                         load_back_threshold=cache.load_back_threshold, controller=controller,
                         host_floor=behaviour.host_pool_floor, eviction_policy=cache.eviction_policy, **semantics)

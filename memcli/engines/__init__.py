@@ -28,6 +28,7 @@ def _load_builtin() -> None:
         _BUILTIN_LOADED = True
         from memcli.engines import sglang_055  # noqa: F401  (registers itself)
         from memcli.engines import vllm_033  # noqa: F401
+        from memcli.engines import sglang_0523  # noqa: F401
 
 
 def register(engine: Engine) -> Engine:

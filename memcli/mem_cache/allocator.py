@@ -161,6 +161,7 @@ class BaseAllocator:
         self._num_release = 0
         self._in_use_pages = 0
         self._group: list[torch.Tensor] | None = None
+        self._group_segments: list[torch.Tensor] = []
         self.num_frees = 0  # calls that returned pages (a free group counts once)
         self.freed_tokens = 0
         if self.ledger is not None:
@@ -184,7 +185,7 @@ class BaseAllocator:
         self._release, self._num_release = [], 0
 
     def free(self, indices: torch.Tensor, distinct_pages: bool = False, _grouped: bool = False, *,
-             owner: Any = None, op: str = "allocator.free") -> None:
+             owner: Any = None, op: str = "allocator.free", segment: bool = False) -> None:
         """Free KV slots. Paged: frees the whole page of every slot given (de-duplicated).
 
         `distinct_pages`: the caller guarantees that no two of `indices` share a page (one
@@ -197,20 +198,37 @@ class BaseAllocator:
         `memcli.mem_cache.integrity.owners`, a row, or one row per entry as an array), and the operation,
         when the caller frees them straight from their owner: the observer is told in one call
         (`taken_back`). The default (None) is a plain free of pages already released.
+
+        `segment` (SGLang 0.5.23's `free_segment`): `indices` are a page-aligned run of one
+        request row; paged, one slot per page is taken, and the pages go back in row order,
+        neither sorted nor de-duplicated.
         """
         if indices.numel() == 0:
             return
+        paged_segment = segment and self.page_size > 1
         if self._group is not None:
             if self.ledger is not None:  # each call on its own: the group's cat would merge a double free
-                self._observe_free(indices, distinct_pages, owner, op)
+                if paged_segment:
+                    self._observe_free(indices.reshape(-1)[:: self.page_size], False, owner, op, self.page_size, True)
+                else:
+                    self._observe_free(indices, distinct_pages, owner, op)
             # Kept until the group ends: an int32 view of a request row (which may be reused
             # before then) is copied, as the int64 conversion the group's cat needs anyway.
-            self._group.append(indices.reshape(-1).to(torch.int64))
+            # Segments (0.5.23's free_page_ids_group): one slot per page, released after the rest.
+            if paged_segment:
+                self._group_segments.append(indices.reshape(-1)[:: self.page_size].to(torch.int64))
+            else:
+                self._group.append(indices.reshape(-1).to(torch.int64))
             return
-        entries, divisor = self._freed_entries(indices, distinct_pages)
+        if _grouped == "segments":
+            entries, divisor = indices, self.page_size
+        elif paged_segment:
+            entries, divisor = indices.reshape(-1)[:: self.page_size], self.page_size
+        else:
+            entries, divisor = self._freed_entries(indices, distinct_pages)
         if self.ledger is not None and not _grouped:  # raises on a double free, or a free behind the owner's back
             if not isinstance(owner, np.ndarray):
-                self._observe_free(entries, distinct_pages, owner, op, divisor)
+                self._observe_free(entries, distinct_pages, owner, op, divisor, in_order=segment)
             else:
                 self._observe_free(indices, distinct_pages, owner, op)
         n = entries.numel()
@@ -260,7 +278,7 @@ class BaseAllocator:
         raise NotImplementedError
 
     def _observe_free(self, indices: torch.Tensor, distinct_pages: bool, owner: Any, op: str,
-                      divisor: int = 0) -> None:
+                      divisor: int = 0, in_order: bool = False) -> None:
         """The observer's side of a free: the freed pages, from `owner`. `divisor` 0: `indices`
         are the caller's slots (not yet `_freed_entries`)."""
         if isinstance(owner, np.ndarray):  # one row per entry: the caller's order, one slot per page
@@ -271,15 +289,19 @@ class BaseAllocator:
         pages = indices // divisor if divisor > 1 else indices
         # Paged, the entries are sorted: de-duplicated by `unique`, or (the caller's word,
         # `distinct_pages`) checked by comparing neighbours, not with the scratch array.
-        self.ledger.taken_back(pages, owner, op, sorted_pages=self.page_size > 1)
+        self.ledger.taken_back(pages, owner, op, sorted_pages=self.page_size > 1 and not in_order)
 
     def free_group_begin(self) -> None:
         self._group = []
+        self._group_segments: list[torch.Tensor] = []
 
     def free_group_end(self) -> None:
         group, self._group = self._group, None
         if group:
             self.free(torch.cat(group), _grouped=True)  # the observer saw each call already
+        segments, self._group_segments = self._group_segments, []
+        if segments:  # in call order, in row order, in front of the pages just freed
+            self.free(torch.cat(segments), _grouped="segments")
 
     def backup_state(self) -> AllocatorState:
         release = torch.cat(self._release) if self._release else self._buf[:0].clone()

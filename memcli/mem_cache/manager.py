@@ -224,6 +224,11 @@ class MemoryManager:
         kv.host_skipped_len = 0
         kv.last_matched_prefix_len = len(kv.prefix_indices)
 
+    def touch_prefix(self, token_ids: np.ndarray, extra_key: Any = None) -> None:
+        """Walk `token_ids` in the tree as a match does (stamps, splits), adopting nothing
+        (SGLang 0.5.23's `touch_prefix`, the waiting-prefix refresh)."""
+        self.tree_cache.match_prefix(RadixKey(token_ids, extra_key))
+
     def lock(self, node: Any) -> None:
         """Protect a matched prefix from eviction (admission)."""
         self.tree_cache.inc_lock_ref(node)

@@ -34,31 +34,42 @@ class RowObserver(Protocol):
 
 
 class ReqToTokenPool:
-    """`size` request rows of `cols` int32 slot ids on `device`; rows are handed out FIFO."""
+    """`size` request rows of `cols` int32 slot ids on `device`; rows are handed out FIFO from
+    row 0, or (`row_order="lifo_row0"`, SGLang 0.5.23) from the tail of the free list, row 0 kept
+    as padding."""
 
     # The observer of rows given back: the ownership ledger, while checking incrementally (`integrity.track`).
     ledger: Optional[RowObserver] = None
 
-    def __init__(self, size: int, cols: int, device: torch.device):
+    def __init__(self, size: int, cols: int, device: torch.device, row_order: str = "fifo"):
+        if row_order not in ("fifo", "lifo_row0"):
+            raise ValueError(f"row order {row_order!r}: use fifo or lifo_row0")
         self.size = size
         self.cols = cols
         self.device = device
-        self.req_to_token = torch.zeros((size, cols), dtype=torch.int32, device=device)
+        # lifo_row0 (SGLang 0.5.23): row 0 is padding, rows 1..size are handed out from the tail.
+        self.first = 1 if row_order == "lifo_row0" else 0
+        self.req_to_token = torch.zeros((size + self.first, cols), dtype=torch.int32, device=device)
         self.clear()
 
     def clear(self) -> None:
-        self.free_slots: list[int] = list(range(self.size))
-        self._in_use = [False] * self.size
+        self.free_slots: list[int] = list(range(self.first, self.size + self.first))
+        self._in_use = [False] * (self.size + self.first)
 
     def available_size(self) -> int:
         return len(self.free_slots)
 
     def alloc(self, n: int) -> list[int] | None:
-        """Take `n` rows (the oldest free first); None when fewer are free."""
+        """Take `n` rows (the oldest free first, or the last `n` free under lifo_row0); None when fewer are free."""
         if n > len(self.free_slots):
             return None
-        rows = self.free_slots[:n]
-        del self.free_slots[:n]  # in place: no copy of the rows left
+        if self.first:  # the tail of the free list (0.5.23's alloc_rows)
+            cut = len(self.free_slots) - n
+            rows = self.free_slots[cut:]
+            del self.free_slots[cut:]  # in place: no copy of the rows left
+        else:
+            rows = self.free_slots[:n]
+            del self.free_slots[:n]
         for row in rows:
             self._in_use[row] = True
         return rows
@@ -68,7 +79,7 @@ class ReqToTokenPool:
         rows = [row] if isinstance(row, int) else list(row)
         seen: set[int] = set()
         for r in rows:
-            if not 0 <= r < self.size or not self._in_use[r] or r in seen:
+            if not self.first <= r < self.size + self.first or not self._in_use[r] or r in seen:
                 raise ValueError(f"request row {r} freed twice or never allocated")
             seen.add(r)
         if self.ledger is not None:  # a row must own no page when it goes back (else a page is lost)

@@ -112,7 +112,8 @@ class RadixCache(BasePrefixCache):
                  eviction_policy: str = "lru", kv_events: bool = False,
                  device: Optional[torch.device | str] = None, disable: bool = False,
                  lru_clock: str = "simulated", split_stamp: str = "keep", count_hits: bool = True,
-                 retract_free: str = "one_call"):
+                 retract_free: str = "one_call", tree_stamps: str = "radix", insert_hits: bool = False,
+                 free_order: str = "sorted", prompt_split: str = "none"):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.req_to_token_pool = req_to_token_pool
@@ -136,6 +137,12 @@ class RadixCache(BasePrefixCache):
         self.refresh_split = split_stamp == "refresh"
         self.count_hits = count_hits
         self.retract_free_twice = retract_free == "two_calls"
+        if tree_stamps not in ("radix", "unified") or free_order not in ("sorted", "row"):
+            raise ValueError(f"tree_stamps {tree_stamps!r} / free_order {free_order!r}: unknown")
+        self.unified = tree_stamps == "unified"
+        self.insert_hits = insert_hits
+        self._segment = {"segment": True} if free_order == "row" else {}  # allocator.free's keyword
+        self.split_prompt = prompt_split == "prompt"  # 0.5.23's checkpoint (tree_stamps="unified" only)
         self._now = 0.0  # the current operation's time on `clock`
         self.eviction_log: list[EvictionRecord] = []
         self.evicted_tokens_total = 0  # every token `evict` ever freed (never reset)
@@ -202,7 +209,11 @@ class RadixCache(BasePrefixCache):
         if self.disable or aligned == 0:
             return MatchResult(self.empty_indices(), self.root)
         self._begin()
-        node, _, values = self._walk(key.token_ids[:aligned], key.extra_key, count_hit=True)
+        if self.unified:
+            node, _, values = self._walk_unified(key.token_ids[:aligned], key.extra_key)
+            self._stamp_path(node)
+        else:
+            node, _, values = self._walk(key.token_ids[:aligned], key.extra_key, count_hit=True)
         self._touched(node)
         return MatchResult(self._cat(values), node)
 
@@ -276,6 +287,77 @@ class RadixCache(BasePrefixCache):
                 break
         return node, pos, values
 
+    # -- SGLang 0.5.23's UnifiedTreeCore (tree_stamps="unified") -------------------------
+
+    def _walk_unified(self, tokens: np.ndarray, extra_key: Optional[str]) -> tuple[TreeNode, int, list]:
+        """A match's descent: no stamps, except those of a split where `tokens` leave a node."""
+        node, pos, values = self.root, 0, []
+        while pos < len(tokens):
+            child = node.children.get(self._child_key(extra_key, tokens, pos))
+            if child is None:
+                break
+            matched = self._common_len(child.key, tokens[pos : pos + len(child.key)])
+            split = matched < len(child.key)
+            if split:
+                child = self._split_unified(child, matched)
+            values.append(child.value)
+            node, pos = child, pos + matched
+            if split:
+                break
+        return node, pos, values
+
+    def _stamp_path(self, node: TreeNode) -> None:
+        """The end of a match: one fresh tick for `node`, each step toward the root 1e-5 older."""
+        now = self._stamp()
+        while node is not None:
+            node.last_access_time = now
+            now -= 0.00001
+            node = node.parent
+
+    def _split_unified(self, child: TreeNode, split_len: int) -> TreeNode:
+        """0.5.23's split: a new upper node (stamped as new) that keeps `child`'s creation time
+        and hit count; then the tail is restamped."""
+        upper = self._split(child, split_len, fresh=True)
+        upper.creation_time, upper.hit_count, upper.birth_time = child.creation_time, child.hit_count, child.birth_time
+        child.last_access_time = self._stamp()
+        return upper
+
+    def insert_unified(self, key: RadixKey, value: torch.Tensor, prev_prefix_len: int = 0,
+                       inserted_len: int = 0, owner: Any = None) -> tuple[int, TreeNode]:
+        """0.5.23's insert walk: stamps the root and each node it walks, counts a hit (with
+        `insert_hits`) on each node ending past `inserted_len`, and itself frees the slots of
+        `value` that duplicate the tree past `prev_prefix_len` (one free per node, in walk
+        order; `owner` is the request row they come from). Returns (prefix length, last node)."""
+        prepared = self._insert_input(key, value)
+        if prepared is None:
+            return 0, self.root
+        tokens, value, aligned = prepared
+        tokens = tokens[:aligned]
+        now = self._begin()
+        node, pos = self.root, 0
+        node.last_access_time = self._stamp()
+        while pos < aligned:
+            child = node.children.get(self._child_key(key.extra_key, tokens, pos))
+            if child is None:
+                break
+            child.last_access_time = self._stamp()
+            matched = self._common_len(child.key, tokens[pos : pos + len(child.key)])
+            if matched < len(child.key):
+                child = self._split_unified(child, matched)
+            start = max(prev_prefix_len, pos)
+            if start < pos + matched:
+                self._free(value[start : pos + matched], owner, "insert")
+            if self.insert_hits and pos + matched > inserted_len:
+                child.hit_count += 1
+            node, pos = child, pos + matched
+        if pos < aligned:
+            leaf_value = value[pos:aligned].to(self.device, torch.int64).clone()
+            node = self._add_leaf(node, tokens[pos:aligned].copy(), leaf_value, key.extra_key, now)
+            if self.insert_hits and aligned > inserted_len:
+                node.hit_count += 1
+        self._touched(node)
+        return pos, node
+
     def _child_key(self, extra_key: Optional[str], tokens: np.ndarray, pos: int) -> Any:
         if self.page_size == 1:
             plain = int(tokens[pos])
@@ -292,14 +374,14 @@ class RadixCache(BasePrefixCache):
             n = first
         return n - n % self.page_size
 
-    def _split(self, child: TreeNode, split_len: int) -> TreeNode:
+    def _split(self, child: TreeNode, split_len: int, fresh: Optional[bool] = None) -> TreeNode:
         """Insert a node holding `child`'s first `split_len` tokens above it; return it.
 
         The upper node inherits the lock count; with `refresh_split` it is a new node (new
         stamps, no hits), else it inherits `child`'s stamps and hit count. Sizes do not change.
         """
         parent = child.parent
-        if self.refresh_split:
+        if self.refresh_split if fresh is None else fresh:
             upper = self._node(parent, child.key[:split_len], child.value[:split_len], child.extra_key, self._now)
         else:
             upper = TreeNode(parent, child.key[:split_len], child.value[:split_len], child.extra_key,
@@ -364,9 +446,9 @@ class RadixCache(BasePrefixCache):
         size = len(node.key)
         if self.allocator is not None:
             if getattr(self.allocator, "ledger", None) is not None:  # TREE -> FREE in one transition
-                self.allocator.free(node.value, owner=TREE, op="evict")
+                self.allocator.free(node.value, owner=TREE, op="evict", **self._segment)
             else:
-                self.allocator.free(node.value)
+                self.allocator.free(node.value, **self._segment)
         parent = node.parent
         del parent.children[self._child_key(node.extra_key, node.key, 0)]
         self._total -= size
@@ -489,6 +571,8 @@ class RadixCache(BasePrefixCache):
         """
         if req.kv_freed:
             raise IntegrityError(f"cache_finished_req on request row {req.req_pool_idx} that was already freed")
+        if self.unified and not self.disable:
+            return self._release_unified(req, is_insert)
         ps, row, op = self.page_size, req.req_pool_idx, "cache_finished_req"
         allocated = req.kv_allocated_len
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :allocated].to(torch.int64)
@@ -530,6 +614,9 @@ class RadixCache(BasePrefixCache):
         if self.disable:
             req.kv.prefix_indices = kv
             return
+        if self.unified:
+            self._checkpoint_unified(req, fill_len)
+            return
         aligned = align_down(fill_len, ps)
         start = align_down(len(req.prefix_indices), ps)
         key = RadixKey(req.fill_ids[:aligned], req.extra_key)
@@ -554,6 +641,60 @@ class RadixCache(BasePrefixCache):
         req.kv.last_node = node
         req.kv.last_matched_prefix_len = tree_len
 
+    # -- SGLang 0.5.23's request paths (checkpoint_into_tree, release_kv_cache) -----------
+
+    def _checkpoint_unified(self, req: Any, up_to: int) -> None:
+        """0.5.23's `checkpoint_into_tree`: insert the row's first `up_to` tokens (page-aligned;
+        the insert frees what duplicates the tree past the protected prefix), then, with
+        `split_prompt`, the prompt again (one priority up, freeing and counting nothing) so a
+        leaf that runs past the prompt splits at its page-aligned end; the row points at the
+        tree's slots, and the lock moves to the node the first insert ended on."""
+        ps, row_id = self.page_size, req.req_pool_idx
+        row = self.req_to_token_pool.req_to_token[row_id]
+        aligned = align_down(up_to, ps)
+        protected = len(req.prefix_indices) - len(req.prefix_indices) % ps
+        kv = row[:aligned].to(torch.int64)
+        key = RadixKey(req.token_ids(aligned), req.extra_key)
+        ledger = getattr(self.allocator, "ledger", None)
+        _, node = self.insert_unified(key, kv, protected, req.kv.cache_inserted_len, owner=row_id)
+        req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, aligned)
+        prompt = align_down(req.input_len, ps)
+        if self.split_prompt and 0 < prompt < aligned:
+            self.insert_unified(RadixKey(req.token_ids(prompt), req.extra_key), kv[:prompt], prompt, prompt)
+        new_indices = self._path_values(node)
+        if protected < aligned:
+            if ledger is not None:
+                ledger.move(kv[protected:aligned][new_indices[protected:] == kv[protected:aligned]], row_id, TREE,
+                            "checkpoint")
+            row[protected:aligned] = new_indices[protected:].to(row.dtype)
+            if ledger is not None:
+                ledger.wrote(row_id, protected, aligned)
+        self.inc_lock_ref(node)
+        self.dec_lock_ref(req.last_node)
+        req.kv.prefix_indices = torch.cat([new_indices, row[aligned:up_to].to(torch.int64)])
+        req.kv.last_node = node
+        req.kv.last_matched_prefix_len = aligned
+
+    def _path_values(self, node: TreeNode) -> torch.Tensor:
+        values = []
+        while node is not self.root:
+            values.append(node.value)
+            node = node.parent
+        return self._cat(values[::-1])
+
+    def _release_unified(self, req: Any, checkpoint: bool) -> None:
+        """0.5.23's `release_kv_cache`: with `checkpoint`, the row's committed tokens go into
+        the tree first; then the row is freed past its protected prefix in one segment."""
+        committed = min(req.kv_committed_len, req.kv_allocated_len)
+        if checkpoint:
+            self._checkpoint_unified(req, committed)
+        start = req.kv.last_matched_prefix_len
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_allocated_len].to(torch.int64)
+        self._free(row[start:], req.req_pool_idx, "release_kv_cache")
+        self.req_to_token_pool.free(req.req_pool_idx)
+        self.dec_lock_ref(req.last_node)
+        req.kv.kv_freed = True
+
     @staticmethod
     def _check_prefix_kept(req: Any, start: int, new_prefix_len: int) -> None:
         """The request's locked prefix must still be cached; otherwise its slots were freed."""
@@ -563,13 +704,14 @@ class RadixCache(BasePrefixCache):
                 f" {new_prefix_len}); it was evicted while the request did not hold a lock on it"
             )
 
-    def _free(self, slots: torch.Tensor, row: int, op: str) -> None:
-        """Free the request row `row`'s own `slots` (the ledger, when attached, checks they are)."""
+    def _free(self, slots: torch.Tensor, row: Any, op: str) -> None:
+        """Free the request row `row`'s own `slots` (the ledger, when attached, checks they are);
+        with `free_order="row"` as one segment of the row (pages in row order)."""
         if len(slots) > 0:
-            if getattr(self.allocator, "ledger", None) is not None:  # row -> FREE in one transition
-                self.allocator.free(slots, owner=row, op=op)
+            if getattr(self.allocator, "ledger", None) is not None and row is not None:  # row -> FREE at once
+                self.allocator.free(slots, owner=row, op=op, **self._segment)
             else:
-                self.allocator.free(slots)
+                self.allocator.free(slots, **self._segment)
 
     def _to_tree(self, slots: torch.Tensor, row: int, op: str) -> None:
         """`slots` of request row `row` were just inserted: the tree owns their pages now."""

@@ -32,7 +32,7 @@ class ReqKV:
 
     __slots__ = ("device", "req_pool_idx", "prefix_indices", "last_node", "last_matched_prefix_len",
                  "last_host_node", "host_hit_length", "host_loaded_len", "host_skipped_len",
-                 "kv_allocated_len", "kv_committed_len", "kv_freed")
+                 "kv_allocated_len", "kv_committed_len", "kv_freed", "cache_inserted_len")
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -52,6 +52,8 @@ class ReqKV:
         self.kv_allocated_len = 0
         self.kv_committed_len = 0
         self.kv_freed = False
+        # The row's tokens already inserted into the tree (0.5.23's insert counts a hit only past it).
+        self.cache_inserted_len = 0
 
     @property
     def prefix_len(self) -> int:

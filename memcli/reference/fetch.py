@@ -1,11 +1,14 @@
 """Obtain an engine's wheel from PyPI and unpack the few files its reference needs.
 
 A `Wheel` names the package, its pinned version and the files to extract: `SGLANG` (SGLang
-0.5.5, the default of every function here) and `VLLM` (vLLM 0.33.0). Layout of the cache
-(never inside the repository):
+0.5.5, the default of every function here), `SGLANG_0523_WHEEL` (SGLang 0.5.23) and `VLLM`
+(vLLM 0.33.0). Every function takes `wheel`: a `Wheel`, or an SGLang version string
+(`SGLANG_VERSION`, `SGLANG_0523`). Layout of the cache (never inside the repository):
 
     <cache_dir>/reference/sglang-0.5.5-py3-none-any.whl    the wheel, as pip downloaded it
     <cache_dir>/reference/sglang-0.5.5/sglang/srt/...       the extracted subset (`Wheel.extract`)
+    <cache_dir>/reference/sglang-0.5.23-cp311-...whl       0.5.23 (cp311 only: compiled Rust parts)
+    <cache_dir>/reference/sglang-0.5.23/sglang/...
     <cache_dir>/reference/vllm-0.33.0-cp38-abi3-...whl      the same for vLLM
     <cache_dir>/reference/vllm-0.33.0/vllm/...
 
@@ -23,11 +26,12 @@ import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from memcli.errors import MemcliError
 
 SGLANG_VERSION = "0.5.5"
+SGLANG_0523 = "0.5.23"
 REQUIREMENT = f"sglang=={SGLANG_VERSION}"
 
 # Real SGLang files the loader imports (directories end with "/"). Everything else SGLang
@@ -45,6 +49,11 @@ EXTRACT = (
     "sglang/srt/utils/common.py",
     "sglang/srt/model_executor/forward_batch_info.py",
 )
+# 0.5.23 imports several hundred of its own modules (see `reference.v0523.loader`): the
+# runtime and the kernels' Python sources; of the compiled parts only the Rust tree core
+# (under mem_cache/), not the server, gRPC, bench and multimodal extensions.
+EXTRACT_0523 = ("sglang/__init__.py", "sglang/srt/", "sglang/kernels/")
+SKIP_0523 = tuple(f"sglang/srt/rust_extensions/_{name}." for name in ("bench", "grpc", "multimodal", "server"))
 _MARKER = ".memcli-extracted"
 
 # Real vLLM 0.33.0 files: those its KV-cache manager and v1 scheduler import, and those the
@@ -64,12 +73,18 @@ VLLM_EXTRACT = (
 @dataclass(frozen=True)
 class Wheel:
     """One engine's pinned wheel: `pip download --no-deps <package>==<version>`, and the
-    members to unpack (directories end with "/"; only `.py` files are taken from them)."""
+    members to unpack (directories end with "/"; with `python_only`, only their `.py` files;
+    members under a `skip` prefix are left out). `python_tag` / `platform`: the pip
+    arguments for a binary-only wheel when this interpreter is not the one it was built for."""
 
     package: str
     version: str
     extract: tuple[str, ...]
     label: str  # how messages name the engine
+    python_only: bool = True
+    skip: tuple[str, ...] = ()
+    python_tag: Optional[str] = None  # "3.11": cp311 only
+    platform: Optional[str] = None
 
     @property
     def requirement(self) -> str:
@@ -80,8 +95,22 @@ class Wheel:
         return f"{self.package}-{self.version}"
 
 
-SGLANG = Wheel("sglang", SGLANG_VERSION, EXTRACT, "SGLang")
+SGLANG = Wheel("sglang", SGLANG_VERSION, EXTRACT, "SGLang", python_only=False)
+SGLANG_0523_WHEEL = Wheel("sglang", SGLANG_0523, EXTRACT_0523, "SGLang", python_only=False, skip=SKIP_0523,
+                          python_tag="3.11", platform="manylinux_2_34_x86_64")
 VLLM = Wheel("vllm", "0.33.0", VLLM_EXTRACT, "vLLM")
+WHEELS = {SGLANG_VERSION: SGLANG, SGLANG_0523: SGLANG_0523_WHEEL}  # SGLang's, by version
+WheelLike = Union[Wheel, str]  # a Wheel, or an SGLang version
+
+
+def wheel_spec(which: WheelLike = SGLANG) -> Wheel:
+    """The `Wheel` itself, or SGLang's of that version; an unknown version is a `ValueError`."""
+    if isinstance(which, Wheel):
+        return which
+    spec = WHEELS.get(which)
+    if spec is None:
+        raise ValueError(f"no SGLang reference for version {which!r} (known: {', '.join(WHEELS)})")
+    return spec
 
 # pip's messages when the index cannot be reached (as opposed to a broken pip or package).
 _NETWORK_SIGNS = (
@@ -122,28 +151,29 @@ def reference_dir(cache_dir: Optional[Path] = None) -> Path:
     return Path(cache_dir or default_cache_dir()) / "reference"
 
 
-def _find_wheel(directory: Path, wheel: Wheel = SGLANG) -> Optional[Path]:
-    wheels = sorted(directory.glob(f"{wheel.stem}-*.whl"))
+def _find_wheel(directory: Path, wheel: WheelLike = SGLANG) -> Optional[Path]:
+    wheels = sorted(directory.glob(f"{wheel_spec(wheel).stem}-*.whl"))
     return wheels[0] if wheels else None
 
 
-def cached_wheel(cache_dir: Optional[Path] = None, wheel: Wheel = SGLANG) -> Optional[Path]:
+def cached_wheel(cache_dir: Optional[Path] = None, wheel: WheelLike = SGLANG) -> Optional[Path]:
     """The cached wheel (sglang 0.5.5 by default), or None (nothing is downloaded)."""
     return _find_wheel(reference_dir(cache_dir), wheel)
 
 
-def fetch_wheel(cache_dir: Optional[Path] = None, wheel: Wheel = SGLANG) -> Path:
+def fetch_wheel(cache_dir: Optional[Path] = None, wheel: WheelLike = SGLANG) -> Path:
     """Path of the wheel (sglang 0.5.5 by default), downloading it into the cache when absent.
 
     Runs `python -m pip download --no-deps <package>==<version>` only when no wheel is cached.
     Raises `ReferenceFetchError` (with `network=True` when the index is unreachable).
     """
+    wheel = wheel_spec(wheel)
     directory = reference_dir(cache_dir)
     cached = _find_wheel(directory, wheel)
     if cached is not None:
         return cached
     directory.mkdir(parents=True, exist_ok=True)
-    _pip_download(directory, wheel.requirement)
+    _pip_download(directory, wheel)
     found = _find_wheel(directory, wheel)
     if found is None:
         raise ReferenceFetchError(f"pip reported success but no {wheel.stem} wheel is in {directory}",
@@ -151,9 +181,18 @@ def fetch_wheel(cache_dir: Optional[Path] = None, wheel: Wheel = SGLANG) -> Path
     return found
 
 
-def _pip_download(directory: Path, requirement: str = REQUIREMENT) -> None:
+def _pip_command(directory: Path, wheel: Wheel) -> list[str]:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--timeout", "30", "--retries", "2", requirement, "-d", str(directory)]
+           "--disable-pip-version-check", "--timeout", "30", "--retries", "2"]
+    if wheel.python_tag is not None and f"{sys.version_info[0]}.{sys.version_info[1]}" != wheel.python_tag:
+        cmd += ["--python-version", wheel.python_tag]
+    if wheel.platform is not None:
+        cmd += ["--platform", wheel.platform]
+    return [*cmd, wheel.requirement, "-d", str(directory)]
+
+
+def _pip_download(directory: Path, wheel: Wheel) -> None:
+    requirement, cmd = wheel.requirement, _pip_command(directory, wheel)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -169,19 +208,21 @@ def _pip_download(directory: Path, requirement: str = REQUIREMENT) -> None:
                                   hint=hint, network=network)
 
 
-def _members(names: list[str], want: str, python_only: bool) -> list[str]:
+def _members(names: list[str], want: str, wheel: Wheel) -> list[str]:
     if not want.endswith("/"):
         return [n for n in names if n == want]
-    return [n for n in names if n.startswith(want) and (not python_only or n.endswith(".py"))]
+    return [n for n in names if n.startswith(want) and (not wheel.python_only or n.endswith(".py"))
+            and not n.startswith(wheel.skip)]
 
 
-def extract(path: Path, cache_dir: Optional[Path] = None, wheel: Wheel = SGLANG) -> Path:
+def extract(path: Path, cache_dir: Optional[Path] = None, wheel: WheelLike = SGLANG) -> Path:
     """Unpack the `wheel.extract` subset of the wheel file `path`; return the root to import
-    the package from. From directories of a wheel other than SGLang's only `.py` files come.
+    the package from (`Wheel.python_only`, `Wheel.skip` say what comes from directories).
 
     Idempotent: a marker file records a finished extraction. Raises `ReferenceFetchError`
     when the wheel is unreadable or lacks one of the files.
     """
+    wheel = wheel_spec(wheel)
     root = reference_dir(cache_dir) / wheel.stem
     if (root / _MARKER).exists():
         return root
@@ -189,7 +230,7 @@ def extract(path: Path, cache_dir: Optional[Path] = None, wheel: Wheel = SGLANG)
         with zipfile.ZipFile(path) as zf:
             names = zf.namelist()
             for want in wheel.extract:
-                members = _members(names, want, wheel is not SGLANG)
+                members = _members(names, want, wheel)
                 if not members:
                     raise ReferenceFetchError(f"{path.name} has no {want}", hint="delete the wheel to download it again")
                 for member in members:
@@ -200,13 +241,25 @@ def extract(path: Path, cache_dir: Optional[Path] = None, wheel: Wheel = SGLANG)
     return root
 
 
-def fetch_reference(cache_dir: Optional[Path] = None, wheel: Wheel = SGLANG) -> Path:
+def fetch_reference(cache_dir: Optional[Path] = None, wheel: WheelLike = SGLANG) -> Path:
     """Download (if needed) and extract; return the extracted root."""
     return extract(fetch_wheel(cache_dir, wheel), cache_dir, wheel)
 
 
+def interpreter_mismatch(wheel: WheelLike = SGLANG) -> Optional[str]:
+    """Why this Python cannot import the wheel's compiled parts (None when it can)."""
+    wheel = wheel_spec(wheel)
+    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    if wheel.python_tag is not None and here != wheel.python_tag:
+        return f"the {wheel.label} {wheel.version} wheel is built for CPython {wheel.python_tag} only (this is {here})"
+    return None
+
+
 @lru_cache(maxsize=None)
 def _availability(cache_dir: Optional[Path], wheel: Wheel) -> Optional[str]:
+    mismatch = interpreter_mismatch(wheel)
+    if mismatch is not None:
+        return mismatch
     try:
         fetch_reference(cache_dir, wheel)
     except ReferenceFetchError as exc:
@@ -216,11 +269,11 @@ def _availability(cache_dir: Optional[Path], wheel: Wheel) -> Optional[str]:
     return None
 
 
-def unavailable_reason(cache_dir: Optional[Path] = None, wheel: Wheel = SGLANG) -> Optional[str]:
+def unavailable_reason(cache_dir: Optional[Path] = None, wheel: WheelLike = SGLANG) -> Optional[str]:
     """None when the reference is ready; a reason string when the package index cannot be
-    reached. Any other failure (a broken pip, a bad wheel) raises: tests must not hide it."""
-    return _availability(Path(cache_dir) if cache_dir else None, wheel)
+    reached or the wheel has no build for this Python. Any other failure (a broken pip, a bad wheel) raises: tests must not hide it."""
+    return _availability(Path(cache_dir) if cache_dir else None, wheel_spec(wheel))
 
 
-def reference_available(cache_dir: Optional[Path] = None, wheel: Wheel = SGLANG) -> bool:
+def reference_available(cache_dir: Optional[Path] = None, wheel: WheelLike = SGLANG) -> bool:
     return unavailable_reason(cache_dir, wheel) is None

@@ -42,7 +42,7 @@ from memcli.mem_cache.host_pool import HostKVPool
 from memcli.mem_cache.pages import align_down, num_pages, whole_pages
 from memcli.reference.loader import Reference, load_reference
 from memcli.reference.ops import Divergence, Op, _compare, _in_tree, record_frees
-from memcli.stack import radix_semantics
+from memcli.stack import UNIFIED_TREE_OPTIONS, radix_semantics
 
 OBSERVED = ("result", "tree", "free_list", "host_free_list", "sizes")
 KINDS = ("insert", "chunk", "match", "load", "lock", "unlock", "evict", "reserve", "evict_host", "events")
@@ -116,7 +116,8 @@ def _memcli_side(size: int, page_size: int, policy: str, write_policy: str, rati
     host_pool = HostKVPool(host_size, page_size, 1, 1, 1, "float32")
     behaviour = profile.resolved()
     semantics = radix_semantics(behaviour)
-    semantics.pop("count_hits")
+    for key in ("count_hits", *UNIFIED_TREE_OPTIONS):  # the host tier runs on 0.5.5's tree
+        semantics.pop(key)
     controller = CacheController(allocator, host_pool, write_policy, host_pool.bytes_per_token, math.inf, 0.0)
     tree = MemcliHiRadix(None, allocator, page_size, host_pool, write_policy=write_policy, load_back_threshold=10,
                          controller=controller, host_floor=behaviour.host_pool_floor, eviction_policy=policy,

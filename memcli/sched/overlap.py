@@ -97,7 +97,7 @@ class OverlapLoop:
 
     def get_next_batch_to_run(self) -> tuple[Optional[str], Optional[ScheduleBatch]]:
         s = self.sched
-        s.cache_deferred_chunk(give_back_row=s.defer_chunk_caching)
+        s.cache_deferred_chunk(give_back_row=s.chunk_gives_back_row)
         last = self.last_batch
         if last is not None and self.last_kind == "prefill":
             keep = [i for i, r in enumerate(last.reqs) if not r.finished and r is not s.chunked_req]
@@ -106,6 +106,11 @@ class OverlapLoop:
             last.filter_batch(keep)
             if last.reqs:
                 s.running.merge_batch(last)
+        if s.gate.relaxed:  # 0.5.23 filters the running batch every step: finished requests leave now
+            before = len(s.running.reqs)
+            s.running.filter_batch()
+            if len(s.running.reqs) < before:
+                s.gate.shrank()
         batch = s.get_new_batch_prefill()
         if batch is not None:
             return "prefill", batch
@@ -114,16 +119,31 @@ class OverlapLoop:
         return self.update_running_batch()
 
     def update_running_batch(self) -> tuple[Optional[str], Optional[ScheduleBatch]]:
-        """Filter the finished out (they finished in the last result), then SGLang's decode update."""
+        """Filter the finished out (they finished in the last result), then SGLang's decode
+        update. With `skip_finishing_decode`, the requests the batch in flight finishes by
+        length leave the batch first, and a decode that does not fit while any did is skipped
+        (no retraction)."""
         s = self.sched
         before = len(s.running.reqs)
         s.running.filter_batch()
+        finishing = self._finishing_in_flight() if s.skip_finishing_decode else set()
+        if finishing:
+            s.running.filter_batch([i for i, r in enumerate(s.running.reqs) if r not in finishing])
         if len(s.running.reqs) < before:
             s.gate.shrank()
         if not s.running.reqs:
             return None, None
+        if finishing and not s.running.check_decode_mem():
+            return None, None
         decoded = s.update_running_batch()
         return ("decode", decoded) if decoded is not None else (None, None)
+
+    def _finishing_in_flight(self) -> set:
+        """Requests of the batch in flight whose result gives them their last output."""
+        if not self.result_queue:
+            return set()
+        queued = set(self.result_queue[0].reqs)
+        return {r for r in self.sched.running.reqs if r in queued and len(r.output_ids) + 1 >= r.max_new_tokens}
 
     def _launch(self, kind: str, batch: ScheduleBatch) -> None:
         s = self.sched
@@ -186,6 +206,9 @@ class OverlapLoop:
         """Release `req` as SGLang does under overlap: its first `origin + max(len(output) - 1,
         0)` positions now; a slot beyond them (allocated by a batch still in flight) when that
         batch's result is processed, and only if no freed page holds it."""
+        if self.sched.release_committed:  # 0.5.23: the slot in flight goes with the row, now
+            self.sched.memory.release(req, why)
+            return
         kv_len = min(req.kv_allocated_len, req.input_len + max(len(req.output_ids) - 1, 0))
         released = self.sched.memory.release_lagging(req, kv_len, why)
         if released.extra:

@@ -39,9 +39,16 @@ def order_waiting(queue: list, policy: str, memory: MemoryManager) -> list:
 class PrefillAdder:
     def __init__(self, memory: MemoryManager, running_reqs: list, new_token_ratio: float,
                  max_prefill_tokens: int, chunked_prefill_size: int | None, page_size: int, clip: int,
-                 align_chunks: bool = True):
+                 align_chunks: bool = True, budget: str = "none", chunk_instead: bool = False,
+                 full_chunk: bool = False):
         self.memory = memory
         self.align_chunks = align_chunks
+        # SGLang 0.5.23's PrefillBudget: one page per request (semantics.admission_reserve:
+        # page); with it, a long request chunked where 0.5.5 stopped (rem_input_gate: chunk)
+        # and a whole chunk for a continuation the budget leaves nothing (chunk_progress).
+        self.reserve = page_size if budget == "page" else 0
+        self.chunk_instead = chunk_instead
+        self.full_chunk = full_chunk
         self.page_size = page_size
         self.clip = clip
         self.rem_input_tokens = max_prefill_tokens
@@ -65,7 +72,7 @@ class PrefillAdder:
         extend = align_up(extend_len, self.page_size)
         self.log_hit_tokens += prefix_len
         self.log_input_tokens += extend
-        self.rem_total_token_offset += extend + max_new
+        self.rem_total_token_offset += extend + max_new + self.reserve
         self.rem_input_tokens -= extend
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend
@@ -78,6 +85,26 @@ class PrefillAdder:
         return AddResult.CONTINUE
 
     def add_chunked_req(self, req):
+        if self.reserve:
+            return self._add_chunked_req_budget(req)
+        return self._add_chunked_req(req)
+
+    def _add_chunked_req_budget(self, req):
+        """0.5.23: what the budget allows, and the whole chunk when it allows nothing (the
+        piece must progress to free its KV); one page reserved with it."""
+        room = int(self.rem_total_tokens)
+        if self.rem_chunk_tokens is not None:
+            room = min(room, self.rem_chunk_tokens) if room > 0 or not self.full_chunk else self.rem_chunk_tokens
+        if room <= 0:
+            return req, False
+        truncated = req.extend_input_len > room
+        req.extend_input_len = min(req.extend_input_len, room)
+        req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
+        self.can_run_list.append(req)
+        self._update_budget(req.extend_input_len, 0 if truncated else min(req.max_new_tokens, self.clip))
+        return (req if truncated else None), True
+
+    def _add_chunked_req(self, req):
         """Schedule the next piece of the request being chunked; returns it while still truncated.
 
         The piece is what the budget allows, floored to a page with `align_chunks` (SGLang
@@ -96,6 +123,35 @@ class PrefillAdder:
         self.can_run_list.append(req)
         self._update_budget(req.extend_input_len, 0 if truncated else min(req.max_new_tokens, self.clip))
         return (req if truncated else None), True
+
+    def add_one_req_budget(self, req, has_chunked: bool = False) -> AddResult:
+        """SGLang 0.5.23's admission (`_select_prefill_admission` over `PrefillBudget`): the
+        prefix locked, prompt + expected output + one page must fit; with chunked prefill a
+        request longer than the chunk budget is chunked (its end floored to a page), whatever
+        the input budget and whether another request is being chunked."""
+        max_new = min(max(req.max_new_tokens - len(req.output_ids), 0), self.clip)
+        memory, ps = self.memory, self.page_size
+        memory.lock(req.last_node)
+        extend, prefix = req.extend_input_len, len(req.prefix_indices)
+        if extend + max_new + ps >= self.rem_total_tokens:
+            memory.unlock(req.last_node)
+            return AddResult.NO_TOKEN
+        paged = align_up(extend, ps)
+        gate_input = self.rem_chunk_tokens is None or not self.chunk_instead
+        if gate_input and self.can_run_list and paged >= self.rem_input_tokens:
+            memory.unlock(req.last_node)
+            return AddResult.OTHER
+        if self.rem_chunk_tokens is not None and paged > self.rem_chunk_tokens:
+            extend = align_down(prefix + align_down(self.rem_chunk_tokens, ps), ps) - prefix
+            if extend <= 0 or (has_chunked and not self.chunk_instead):
+                memory.unlock(req.last_node)
+                return AddResult.OTHER
+            req.extend_input_len, max_new = extend, 0
+            req.fill_ids = req.fill_ids[: prefix + extend]
+            self.new_chunked_req = req
+        self.can_run_list.append(req)
+        self._update_budget(req.extend_input_len, max_new, prefix)
+        return self.budget_state()
 
     def add_one_req(self, req, has_chunked_req: bool) -> AddResult:
         """Admit `req` if the budgets allow, locking its prefix. A match with a host-only part
@@ -151,15 +207,23 @@ class AdmissionGate:
     """
 
     def __init__(self, kind: str, max_running: int):
-        if kind not in ("every_step", "batch_is_full"):
+        if kind not in ("every_step", "batch_is_full", "batch_is_full_relaxed"):
             raise ValueError(f"admission gate {kind!r}: unknown")
-        self.sglang = kind == "batch_is_full"
+        self.sglang = kind != "every_step"
+        # SGLang 0.5.23: the running batch is filtered at the start of every step (finished
+        # requests leave it, and a shrink clears the flag), an empty running batch clears it,
+        # and NO_TOKEN sets it only when something runs or was admitted.
+        self.relaxed = kind == "batch_is_full_relaxed"
         self.max_running = max_running
         self.full = False
         self.lagging = 0
 
     def may_try(self, has_waiting: bool, has_chunked: bool, num_running: int) -> bool:
         """Before a prefill batch is built: is there anything to try?"""
+        if self.relaxed:
+            self.decode_filtered()
+            if num_running == 0:
+                self.full = False
         if self.sglang:
             if (self.full or not has_waiting) and not has_chunked:
                 return False
@@ -182,7 +246,7 @@ class AdmissionGate:
         """The budget refused a request. With a host tier (SGLang's hierarchical cache) the
         pool budget closes the gate only when something was admitted or is running."""
         if self.sglang and result == AddResult.NO_TOKEN:
-            self.full = (num_admitted > 0 or num_running > 0) if hierarchical else True
+            self.full = (num_admitted > 0 or num_running > 0) if hierarchical or self.relaxed else True
 
     def shrank(self) -> None:
         """A prefill or decode batch lost requests."""

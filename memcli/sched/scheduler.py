@@ -16,6 +16,7 @@ from collections import deque
 
 from memcli.config import REQ_INPUT_MARGIN, Config
 from memcli.mem_cache.manager import MemoryManager, Release
+from memcli.mem_cache.pages import align_up
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.overlap import OverlapLoop
 from memcli.sched.progress import ProgressGuard
@@ -24,6 +25,10 @@ from memcli.sched.req import Req
 from memcli.steps import NO_BATCH, Event, SchedulerHooks, SchedulerStats, StepBatch, StepRecord
 
 __all__ = ["Event", "Scheduler", "SchedulerHooks", "SchedulerStats", "StepRecord"]
+
+# SGLang 0.5.23's waiting-prefix refresh (schedule_policy.py): every 32nd ordering, 128 requests.
+WAITING_PREFIX_REFRESH_INTERVAL = 32
+WAITING_PREFIX_REFRESH_MAX = 128
 
 
 class Scheduler:
@@ -62,8 +67,18 @@ class Scheduler:
         self.new_token_ratio = self.init_new_token_ratio
         self.retract_to_front = behaviour.retract_requeue == "front"
         self.retract_keep_victim_order = behaviour.retract_batch_order == "victim_sort"
-        self.defer_chunk_caching = behaviour.chunked_prefix == "deferred"
+        self.defer_chunk_caching = behaviour.chunked_prefix in ("deferred", "deferred_row_kept")
+        self.chunk_gives_back_row = behaviour.chunked_prefix == "deferred"
         self.align_chunks = behaviour.chunk_alignment == "page"
+        self.admission_reserve = behaviour.admission_reserve
+        self.skip_finishing_decode = behaviour.skip_finishing_decode == "skip"
+        self.memory_clip = behaviour.request_limits == "memory_clip"
+        self.chunk_instead = behaviour.rem_input_gate == "chunk"
+        self.full_chunk = behaviour.chunk_progress == "full_chunk"
+        self.release_committed = behaviour.overlap_release == "committed"
+        self.refresh_waiting = (behaviour.waiting_prefix_refresh == "touch" and memory.sharing
+                                and config.cache.eviction_policy == "lru")
+        self._refresh_calls = 0
         self.gate = AdmissionGate(behaviour.admission_gate, self.max_running)
         self.max_req_len = config.max_req_len
         self.chunk_to_cache: Req | None = None  # a chunk that enters the tree next step (deferred)
@@ -141,7 +156,7 @@ class Scheduler:
     def _iterate_normal(self) -> tuple[str, int, int]:
         """One iteration of `event_loop_normal`; returns (kind, batch size, new tokens)."""
         self.admit_arrivals()
-        self.cache_deferred_chunk()
+        self.cache_deferred_chunk(self.chunk_gives_back_row)
         batch = self.get_new_batch_prefill()
         if batch is not None:
             kind, bs, new_tokens = "prefill", batch.batch_size, batch.extend_num_tokens
@@ -169,6 +184,10 @@ class Scheduler:
                     self._abort_waiting(req)
                     continue
                 req.max_new_tokens = min(req.max_new_tokens, limit - req.input_len - 1)
+                if self.memory_clip:  # 0.5.23's max_new_tokens_for_memory
+                    ps = self.page_size
+                    room = self.memory.size - align_up(req.input_len, ps) - ps - 1
+                    req.max_new_tokens = max(0, min(req.max_new_tokens, room))
             self.waiting.append(req)
 
     def cache_deferred_chunk(self, give_back_row: bool = True) -> None:
@@ -229,9 +248,12 @@ class Scheduler:
             self.memory.ack_host_copies()
         matched = uses_lpm(self.waiting, self.cfg.policy, self.memory)
         self.waiting = order_waiting(self.waiting, self.cfg.policy, self.memory)
+        if self.refresh_waiting and not matched and self.waiting:
+            self._touch_waiting_prefixes()
         adder = PrefillAdder(self.memory, self.running.reqs, self.new_token_ratio,
                              self.cfg.max_prefill_tokens, self.cfg.chunked_prefill_size, self.page_size,
-                             self.cfg.max_new_tokens_clip, self.align_chunks)
+                             self.cfg.max_new_tokens_clip, self.align_chunks, self.admission_reserve,
+                             self.chunk_instead, self.full_chunk)
         chunked_pending = self.chunked_req
         if chunked_pending is not None:
             chunked_pending.init_next_round_input(None)
@@ -239,12 +261,17 @@ class Scheduler:
             if added:
                 self.chunked_req = still
         for req in list(self.waiting):
+            if adder.reserve and adder.budget_state() == AddResult.OTHER:
+                break  # 0.5.23 checks the input and chunk budgets before each request
             if not gate.has_room(len(self.running.reqs), len(adder.can_run_list), self.chunked_req is not None):
                 break
             if not matched:
                 req.init_next_round_input(self.memory)
             has_chunked = self.chunked_req is not None or adder.new_chunked_req is not None
-            result = adder.add_one_req(req, has_chunked)
+            if adder.reserve:
+                result = adder.add_one_req_budget(req, has_chunked)
+            else:
+                result = adder.add_one_req(req, has_chunked)
             if req in adder.can_run_list:
                 self.waiting.remove(req)
             if result != AddResult.CONTINUE:
@@ -256,6 +283,15 @@ class Scheduler:
             self._unstick()
             return None
         return self._prepare_prefill(adder.can_run_list, adder.log_hit_tokens, adder.log_input_tokens)
+
+    def _touch_waiting_prefixes(self) -> None:
+        """SGLang 0.5.23's `_touch_waiting_prefixes`: on the first and every 32nd ordering, the
+        prefixes of the first 128 waiting requests are touched in the LRU, the head last."""
+        refresh = self._refresh_calls % WAITING_PREFIX_REFRESH_INTERVAL == 0
+        self._refresh_calls += 1
+        if refresh:
+            for req in reversed(self.waiting[:WAITING_PREFIX_REFRESH_MAX]):
+                self.memory.touch_prefix(req.token_ids(req.seqlen), req.extra_key)
 
     def _unstick(self) -> None:
         """Nothing holds memory and the head request still cannot be admitted: the pool can

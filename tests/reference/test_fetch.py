@@ -82,3 +82,27 @@ def test_extract_rejects_a_wheel_missing_a_file(tmp_path):
         zf.writestr("sglang/srt/mem_cache/radix_cache.py", "")
     with pytest.raises(ReferenceFetchError, match="has no"):
         extract(wheel, tmp_path)
+
+
+def test_versions_have_their_own_wheel_and_pip_arguments(tmp_path, monkeypatch):
+    spec = fetch.wheel_spec(fetch.SGLANG_0523)
+    cmd = fetch._pip_command(tmp_path, spec)
+    assert "sglang==0.5.23" in cmd and cmd[cmd.index("--platform") + 1] == "manylinux_2_34_x86_64"
+    monkeypatch.setattr(fetch.sys, "version_info", (3, 12, 0))
+    cmd = fetch._pip_command(tmp_path, spec)
+    assert cmd[cmd.index("--python-version") + 1] == "3.11"
+    assert "only" in fetch.interpreter_mismatch(fetch.SGLANG_0523)
+    assert fetch.interpreter_mismatch(fetch.SGLANG_VERSION) is None
+    with pytest.raises(ValueError, match="no SGLang reference"):
+        fetch.wheel_spec("0.4.0")
+
+
+def test_extract_leaves_out_the_skipped_members(tmp_path):
+    wheel = tmp_path / "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name in ("sglang/__init__.py", "sglang/srt/rust_extensions/__init__.py",
+                     "sglang/srt/rust_extensions/_server.cpython-311-x86_64-linux-gnu.so", "sglang/kernels/x.py"):
+            zf.writestr(name, "")
+    root = extract(wheel, tmp_path, fetch.SGLANG_0523)
+    assert (root / "sglang/srt/rust_extensions/__init__.py").is_file()
+    assert not (root / "sglang/srt/rust_extensions/_server.cpython-311-x86_64-linux-gnu.so").exists()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from memcli.config import Config, host_pool_size
+from memcli.config import Config, engine_reads, host_pool_size
 from memcli.tools.show_config.results import ShowConfigResult
 
 
@@ -35,5 +35,6 @@ def derived_sizes(cfg: Config) -> dict[str, int]:
 
 
 def in_force(cfg: Config) -> dict[str, str]:
-    """Every semantics behaviour's value in force: the profile's, or the override."""
-    return dataclasses.asdict(cfg.behaviour)
+    """Every semantics behaviour the engine reads, with its value in force: the profile's, or the override."""
+    engine = cfg.semantics.engine
+    return {k: v for k, v in dataclasses.asdict(cfg.behaviour).items() if engine_reads(k, engine)}

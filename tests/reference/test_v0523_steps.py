@@ -1,0 +1,64 @@
+"""Step-level differential against SGLang 0.5.23: both its loops over its own Req,
+ScheduleBatch, PrefillAdder, allocation.py, common.py and UnifiedRadixCache (Rust tree core),
+vs memcli's scheduler under the sglang-0.5.23 engine, on the bundled traces (the cases of the
+0.5.5 step tests): every step's batch, prefixes, slots, evictions, retractions, finishes and
+pool sizes are equal, and 0.5.23's own loop finishes every request and conserves the pool."""
+
+import pytest
+
+from memcli.config import replace
+from memcli.reference.v0523.diff import compare_steps, reference_steps
+from tests.reference.test_steps import CASES, _load
+
+ENGINE = {"engine": "sglang-0.5.23", "profile": "sglang-0.5.23", "event_loop": "normal"}
+
+
+def _case(case, event_loop="normal"):
+    config, requests, base = _load(case, event_loop)
+    return replace(config, semantics={**ENGINE, "event_loop": event_loop}), requests, base
+
+
+@pytest.mark.parametrize("event_loop", ["overlap", "normal"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_steps_match_sglang_0523(worker0523, case, event_loop):
+    config, requests, base = _case(case, event_loop)
+    steps = reference_steps(worker0523, config, requests, case.arrivals, base)
+    finished = [rid for step, _ in steps for rid in step.finished]
+    assert sorted(finished, key=int) == sorted((r.rid for r in requests), key=int)
+    last = steps[-1].obs
+    assert last.available + last.evictable == config.pool_size and last.protected == 0
+    diff = compare_steps(steps, config, requests, case.arrivals, base)
+    assert diff.failure is None, diff.failure
+    assert diff.divergence is None, "\n".join(["sglang:", *diff.divergence[0].lines(), "memcli:", *diff.divergence[1].lines()])
+    assert diff.steps == len(steps)
+
+
+def test_the_0523_engine_is_not_0055(worker0523):
+    """The same case under the 0.5.5 engine's behaviours diverges from 0.5.23's loop."""
+    case = CASES[1]
+    config, requests, base = _case(case)
+    steps = reference_steps(worker0523, config, requests, case.arrivals, base)
+    old = replace(config, semantics={"engine": "sglang-0.5.5", "profile": "sglang-0.5.5", "event_loop": "normal",
+                                     "row_order": "lifo_row0"})  # past the rows, which differ at step 0
+    diff = compare_steps(steps, old, requests, case.arrivals, base)
+    assert diff.divergence is not None and diff.steps < len(steps)
+
+
+def test_request_rows_are_0523s(worker0523):
+    """Rows come from the tail with row 0 reserved: memcli's FIFO rows are caught."""
+    case = CASES[3]
+    config, requests, base = _case(case)
+    steps = reference_steps(worker0523, config, requests, case.arrivals, base)
+    assert compare_steps(steps, config, requests, case.arrivals, base).failure is None
+    fifo = replace(config, semantics={**ENGINE, "row_order": "fifo"})
+    assert "request rows" in compare_steps(steps, fifo, requests, case.arrivals, base).failure
+
+
+def test_overlap_skips_the_decode_of_requests_finishing_in_flight(worker0523):
+    """0.5.5's overlap loop (one more decode of a request its in-flight result finishes) is caught."""
+    case = CASES[1]
+    config, requests, base = _case(case, "overlap")
+    steps = reference_steps(worker0523, config, requests, case.arrivals, base)
+    old = replace(config, semantics={**ENGINE, "event_loop": "overlap", "skip_finishing_decode": "decode",
+                                     "overlap_release": "lagging"})
+    assert compare_steps(steps, old, requests, case.arrivals, base).divergence is not None
