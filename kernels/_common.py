@@ -6,6 +6,7 @@ with the same ``ValueError`` whether it runs through Triton or through the torch
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -16,6 +17,13 @@ BACKENDS = ("triton", "torch")
 def cdiv(a, b):
     """Ceiling division for ints and integer tensors (non-negative numerators)."""
     return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (0 for 0), as ``triton.next_power_of_2`` gives, in
+    plain integer arithmetic: Triton's is a constexpr function, several microseconds per
+    host call."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -113,6 +121,7 @@ class Launcher:
         self._constexpr = [p.is_constexpr for p in kernel.params] if self._direct else []
         self._tensors: tuple[int, ...] = ()  # positions of tensor arguments (set by the first call)
         self._ints: tuple[int, ...] = ()  # positions of runtime int arguments
+        self._pick = None  # the pickers of those positions and of the constexprs (set by the first call)
         self._constexprs = tuple(i for i, c in enumerate(self._constexpr) if c)
 
     @property
@@ -124,7 +133,7 @@ class Launcher:
         if not self._direct:
             self.kernel[grid](*args)
             return
-        if not self._tensors:
+        if self._pick is None:
             self._classify(args)
         # Like the JIT, launch on the current device's current stream.
         device = torch._C._cuda_getDevice()
@@ -148,13 +157,25 @@ class Launcher:
         runtime = [i for i, c in enumerate(self._constexpr) if not c]
         self._tensors = tuple(i for i in runtime if isinstance(args[i], torch.Tensor))
         self._ints = tuple(i for i in runtime if i not in self._tensors)
+        self._pick = (_picker(self._tensors), _picker(self._ints), _picker(self._constexprs))
 
     def _key(self, args) -> tuple:
         """What the binary depends on besides the device: the tensors' dtypes, each int's width
         (an unannotated int is i32 or i64 by its value) and the constexpr values."""
-        return (*[args[i].dtype for i in self._tensors],
-                *[-(2**31) <= args[i] < 2**31 for i in self._ints],
-                *[args[i] for i in self._constexprs])
+        tensors, ints, constexprs = self._pick
+        return (*map(_dtype, tensors(args)), *[-(2**31) <= i < 2**31 for i in ints(args)], *constexprs(args))
+
+
+_dtype = operator.attrgetter("dtype")
+
+
+def _picker(positions: tuple[int, ...]):
+    """A function giving the arguments at ``positions`` as a tuple (``itemgetter`` gives a
+    bare value for one position)."""
+    if len(positions) == 1:
+        (i,) = positions
+        return lambda args: (args[i],)
+    return operator.itemgetter(*positions) if positions else lambda args: ()
 
 
 def _unspecialised(kernel) -> bool:

@@ -39,6 +39,7 @@ from ._common import (
     check_tensor,
     check_triton_device,
     exclusive_cumsum,
+    next_power_of_2,
 )
 
 # Tokens per loop step in alloc_extend_write, and the most requests per loop step in the decode kernels.
@@ -51,7 +52,7 @@ def _decode_block(bs: int) -> int:
     `_DECODE_BLOCK`. A block sized to the batch takes about 1.5 µs less device time per step
     than the widest one (measured on an H200: 3.4 against 5.0 µs at 32 requests), for one
     compile per power of two."""
-    return min(_DECODE_BLOCK, max(16, triton.next_power_of_2(bs)))
+    return min(_DECODE_BLOCK, max(16, next_power_of_2(bs)))
 
 
 # ----------------------------------------------------------------------------- the extend layout, in torch
@@ -841,9 +842,10 @@ def alloc_extend_write_triton(
         extend_num_tokens = int(seq_lens_cpu.numpy().sum() - prefix_lens_cpu.numpy().sum())
     # Lengths, rows and new slots share one device allocation, which the kernel fills; it is
     # cut into views after the launch, while the device runs the kernel.
-    buffer = torch.empty(_DEVICE_ROWS * bs + extend_num_tokens, dtype=torch.int64, device=req_to_token.device)
+    device = req_to_token.device
+    buffer = torch.empty(_DEVICE_ROWS * bs + extend_num_tokens, dtype=torch.int64, device=device)
     if bs:
-        plan, address = _plan_arena.take(_PLAN_ROWS * bs, req_to_token.device)
+        plan, address = _plan_arena.take(_PLAN_ROWS * bs, device)
         if host_plan is None:
             _fill_plan(plan, prefix_lens_cpu.numpy(), seq_lens_cpu.numpy(), rows, prefixes, page_size)
         else:
@@ -1022,9 +1024,9 @@ def free_rows_triton(req_to_token: torch.Tensor, row0: int, row_index: torch.Ten
     if n == 0:
         return 0
     if sort:
-        block, grid = max(triton.next_power_of_2(n), 16), 1
+        block, grid = max(next_power_of_2(n), 16), 1
     else:
-        block, grid = _FREE_ROWS_BLOCK, triton.cdiv(n, _FREE_ROWS_BLOCK)
+        block, grid = _FREE_ROWS_BLOCK, cdiv(n, _FREE_ROWS_BLOCK)
     rows = free_pages if row_index is None else row_index  # any int64 tensor when unused
     _free_rows_launch((grid,), req_to_token, rows, free_pages, row0, req_to_token.stride(0), pages_per_row, n,
                       dest_start, free_pages.shape[0], page_size, row_index is not None, sort, block)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_backend, check_tensor, check_triton_device
+from ._common import cdiv, check_backend, check_tensor, check_triton_device, next_power_of_2
 
 # Torch cannot index_put float8; both backends move such tensors as raw bytes.
 _BYTE_VIEW_DTYPES = tuple(
@@ -100,10 +100,10 @@ def store_kv_triton(
     if n == 0 or num_layers == 0:
         return
     row_width = k_buffer.shape[2] * k_buffer.shape[3]
-    block_w = min(triton.next_power_of_2(row_width), _MAX_BLOCK_W)
+    block_w = min(next_power_of_2(row_width), _MAX_BLOCK_W)
     block_t = max(1, _TILE_ELEMS // block_w)
     kb, vb, kn, vn = (_storage_view(t) for t in (k_buffer, v_buffer, k_new, v_new))
-    _store_kv_kernel[(triton.cdiv(n, block_t), num_layers)](
+    _store_kv_kernel[(cdiv(n, block_t), num_layers)](
         kb, vb, loc, kn, vn, n, row_width,
         kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),

@@ -93,6 +93,8 @@ class BaseAllocator:
         self.backend = backend
         self.need_sort = need_sort
         self.debug = debug
+        # Whether `free_rows` may take its one launch, as far as the allocator's fixed settings go.
+        self._free_rows_fused = backend == "triton" and not need_sort and not debug
         self._buf = torch.empty(self.num_pages, dtype=torch.int64, device=device)
         self._buf_host = self._buf.numpy() if self._buf.device.type == "cpu" else None  # the same memory
         self.clear()
@@ -257,17 +259,19 @@ class BaseAllocator:
         `distinct_pages`. False, with nothing done, where that launch does not apply (the
         torch backend, an observer, a free group, a release list, debug mode, rows neither
         consecutive nor given on the device, or more pages than one program sorts)."""
+        if not self._free_rows_fused:  # the backend, debug mode and the sort: fixed for the allocator
+            return False
         ps, num_rows = self.page_size, len(rows)
         n = num_rows * ((length + ps - 1) // ps)
-        if (self.backend != "triton" or self.ledger is not None or self._group is not None or self.need_sort
-                or self.debug or not n or (num_rows > 1 and not consecutive and row_index is None)
+        if (self.ledger is not None or self._group is not None or not n
+                or (num_rows > 1 and not consecutive and row_index is None)
                 or (ps > 1 and n > kernels.FREE_ROWS_SORT_MAX)):
             return False
-        if self._in_use_pages - n < 0:
+        if self._in_use_pages < n:
             raise ValueError(f"double free: freeing {n} pages but only {self._in_use_pages} are allocated")
         dest = self._free_rows_dest(n)
         kernels.free_rows_triton(req_to_token, rows[0], None if consecutive or num_rows == 1 else row_index,
-                                 num_rows, length, self._buf, dest, ps, sort=ps > 1)
+                                 num_rows, length, self._buf, dest, ps, ps > 1)
         self._in_use_pages -= n
         self.num_frees += 1
         self.freed_tokens += n * ps
@@ -331,12 +335,12 @@ class BaseAllocator:
         right after (the ownership ledger's `extended`), which folds the hand-out into the claim.
         `host_plan`: the kernel's plan, built when the batch was planned (`extend_host_plan`).
         """
-        if not self._ensure(num_pages):
+        if num_pages > self._num_free and not self._ensure(num_pages):  # the check inline: a steady batch has the pages
             return None
-        written = kernels.alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, self._buf,
-                                             self.page_size, backend=self.backend,
-                                             extend_num_tokens=extend_num_tokens, validate=self.debug,
-                                             free_start=self._head, num_free=num_pages, host_plan=host_plan)
+        # The backend's function itself, its arguments in order (one call layer less on the memory path).
+        write = kernels.alloc_extend_write_triton if self.backend == "triton" else kernels.alloc_extend_write_torch
+        written = write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, self._buf, self.page_size,
+                        extend_num_tokens, self.debug, self._head, num_pages, host_plan)
         self._advance(num_pages, claimed)
         self._commit_alloc(num_pages)
         return written

@@ -296,15 +296,19 @@ class MemoryManager:
         """`alloc_extend` that raises `OutOfMemoryError` / `RequestSlotsExhausted` (with the
         numbers) instead of returning None, and writes no request record. `rids` (the
         requests, in the plan's order) name the rows in the ledger's history when checking."""
+        # Host work per call kept to plain comparisons, as in `alloc_decode`.
         allocator, pool = self.allocator, self.req_to_token_pool
-        self._check_page_size()
+        if allocator.page_size != self.tree_cache.page_size:
+            self._check_page_size()
         rows, new_rows = self._rows_for(plan.rows)
-        self._evict_if_needed(self._extend_need(plan))
-        ledger = getattr(allocator, "ledger", None)
-        kw = {} if ledger is None else {"claimed": True}  # hand-out and claim in one ledger transition
+        need = self._extend_need(plan)
+        if need > allocator.available_size():
+            self._evict_if_needed(need)
+        ledger = allocator.ledger
+        # With a ledger, the hand-out and the claim are one transition.
         written = allocator.alloc_extend_write(pool.req_to_token, rows, plan.prefix_lens_cpu, plan.seq_lens_cpu,
                                                plan.prefix_tensors, plan.num_pages, plan.extend_num_tokens,
-                                               host_plan=plan.host_plan, **kw)
+                                               ledger is not None, plan.host_plan)
         if written is None:
             if new_rows:
                 pool.free(new_rows)
@@ -452,9 +456,13 @@ class MemoryManager:
         if isinstance(self.tree_cache, NullCache):
             rows = _uniform_rows(reqs)
             if rows is not None:
-                free_row_pages(self.req_to_token_pool, self.allocator, rows.rows, rows.length,
-                               consecutive=rows.consecutive, row_index=req_pool_indices)
-                self.req_to_token_pool.free(rows.rows)
+                pool = self.req_to_token_pool
+                free_row_pages(pool, self.allocator, rows.rows, rows.length, consecutive=rows.consecutive,
+                               row_index=req_pool_indices)
+                if rows.consecutive:
+                    pool.free_range(rows.rows[0], len(rows.rows))
+                else:
+                    pool.free(rows.rows)
                 for req in reqs:
                     req.kv.kv_freed = True
                 return

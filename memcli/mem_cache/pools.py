@@ -88,6 +88,16 @@ class ReqToTokenPool:
             self._in_use[r] = False
         self.free_slots.extend(rows)
 
+    def free_range(self, first: int, n: int) -> None:
+        """`free` of the `n` consecutive rows from `first` (checked as one slice, not row by row)."""
+        end = first + n
+        in_use = self._in_use
+        if self.ledger is not None or first < self.first or end > self.size + self.first or not all(in_use[first:end]):
+            self.free(list(range(first, end)))  # the observer, or the error naming the row
+            return
+        in_use[first:end] = [False] * n
+        self.free_slots.extend(range(first, end))
+
     def rows_in_use(self) -> list[int]:
         return [r for r, used in enumerate(self._in_use) if used]
 

@@ -4,9 +4,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
 
 from memcli.kernels import alloc_extend_write, alloc_extend_write_torch, alloc_extend_write_triton, extend_host_plan
-from memcli.kernels._common import Launcher, _unspecialised
+from memcli.kernels._common import Launcher, _unspecialised, next_power_of_2
 from memcli.kernels.cases import random_extend_case
 from tests.kernels.test_kernel_alloc import DEVICE, PAGE_SIZES, spec_alloc_extend
 
@@ -335,3 +336,20 @@ def test_gpu_back_to_back_extends_read_their_own_plans(monkeypatch):
         assert torch.equal(kernel.out_cache_loc, ref.out_cache_loc) and torch.equal(t_kernel, t_ref)
         assert torch.equal(kernel.seq_lens, ref.seq_lens) and torch.equal(kernel.prefix_lens, ref.prefix_lens)
         assert torch.equal(kernel.req_pool_indices, ref.req_pool_indices)
+
+
+def test_next_power_of_2_is_tritons():
+    sizes = [*range(0, 2100), 2**20 - 1, 2**20, 2**20 + 1, 3 * 2**31]
+    assert [next_power_of_2(n) for n in sizes] == [triton.next_power_of_2(n) for n in sizes]
+
+
+def test_launcher_key_of_several_tensors_and_no_int():
+    launcher = Launcher.__new__(Launcher)
+    launcher._constexpr = [False, False, True]
+    launcher._constexprs = (2,)
+    x32 = torch.zeros(2, dtype=torch.int32)
+    x64 = torch.zeros(2, dtype=torch.int64)
+    launcher._classify((x64, x32, 4))
+    assert launcher._tensors == (0, 1) and launcher._ints == ()
+    assert launcher._key((x64, x32, 4)) == (torch.int64, torch.int32, 4)
+    assert launcher._key((x32, x32, 4)) != launcher._key((x64, x32, 4))

@@ -164,3 +164,35 @@ def test_indices_only_mode_allocates_nothing():
 def test_unknown_dtype_is_rejected():
     with pytest.raises(KeyError):
         KVPool(16, 4, 1, 1, 8, dtype="int8", device=CPU)
+
+
+def test_free_range_is_the_free_of_those_rows():
+    pools = [rows_pool(6), rows_pool(6)]
+    for pool in pools:
+        pool.alloc(6)
+        pool.free([4])
+    pools[0].free_range(1, 3)
+    pools[1].free([1, 2, 3])
+    assert pools[0].free_slots == pools[1].free_slots == [4, 1, 2, 3]
+    assert pools[0].rows_in_use() == pools[1].rows_in_use() == [0, 5]
+
+
+@pytest.mark.parametrize("first, n", [(3, 3), (5, 2), (-1, 2)])  # row 4 free; past the end; before 0
+def test_free_range_refuses_a_row_not_in_use_and_frees_none(first, n):
+    pool = rows_pool(6)
+    pool.alloc(6)
+    pool.free([4])
+    with pytest.raises(ValueError, match="freed twice or never allocated"):
+        pool.free_range(first, n)
+    assert pool.free_slots == [4]
+    assert pool.rows_in_use() == [0, 1, 2, 3, 5]
+
+
+def test_free_range_tells_the_row_observer():
+    pool = rows_pool(4)
+    released = []
+    pool.ledger = SimpleNamespace(rows_released=lambda rows: released.append(list(rows)))
+    pool.alloc(4)
+    pool.free_range(1, 2)
+    assert released == [[1, 2]]
+    assert pool.free_slots == [1, 2]
