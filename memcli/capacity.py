@@ -192,10 +192,43 @@ def max_req_len_cuts(config: Config, requests: Sequence[RequestSpec]) -> Optiona
         if spec.input_len >= max_input:
             cuts.append(CutRequest(index, spec.rid, spec.line, "aborted", spec.input_len, spec.output_len, 0,
                                    f"prompt of {spec.input_len} tokens >= max_req_input_len {max_input}"))
-        elif spec.output_len > limit - spec.input_len - 1:
-            kept = limit - spec.input_len - 1
-            cuts.append(CutRequest(index, spec.rid, spec.line, "clipped", spec.input_len, spec.output_len, kept,
-                                   f"max_new_tokens {spec.output_len} clipped to max_req_len - input - 1 = {kept}"))
+        else:
+            kept, why = _kept_output(config, limit, spec.input_len)
+            if spec.output_len > kept:
+                cuts.append(CutRequest(index, spec.rid, spec.line, "clipped", spec.input_len, spec.output_len, kept,
+                                       f"max_new_tokens {spec.output_len} clipped to {why} = {kept}"))
     rule = (f"max_req_len {limit} = min(memory.max_context_len {config.memory.max_context_len},"
             f" pool {config.pool_size}) - 1; max_req_input_len {max_input}")
+    if config.behaviour.request_limits == "memory_clip":
+        rule += "; max_new_tokens also clipped to pool - prompt pages - one page - 1 (memory_clip)"
     return LimitCuts(tuple(cuts), rule)
+
+
+def _kept_output(config: Config, limit: int, input_len: int) -> tuple[int, str]:
+    """The most output tokens SGLang keeps for a prompt of `input_len`, and why: max_req_len -
+    input - 1, and under `request_limits: memory_clip` (0.5.23's max_new_tokens_for_memory) no
+    more than the pool holds beside the prompt's pages and one page, as the scheduler clips."""
+    kept, why = limit - input_len - 1, "max_req_len - input - 1"
+    if config.behaviour.request_limits == "memory_clip":
+        ps = config.page_size
+        room = max(0, config.pool_size - align_up(input_len, ps) - ps - 1)
+        if room < kept:
+            kept, why = room, "pool - prompt pages - one page - 1 (memory_clip)"
+    return kept, why
+
+
+def max_model_len_cuts(config: Config, requests: Sequence[RequestSpec]) -> LimitCuts:
+    """vLLM's request limits: its input processor rejects a prompt of `max_model_len` tokens
+    or more (`memory.max_context_len`; no room for one output token), and a request stops when
+    its tokens reach `max_model_len`, so its output is cut to max_model_len - input."""
+    limit = config.memory.max_context_len
+    cuts = []
+    for index, spec in enumerate(requests):
+        if spec.input_len >= limit:
+            cuts.append(CutRequest(index, spec.rid, spec.line, "aborted", spec.input_len, spec.output_len, 0,
+                                   f"prompt of {spec.input_len} tokens >= max_model_len {limit}"))
+        elif spec.input_len + spec.output_len > limit:
+            kept = limit - spec.input_len
+            cuts.append(CutRequest(index, spec.rid, spec.line, "clipped", spec.input_len, spec.output_len, kept,
+                                   f"output stopped at max_model_len {limit}: {kept} tokens"))
+    return LimitCuts(tuple(cuts), f"max_model_len {limit} (memory.max_context_len)")

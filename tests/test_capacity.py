@@ -110,3 +110,22 @@ def test_an_impossible_config_is_still_bad_input(tmp_path):
     path = write(tmp_path / "t.jsonl", (40, 8), (4090, 2))
     result = replay(path, "--set", "memory.max_context_len=8192")  # longer than the pool
     assert result.exit_code == 2 and "longer than the pool" in result.stderr
+
+
+def test_sglang_0523_clips_outputs_to_memory_as_its_scheduler_does(tmp_path):
+    """0.5.23 aborts the same prompts and also clips max_new_tokens to what the pool holds beside
+    the prompt's pages and one page (request_limits: memory_clip): r1's 4,000-token prompt keeps
+    4096 - 4000 - 16 - 1 = 79 output tokens, not 0.5.5's 94; the scheduler agrees."""
+    from memcli.tools.replay.runner import ReplayOptions, replay as run
+
+    path = write(tmp_path / "t.jsonl", (40, 8), (4000, 200), (4090, 2), (30, 4), (5000, 1))
+    result = replay(path, "--engine", "sglang-0.5.23", "--json")
+    assert result.exit_code == 0, result.stderr
+    limits = json.loads(result.stdout)["limits"]
+    assert "memory_clip" in limits["rule"]
+    assert [(r["rid"], r["action"], r["kept_output_len"]) for r in limits["requests"]] == [
+        ("r1", "clipped", 79), ("r2", "aborted", 0), ("r4", "aborted", 0)]
+    config = load_config(None, [s for s in SETS if s != "--set"] + ["semantics.engine=sglang-0.5.23"])
+    out = run(config, read_trace(path), ReplayOptions("burst"))
+    assert out.requests_log.aborted.tolist() == [False, False, True, False, True]
+    assert out.requests_log.output_tokens.tolist() == [8, 79, 0, 4, 0]

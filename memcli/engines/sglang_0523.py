@@ -9,6 +9,7 @@ wheel, run in a worker process (`memcli.reference.v0523`).
 
 from __future__ import annotations
 
+from memcli.capacity import max_req_len_cuts
 from memcli.config import PROFILE_CHOICES
 from memcli.engines import register
 from memcli.engines.base import Engine
@@ -35,4 +36,5 @@ ENGINE = register(Engine(
     make_req=Req,
     make_batch=_batch,
     reference=_reference,
+    limits=max_req_len_cuts,  # SGLang's request limits, with 0.5.23's memory clip
 ))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memcli.capacity import max_model_len_cuts
 from memcli.config import Config
 from memcli.engines import register
 from memcli.engines.base import Engine
@@ -119,4 +120,5 @@ ENGINE = register(Engine(
     semantics=("event_loop",),
     describe=describe,
     reference=_reference,
+    limits=max_model_len_cuts,  # vLLM rejects a prompt of max_model_len tokens or more
 ))

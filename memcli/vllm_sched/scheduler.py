@@ -31,7 +31,7 @@ from typing import Any, Optional
 from memcli.errors import StalledError
 from memcli.mem_cache.block_manager import BlockManager
 from memcli.steps import Event, SchedulerHooks, SchedulerStats, StepBatch, StepRecord
-from memcli.vllm_sched.request import (FINISHED_LENGTH, PREEMPTED, RUNNING, WAITING, VllmRequest)
+from memcli.vllm_sched.request import (FINISHED_ABORTED, FINISHED_LENGTH, PREEMPTED, RUNNING, WAITING, VllmRequest)
 
 
 class VllmSchedulerConfig:
@@ -96,8 +96,17 @@ class VllmScheduler:
         return req
 
     def add_request(self, req: VllmRequest) -> None:
-        self.waiting.append(req)
+        """vLLM's input processor rejects a prompt that leaves no room for one output token
+        (`num_prompt_tokens >= max_model_len`): it never reaches the scheduler (aborted)."""
         self._event("arrive", req.request_id, req.num_prompt_tokens)
+        if req.num_prompt_tokens >= self.settings.max_model_len:
+            req.aborted = req.finished = True
+            req.status, req.finish_ms = FINISHED_ABORTED, self.clock_ms
+            self.stats.aborted += 1
+            self.finished.append(req)
+            self._event("abort", req.request_id, req.num_prompt_tokens)
+            return
+        self.waiting.append(req)
 
     def _event(self, kind: str, rid: str, tokens: int = 0) -> None:
         if self.hooks.record_events:

@@ -107,3 +107,27 @@ def test_reference_diff_refuses_step_logs_its_harness_does_not_observe(tmp_path)
     assert result.exit_code == 2
     assert "not step logs" in result.output and "memcli replay TRACE --engine vllm-0.33" in result.output
     assert not (tmp_path / "s.jsonl").exists()
+
+
+def test_vllm_rejects_prompts_of_max_model_len_and_stops_outputs_there(tmp_path):
+    """vLLM's input processor rejects a prompt of max_model_len tokens or more; a request stops
+    when its tokens reach max_model_len. The rule lists exactly what the scheduler does."""
+    from memcli.tools.replay.runner import ReplayOptions, replay as run
+    from memcli.workload.readers import read_trace
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"rid": f"r{i}", "input_len": n, "output_len": m}) + "\n"
+                            for i, (n, m) in enumerate([(40, 8), (4000, 200), (4096, 2), (30, 4), (5000, 1)])))
+    sets = ["memory.max_context_len=4096", "memory.max_total_tokens=8192", "memory.kv_budget_gib=null"]
+    result = CliRunner().invoke(app, ["replay", str(path), "--engine", "vllm-0.33", "--arrivals", "burst", "--json",
+                                      *[x for s in sets for x in ("--set", s)]])
+    assert result.exit_code == 0, result.output
+    limits = json.loads(result.stdout)["limits"]
+    assert [(r["rid"], r["line"], r["action"], r["kept_output_len"]) for r in limits["requests"]] == [
+        ("r1", 2, "clipped", 96), ("r2", 3, "aborted", 0), ("r4", 5, "aborted", 0)]
+    out = run(load_config(None, sets + ["semantics.engine=vllm-0.33"]), read_trace(str(path)), ReplayOptions("burst"))
+    assert out.requests_log.aborted.tolist() == [False, False, True, False, True]
+    assert out.requests_log.output_tokens.tolist() == [8, 96, 0, 4, 0]
+    strict = CliRunner().invoke(app, ["replay", str(path), "--engine", "vllm-0.33", "--strict-limits",
+                                      *[x for s in sets for x in ("--set", s)]])
+    assert strict.exit_code == 2
