@@ -95,6 +95,11 @@ class PrefillAdder:
         room = int(self.rem_total_tokens)
         if self.rem_chunk_tokens is not None:
             room = min(room, self.rem_chunk_tokens) if room > 0 or not self.full_chunk else self.rem_chunk_tokens
+        return self._schedule_piece(req, room)
+
+    def _schedule_piece(self, req, room: int):
+        """Schedule up to `room` tokens of the chunked request (none when `room <= 0`); returns
+        (the request while still truncated, whether a piece was scheduled)."""
         if room <= 0:
             return req, False
         truncated = req.extend_input_len > room
@@ -115,14 +120,7 @@ class PrefillAdder:
             room = min(room, self.rem_chunk_tokens)
         if self.align_chunks:
             room = align_down(room, self.page_size)
-        if room <= 0:
-            return req, False
-        truncated = req.extend_input_len > room
-        req.extend_input_len = min(req.extend_input_len, room)
-        req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
-        self.can_run_list.append(req)
-        self._update_budget(req.extend_input_len, 0 if truncated else min(req.max_new_tokens, self.clip))
-        return (req if truncated else None), True
+        return self._schedule_piece(req, room)
 
     def add_one_req_budget(self, req, has_chunked: bool = False) -> AddResult:
         """SGLang 0.5.23's admission (`_select_prefill_admission` over `PrefillBudget`): the
