@@ -7,6 +7,8 @@ memory writes; the names below that mirror it (`req_pool_idx`, `prefix_indices`,
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 import torch
 
@@ -14,7 +16,8 @@ from memcli.mem_cache.manager import ReqKV
 
 
 def _mirror(name: str) -> property:
-    return property(lambda self: getattr(self.kv, name), doc=f"`kv.{name}` (read-only: memory writes it)")
+    # attrgetter reads `self.kv.<name>` in one C call: these are read on the hot path.
+    return property(attrgetter(f"kv.{name}"), doc=f"`kv.{name}` (read-only: memory writes it)")
 
 
 class Req:
