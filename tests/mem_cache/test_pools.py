@@ -196,3 +196,15 @@ def test_free_range_tells_the_row_observer():
     pool.free_range(1, 2)
     assert released == [[1, 2]]
     assert pool.free_slots == [1, 2]
+
+
+def test_free_range_under_the_reserved_row_0():
+    """lifo_row0 (0.5.23): rows 1..size are handed out from the tail and row 0 never is; a range
+    free covers the last row and refuses row 0, as `free` does."""
+    pool = ReqToTokenPool(4, 8, CPU, row_order="lifo_row0")
+    assert pool.alloc(4) == [1, 2, 3, 4]
+    pool.free_range(3, 2)
+    assert pool.free_slots == [3, 4] and pool.rows_in_use() == [1, 2]
+    with pytest.raises(ValueError, match="freed twice or never allocated"):
+        pool.free_range(0, 2)
+    assert pool.rows_in_use() == [1, 2]
