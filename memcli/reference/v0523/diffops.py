@@ -21,7 +21,7 @@ from memcli.mem_cache.allocator import make_allocator
 from memcli.mem_cache.base_prefix_cache import RadixKey
 from memcli.mem_cache.clock import LogicalClock
 from memcli.mem_cache.radix_cache import RadixCache
-from memcli.reference.ops import Op, generate_ops
+from memcli.reference.ops import Op, _in_tree, generate_ops
 from memcli.stack import radix_semantics
 
 PROFILE = "sglang-0.5.23"
@@ -106,15 +106,6 @@ class _MemcliSide:
             obs["tree"] = _shape(tree.root)
             obs["leaf_order"] = _leaf_order(tree)
         return obs
-
-
-def _in_tree(node: Any, root: Any) -> bool:
-    while node is not root:
-        parent = node.parent
-        if parent is None or all(child is not node for child in parent.children.values()):
-            return False
-        node = parent
-    return True
 
 
 def _shape(node: Any) -> list:
