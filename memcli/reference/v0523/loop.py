@@ -96,15 +96,24 @@ class ReferenceLoop0523:
         return len(self.finished_rids) == self.num_requests
 
     def step(self) -> None:
-        self.step_evicted, self.step_retracted, self.step_finished = 0, [], []
-        self._recv_requests()
-        batch = self.get_next_batch_to_run()
-        self.step_kind = "idle" if batch is None else "prefill" if batch.forward_mode.is_extend() else "decode"
+        batch = self._next_step_batch()
         if batch is not None:
             tokens = self.run_batch(batch)
             self.process_batch_result(batch, tokens)
         else:
             self.on_idle()
+        self._end_step(batch)
+
+    def _next_step_batch(self) -> Any:
+        """The start of a step, in both loops: this step's records reset, arrivals received,
+        and the batch to run (None: idle)."""
+        self.step_evicted, self.step_retracted, self.step_finished = 0, [], []
+        self._recv_requests()
+        batch = self.get_next_batch_to_run()
+        self.step_kind = "idle" if batch is None else "prefill" if batch.forward_mode.is_extend() else "decode"
+        return batch
+
+    def _end_step(self, batch: Any) -> None:
         self.step_batch = self.last_batch = batch
         self.step_count += 1
 
@@ -328,10 +337,7 @@ class OverlapReferenceLoop0523(ReferenceLoop0523):
         return super().is_done() and self.last_batch is None and not self.result_queue
 
     def step(self) -> None:
-        self.step_evicted, self.step_retracted, self.step_finished = 0, [], []
-        self._recv_requests()
-        batch = self.get_next_batch_to_run()
-        self.step_kind = "idle" if batch is None else "prefill" if batch.forward_mode.is_extend() else "decode"
+        batch = self._next_step_batch()
         if batch is not None:
             tokens = self.run_batch(batch)
             self.result_queue.append((batch.copy(), tokens))
@@ -340,8 +346,7 @@ class OverlapReferenceLoop0523(ReferenceLoop0523):
             self.process_batch_result(queued, tokens)
         elif batch is None:
             self.on_idle()
-        self.step_batch = self.last_batch = batch
-        self.step_count += 1
+        self._end_step(batch)
 
     def _reqs_finishing_inflight(self, batch: Any) -> list:
         """Requests of the queued (launched, unprocessed) batch whose result finishes them by length."""
