@@ -67,16 +67,20 @@ class ReferenceImportError(MemcliError):
     """SGLang's modules could not be imported from the extracted wheel."""
 
 
-class _StandInLoader(importlib.abc.Loader):
-    def __init__(self, root: Path, built: list[str]):
-        self.root, self.built = root, built
+class StandInLoader(importlib.abc.Loader):
+    """Builds the modules of `standins` (name -> `StandIn`: its `build(root)` and `reason`),
+    recording each built name in `built`; any other module it is given (a package without an
+    `__init__`) stays empty. Used by the finders of every engine's wheel."""
+
+    def __init__(self, root: Path, built: list[str], standins: dict = STANDINS):
+        self.root, self.built, self.standins = root, built, standins
 
     def create_module(self, spec):
         return None
 
     def exec_module(self, module: types.ModuleType) -> None:
         name = module.__name__
-        stand_in = STANDINS.get(name)
+        stand_in = self.standins.get(name)
         if stand_in is not None:
             module.__dict__.update(stand_in.build(self.root))
             module.__memcli_standin__ = stand_in.reason
@@ -89,7 +93,7 @@ class SglangFinder(importlib.abc.MetaPathFinder):
     def __init__(self, root: Path):
         self.root = root
         self.standins_built: list[str] = []
-        self._standin_loader = _StandInLoader(root, self.standins_built)
+        self._standin_loader = StandInLoader(root, self.standins_built)
         # Parent packages of the stand-ins that have no directory in the extracted tree.
         self._parents = {name.rsplit(".", i)[0] for name in STANDINS for i in range(1, name.count(".") + 1)}
 

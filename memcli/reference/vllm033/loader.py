@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 from memcli.errors import MemcliError
 from memcli.reference.fetch import VLLM, fetch_reference, unavailable_reason
+from memcli.reference.loader import StandInLoader
 from memcli.reference.vllm033.standins import SKIPPED_INITS, STANDINS, install_third_party
 
 MODULES = {
@@ -52,29 +53,13 @@ class VllmImportError(MemcliError):
     """vLLM's modules could not be imported from the extracted wheel."""
 
 
-class _Loader(importlib.abc.Loader):
-    def __init__(self, built: list[str]):
-        self.built = built
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        stand_in = STANDINS.get(module.__name__)
-        if stand_in is not None:
-            module.__dict__.update(stand_in.build(self.root))
-            module.__memcli_standin__ = stand_in.reason
-            self.built.append(module.__name__)
-
-
 class VllmFinder(importlib.abc.MetaPathFinder):
     """Resolves `vllm` and `vllm.*` from `root`, the stand-ins and the skipped packages only."""
 
     def __init__(self, root: Path):
         self.root = root
         self.standins_built: list[str] = []
-        self._loader = _Loader(self.standins_built)
-        self._loader.root = root
+        self._loader = StandInLoader(root, self.standins_built, STANDINS)
         self._parents = {name.rsplit(".", i)[0] for name in STANDINS for i in range(1, name.count(".") + 1)}
 
     def find_spec(self, fullname: str, path=None, target=None):
