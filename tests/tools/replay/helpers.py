@@ -63,3 +63,18 @@ def shrink_mooncake(src: Path, dst: Path, num_requests: int, block_size: int = 8
                 break
     dst.write_text("\n".join(lines) + "\n")
     return dst
+
+
+def plant_leak(monkeypatch, after_step: int) -> None:
+    """Make the scheduler take one page after step `after_step` that nobody will ever free."""
+    from memcli.sched.scheduler import Scheduler
+
+    step = Scheduler.step
+
+    def leaky_step(self):
+        record = step(self)
+        if self.step_count == after_step:
+            self.memory.allocator.alloc(self.page_size)
+        return record
+
+    monkeypatch.setattr(Scheduler, "step", leaky_step)

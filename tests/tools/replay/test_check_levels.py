@@ -9,6 +9,7 @@ import pytest
 
 from memcli.mem_cache.radix_cache import RadixCache
 from memcli.sched.scheduler import Scheduler
+from tests.tools.replay.helpers import plant_leak
 from tests.tools.replay.test_command import SMALL, invoke, memcli_trace  # noqa: F401  (fixture)
 
 PROFILES = ["sglang-0.5.5", "memcli"]
@@ -133,15 +134,7 @@ def test_double_free_is_reported_with_its_step_and_check(memcli_trace, monkeypat
 
 
 def test_check_full_fails_without_a_history_and_says_how_to_get_one(memcli_trace, monkeypatch):  # noqa: F811
-    step = Scheduler.step
-
-    def leaky_step(self):
-        record = step(self)
-        if self.step_count == 3:
-            self.memory.allocator.alloc(self.page_size)
-        return record
-
-    monkeypatch.setattr(Scheduler, "step", leaky_step)
+    plant_leak(monkeypatch, after_step=3)
     code, doc = run(memcli_trace, "--check", "full")
     assert code == 1 and "history" not in doc["integrity"]
     text = invoke(memcli_trace, "--check", "full", *SMALL).stdout

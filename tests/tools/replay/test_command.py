@@ -12,7 +12,7 @@ from memcli.cli.app import app
 from memcli.sched.scheduler import Scheduler
 from memcli.workload.generate import generate_trace, write_trace
 
-from tests.tools.replay.helpers import CONVERSATION, SYNTHETIC, shrink_mooncake
+from tests.tools.replay.helpers import CONVERSATION, SYNTHETIC, plant_leak, shrink_mooncake
 
 runner = CliRunner()
 # A small CPU stack: every test below runs in well under a second.
@@ -240,15 +240,7 @@ def test_check_every_step(memcli_trace):
 
 
 def test_integrity_violation_exits_1_with_the_report(memcli_trace, monkeypatch):
-    step = Scheduler.step
-
-    def leaky_step(self):
-        record = step(self)
-        if self.step_count == 3:
-            self.memory.allocator.alloc(self.page_size)
-        return record
-
-    monkeypatch.setattr(Scheduler, "step", leaky_step)
+    plant_leak(monkeypatch, after_step=3)
     result = invoke(memcli_trace, *SMALL, "--check", "--json")
     assert result.exit_code == 1
     doc = json.loads(result.stdout)

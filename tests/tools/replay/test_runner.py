@@ -16,7 +16,7 @@ from memcli.sched.scheduler import Scheduler
 from memcli.workload.generate import generate_trace, write_trace
 from memcli.workload.readers import read_trace
 
-from tests.tools.replay.helpers import CONVERSATION, SYNTHETIC, page_prefix_hits, shrink_mooncake, small_config
+from tests.tools.replay.helpers import CONVERSATION, SYNTHETIC, page_prefix_hits, plant_leak, shrink_mooncake, small_config
 
 
 @pytest.fixture(scope="module")
@@ -152,15 +152,7 @@ def test_timestamp_arrivals_need_times(generated, tmp_path):
 
 
 def test_integrity_violation_stops_with_the_result_so_far(generated, monkeypatch):
-    step = Scheduler.step
-
-    def leaky_step(self):
-        record = step(self)
-        if self.step_count == 5:
-            self.memory.allocator.alloc(self.page_size)  # a page nobody will ever free
-        return record
-
-    monkeypatch.setattr(Scheduler, "step", leaky_step)
+    plant_leak(monkeypatch, after_step=5)
     result = replay(small_config(1, pool=50_000), generated, ReplayOptions("timestamp", check_every_step=True))
     assert not result.integrity.ok
     assert "memory leak detected" in result.integrity.failure
