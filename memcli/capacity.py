@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from memcli.config import REQ_INPUT_MARGIN, Config
 from memcli.errors import CapacityError
-from memcli.mem_cache.pages import align_up
+from memcli.mem_cache.pages import align_up, output_room
 from memcli.workload.spec import RequestSpec
 
 
@@ -210,8 +210,7 @@ def _kept_output(config: Config, limit: int, input_len: int) -> tuple[int, str]:
     more than the pool holds beside the prompt's pages and one page, as the scheduler clips."""
     kept, why = limit - input_len - 1, "max_req_len - input - 1"
     if config.behaviour.request_limits == "memory_clip":
-        ps = config.page_size
-        room = max(0, config.pool_size - align_up(input_len, ps) - ps - 1)
+        room = output_room(config.pool_size, input_len, config.page_size)
         if room < kept:
             kept, why = room, "pool - prompt pages - one page - 1 (memory_clip)"
     return kept, why

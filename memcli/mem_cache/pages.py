@@ -46,6 +46,13 @@ def align_up(num_tokens, page_size: int):
     return cdiv(num_tokens, page_size) * page_size
 
 
+def output_room(pool_tokens: int, input_len: int, page_size: int) -> int:
+    """The most output tokens a pool of `pool_tokens` holds beside a prompt of `input_len`: the
+    prompt's pages, one page and one token kept back (SGLang 0.5.23's max_new_tokens_for_memory;
+    never below 0)."""
+    return max(0, pool_tokens - align_up(input_len, page_size) - page_size - 1)
+
+
 def extend_new_pages(prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, page_size: int,
                      extend_num_tokens: int | None = None) -> int:
     """Pages an extend batch opens: exact per request (`cdiv(seq) - cdiv(prefix)`), not one

@@ -16,7 +16,7 @@ from collections import deque
 
 from memcli.config import REQ_INPUT_MARGIN, Config
 from memcli.mem_cache.manager import MemoryManager, Release
-from memcli.mem_cache.pages import align_up
+from memcli.mem_cache.pages import output_room
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.overlap import OverlapLoop
 from memcli.sched.progress import ProgressGuard
@@ -185,9 +185,8 @@ class Scheduler:
                     continue
                 req.max_new_tokens = min(req.max_new_tokens, limit - req.input_len - 1)
                 if self.memory_clip:  # 0.5.23's max_new_tokens_for_memory
-                    ps = self.page_size
-                    room = self.memory.size - align_up(req.input_len, ps) - ps - 1
-                    req.max_new_tokens = max(0, min(req.max_new_tokens, room))
+                    req.max_new_tokens = min(req.max_new_tokens,
+                                             output_room(self.memory.size, req.input_len, self.page_size))
             self.waiting.append(req)
 
     def cache_deferred_chunk(self, give_back_row: bool = True) -> None:

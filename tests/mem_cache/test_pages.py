@@ -68,3 +68,10 @@ def test_decode_new_pages_counts_what_the_allocator_takes(ps):
     before = allocator.available_size()
     allocator.alloc_decode_write(seq, seq.clone(), torch.tensor([0, 1]), table)
     assert before - allocator.available_size() == pages.decode_new_pages(seq, ps) * ps
+
+
+def test_output_room_keeps_the_prompt_pages_one_page_and_a_token():
+    assert pages.output_room(4096, 4000, 16) == 4096 - 4000 - 16 - 1
+    assert pages.output_room(4096, 4001, 16) == 4096 - 4016 - 16 - 1  # the prompt's last page is whole
+    assert pages.output_room(4096, 4090, 16) == 0  # never below 0
+    assert pages.output_room(100, 10, 1) == 100 - 10 - 1 - 1
