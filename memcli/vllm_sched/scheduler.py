@@ -55,13 +55,16 @@ class StepPlan:
         self.num_scheduled: dict[str, int] = {}
         self.reqs: list[VllmRequest] = []
         self.preempted: list[str] = []
-        self.admitted: list[VllmRequest] = []
-        self.hits = 0
         self.sampled: dict[str, int] = {}  # the token each request sampled
         self.block_ids: dict[str, list[int]] = {}  # blocks after scheduling (kept plans only)
         self.samples: list[VllmRequest] = []  # requests whose chunk completes: they sample one token
         self.admitted_hits: dict[str, int] = {}  # prefix tokens reused by the requests admitted in this step
         self.cost_ms = 0.0
+
+    @property
+    def hits(self) -> int:
+        """Prefix tokens reused by this step's admissions, together."""
+        return sum(self.admitted_hits.values())
 
 
 class VllmScheduler:
@@ -326,7 +329,6 @@ class VllmScheduler:
             req.status, req.num_computed_tokens = RUNNING, hit
             plan.reqs.append(req)
             plan.num_scheduled[req.request_id] = n
-            plan.hits += hit
             plan.admitted_hits[req.request_id] = hit
             self._event("admit", req.request_id, hit)
             budget -= n
