@@ -18,6 +18,7 @@ from memcli.capacity import max_model_len_cuts
 from memcli.config import Config
 from memcli.engines import register
 from memcli.engines.base import Engine
+from memcli.engines.vllm_033_bench import make_static_batch
 from memcli.errors import ConfigError
 from memcli.mem_cache.block_manager import BlockManager
 from memcli.steps import SchedulerHooks
@@ -119,6 +120,7 @@ ENGINE = register(Engine(
     profile="sglang-0.5.5",
     semantics=("event_loop",),
     describe=describe,
+    static_batch=make_static_batch,
     reference=_reference,
     limits=max_model_len_cuts,  # vLLM rejects a prompt of max_model_len tokens or more
 ))
