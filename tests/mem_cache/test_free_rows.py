@@ -135,18 +135,20 @@ def test_free_graphs_give_the_launch_free_list(page_size):
     """Frees through `FreeRowsGraphs` (several queued behind a spin, so blocks are reused
     while earlier replays wait) leave the free list and counters of the plain launch."""
     from memcli.mem_cache.free_graph import SLOTS, FreeRowsGraphs
-    states = []
+    states, rows = [], list(range(2 * SLOTS + 1))
     for graphs in (False, True):
         allocator, pool = _stack("triton", page_size, size=400 * page_size, rows=16, cols=page_size * 40)
         if graphs:
             allocator.free_graphs = FreeRowsGraphs(allocator._buf, pool.req_to_token, page_size)
-        for row in range(2 * SLOTS + 1):
-            _fill(allocator, pool, [row], length=page_size * 3 - 1, churn=1 if row == 0 else 0)
-        torch.cuda._sleep(2_000_000)  # the replays queue behind it
-        for row in range(2 * SLOTS + 1):
-            assert allocator.free_rows(pool.req_to_token, [row], page_size * 3 - 1, True)
-        torch.cuda.synchronize()
+        for spin in (False, True):  # the first pass captures; in the second the replays queue behind a spin
+            for row in rows:
+                _fill(allocator, pool, [row], length=page_size * 3 - 1, churn=1 if row == 0 else 0)
+            if spin:
+                torch.cuda._sleep(50_000_000)
+            for row in rows:
+                assert allocator.free_rows(pool.req_to_token, [row], page_size * 3 - 1, True)
+            torch.cuda.synchronize()
         if graphs:
-            assert allocator.free_graphs.captures >= 1 and allocator.free_graphs.waits >= 1
+            assert allocator.free_graphs.captures == SLOTS and allocator.free_graphs.waits >= 1
         states.append(_state(allocator))
     assert states[0] == states[1]
