@@ -19,7 +19,8 @@ DEFAULT_OUTPUT_LEN = 16
 DEFAULT_REPEAT = {"cuda": 10, "cpu": 5}
 DEFAULT_ROUNDS = 7
 VLLM_COMPARE = "vllm-0.33"  # vLLM's real KVCacheManager, beside memcli's vllm-0.33 engine
-COMPARE_CHOICES = ("sglang-0.5.5", VLLM_COMPARE)
+SGLANG_0523_COMPARE = "sglang-0.5.23"  # SGLang 0.5.23's allocation.py, loaded in this process
+COMPARE_CHOICES = ("sglang-0.5.5", VLLM_COMPARE, SGLANG_0523_COMPARE)
 
 
 def interpret_without_cuda() -> None:

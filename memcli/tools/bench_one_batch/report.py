@@ -255,6 +255,8 @@ def reference_table(result: BenchResult) -> Table:
     """memcli's memory path beside the compared implementation's, timed in the same rounds."""
     ref = result.reference
     what = ref.setup or f"attention backend {ref.backend_label}"
+    if ref.setup and ref.attention_backend:
+        what = f"{ref.setup}; attention backend {ref.backend_label}"
     table = Table(title=f"memcli vs {ref.name}, {what}: the memory path, same cases, same rounds (medians of round"
                         " medians)",
                   title_justify="left", caption=f"speedup = {ref.name} median / memcli median (above 1: memcli is"

@@ -231,7 +231,9 @@ class ReferenceResult:
 
     def to_dict(self, cases: Sequence[CaseResult]) -> dict[str, Any]:
         head = {"name": self.name, "attention_backend": self.attention_backend, "backend": self.backend_label}
-        if self.setup:
+        if self.setup and self.attention_backend:  # both: the backend it runs with, and what runs
+            head["setup"] = self.setup
+        elif self.setup:
             head = {"name": self.name, "attention_backend": None, "setup": self.setup}
         return {**head, "rows": [
             {"case": case.case.label, "phase": name, "memcli": mine.to_dict(), "reference": ref.to_dict(),

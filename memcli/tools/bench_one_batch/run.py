@@ -18,7 +18,8 @@ from memcli import engines
 from memcli.config import Config
 from memcli.errors import MemcliError
 from memcli.devices import resolve_device
-from memcli.tools.bench_one_batch import COMPARE_CHOICES, DEFAULT_REPEAT, DEFAULT_ROUNDS, TREE_CACHES, VLLM_COMPARE
+from memcli.tools.bench_one_batch import (COMPARE_CHOICES, DEFAULT_REPEAT, DEFAULT_ROUNDS, SGLANG_0523_COMPARE,
+                                          TREE_CACHES, VLLM_COMPARE)
 from memcli.tools.bench_one_batch.cases import Case, plan_cases
 from memcli.tools.bench_one_batch.host_tier_bench import run_transfer_bench
 from memcli.tools.bench_one_batch.results import BenchOutcome, BenchResult
@@ -120,6 +121,9 @@ def _comparison(compare: Optional[str], cfg: Config, backend: Optional[str] = No
     _check_compared_engine(compare, cfg)
     if compare == VLLM_COMPARE:
         return _vllm_comparison(backend, tree_cache != "none")
+    if compare == SGLANG_0523_COMPARE:
+        from memcli.tools.bench_one_batch.sglang_0523_side import load_comparison
+        return load_comparison(resolve_device(cfg), backend)
     from memcli.reference.fetch import cached_wheel, reference_dir
     if cached_wheel() is None:
         raise MemcliError(f"--compare {compare}: the sglang 0.5.5 wheel is not in {reference_dir()}",
