@@ -76,6 +76,10 @@ class OverlapLoop:
     def in_flight_slots(self) -> list[InFlightSlot]:
         return [slot for flight in self.result_queue for slot in flight.extra.values() if slot is not None]
 
+    def in_flight_count(self) -> int:
+        """`len(in_flight_slots())`, without building the list when nothing is held."""
+        return sum(slot is not None for flight in self.result_queue if flight.extra for slot in flight.extra.values())
+
     # -- one iteration ------------------------------------------------------------------------
     def iterate(self) -> tuple[str, int, int]:
         """One loop iteration; returns (kind, batch size, new tokens) of the launched batch."""
@@ -142,8 +146,11 @@ class OverlapLoop:
         """Requests of the batch in flight whose result gives them their last output."""
         if not self.result_queue:
             return set()
+        ending = [r for r in self.sched.running.reqs if len(r.output_ids) + 1 >= r.max_new_tokens]
+        if not ending:
+            return set()
         queued = set(self.result_queue[0].reqs)
-        return {r for r in self.sched.running.reqs if r in queued and len(r.output_ids) + 1 >= r.max_new_tokens}
+        return {r for r in ending if r in queued}
 
     def _launch(self, kind: str, batch: ScheduleBatch) -> None:
         s = self.sched
@@ -192,14 +199,26 @@ class OverlapLoop:
                 s.memory.cache_unfinished(req)
 
     def _process_decode(self, flight: InFlight) -> None:
+        # The per-request loop of every decode result: `_skip`'s test inlined (a request with
+        # an extra slot is skipped whatever its state), the commits handed over in one call.
         s = self.sched
+        extra = flight.extra
+        done, kept, lens = [], [], []
         for req, seq_len, token in zip(flight.reqs, flight.seq_lens, flight.tokens):
-            if self._skip(flight, req):
+            if extra and req in extra:
+                self._skip(flight, req)
                 continue
-            s.memory.commit(req, seq_len)
-            req.output_ids.append(token)
-            if len(req.output_ids) >= req.max_new_tokens:
-                s.finish(req)
+            if req.finished or req.is_retracted:
+                continue
+            kept.append(req)
+            lens.append(seq_len)
+            out = req.output_ids
+            out.append(token)
+            if len(out) >= req.max_new_tokens:
+                done.append(req)
+        s.memory.commit_each(kept, lens)
+        for req in done:
+            s.finish(req)
 
     # -- releasing a request ------------------------------------------------------------------
     def release(self, req: Req, why: Release) -> None:

@@ -147,7 +147,10 @@ class Scheduler:
         record = self._record(kind, bs, new_tokens)
         self.progress_guard.after_step(self, before)
         self.step_count += 1
-        if self.checker.after_step(record.step, self.memory_holders(), idle=kind == "idle"):
+        idle = kind == "idle"
+        checker = self.checker
+        holders = self.memory_holders() if checker.reads_holders(idle) else []
+        if checker.after_step(record.step, holders, idle=idle):
             self.stats.checks_run += 1
         if self.on_step is not None:
             self.on_step(self, record)
@@ -218,9 +221,7 @@ class Scheduler:
             self._evicted_seen = evicted
         u = memory.usage()
         held_pages = memory.held_pages(u)
-        held_tokens = sum(r.kv_allocated_len - r.last_matched_prefix_len for r in self.active_reqs() if not r.kv_freed)
-        if self.overlap is not None:
-            held_tokens += len(self.overlap.in_flight_slots())
+        held_tokens = self._held_tokens()
         rows = memory.rows_in_use()
         self.stats.peak_request_rows = max(self.stats.peak_request_rows, rows)
         host = memory.host_tier()
@@ -237,6 +238,20 @@ class Scheduler:
                             held_pages, host_used, d2h, h2d, batch)
         self.records.append(record)
         return record
+
+    def _held_tokens(self) -> int:
+        """Slots the requests holding memory own (`active_reqs()`, not yet freed) plus, under
+        overlap, the decode slots in flight of released requests. One pass over the records."""
+        kvs = [r.kv for r in self.running.reqs if not r.finished] if self.overlap is not None else \
+            [r.kv for r in self.running.reqs]
+        extra = 0
+        if self.overlap is not None:
+            chunked = self.chunked_req
+            kvs += [r.kv for r in self.overlap.unmerged_reqs() if r is not chunked and not r.finished]
+            extra = self.overlap.in_flight_count()
+        if self.chunked_req is not None:
+            kvs.append(self.chunked_req.kv)
+        return sum(kv.kv_allocated_len - kv.last_matched_prefix_len for kv in kvs if not kv.kv_freed) + extra
 
     # -- prefill --------------------------------------------------------------------------
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
