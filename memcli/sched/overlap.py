@@ -199,24 +199,31 @@ class OverlapLoop:
                 s.memory.cache_unfinished(req)
 
     def _process_decode(self, flight: InFlight) -> None:
-        # The per-request loop of every decode result: `_skip`'s test inlined (a request with
-        # an extra slot is skipped whatever its state), the commits handed over in one call.
+        # The per-request loop of every decode result, kept to the token and the finish test:
+        # `_skip`'s test inlined (a request with an extra slot is skipped whatever its state),
+        # the commits made in one call after it, the finishes after them (each one's own
+        # request only: the order of what memory sees per request is the plain loop's).
         s = self.sched
         extra = flight.extra
-        done, kept, lens = [], [], []
-        for req, seq_len, token in zip(flight.reqs, flight.seq_lens, flight.tokens):
+        done, skipped = [], []
+        for req, token in zip(flight.reqs, flight.tokens):
             if extra and req in extra:
                 self._skip(flight, req)
+                skipped.append(req)
                 continue
             if req.finished or req.is_retracted:
+                skipped.append(req)
                 continue
-            kept.append(req)
-            lens.append(seq_len)
             out = req.output_ids
             out.append(token)
             if len(out) >= req.max_new_tokens:
                 done.append(req)
-        s.memory.commit_each(kept, lens)
+        if skipped:
+            gone = set(map(id, skipped))
+            pairs = [(r, n) for r, n in zip(flight.reqs, flight.seq_lens) if id(r) not in gone]
+            s.memory.commit_each([r for r, _ in pairs], [n for _, n in pairs])
+        else:
+            s.memory.commit_each(flight.reqs, flight.seq_lens)
         for req in done:
             s.finish(req)
 
