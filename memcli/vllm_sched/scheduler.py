@@ -81,6 +81,7 @@ class VllmScheduler:
         self.memory, self.settings, self.sim, self.hooks = memory, settings, sim, hooks
         self.checker = memory.checker(hooks.checks)
         self.clock_ms, self.step_count = 0.0, 0
+        memory.set_clock(lambda: self.clock_ms)  # eviction ages on the simulated clock
         self.priority = settings.policy == "priority"
         self.waiting: Any = PriorityWaiting() if self.priority else deque()
         self.running: list[VllmRequest] = []
