@@ -160,3 +160,17 @@ def test_vllm_rejects_prompts_of_max_model_len_and_stops_outputs_there(tmp_path)
     strict = CliRunner().invoke(app, ["replay", str(path), "--engine", "vllm-0.33", "--strict-limits",
                                       *[x for s in sets for x in ("--set", s)]])
     assert strict.exit_code == 2
+
+
+def test_replay_reads_the_traces_priorities(tmp_path):
+    trace = tmp_path / "p.jsonl"
+    rows = [{"rid": rid, "input_len": 40, "output_len": 2, "priority": p} for rid, p in (("a", 3), ("b", 0), ("c", -2))]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "r.jsonl"
+    result = CliRunner().invoke(app, ["replay", str(trace), "--engine", "vllm-0.33", "--arrivals", "burst",
+                                      "--requests-out", str(out), "--set", "scheduler.policy=priority",
+                                      "--set", "scheduler.max_num_seqs=1", "--set", "memory.max_total_tokens=4096",
+                                      "--set", "memory.max_context_len=4096"])
+    assert result.exit_code == 0, result.output
+    admitted = {r["rid"]: r["admission_ms"] for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(admitted, key=admitted.get) == ["c", "b", "a"]
