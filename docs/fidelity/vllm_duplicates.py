@@ -41,7 +41,9 @@ def main() -> None:
         record = step(self)
         pool = self.memory.pool
         held = pool.num_cached - len(pool.cached)
-        counts["peak"], counts["sum"], counts["steps"] = max(counts["peak"], held), counts["sum"] + held, counts["steps"] + 1
+        counts["peak"] = max(counts["peak"], held)
+        counts["sum"] += held
+        counts["steps"] += 1
         return record
 
     VllmScheduler.step = sampled
