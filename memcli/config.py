@@ -85,7 +85,7 @@ class SchedulerConfig:
 
     chunked_prefill_size: Optional[int] = 1024
     max_prefill_tokens: int = 4096
-    policy: Literal["fcfs", "lpm"] = "fcfs"
+    policy: Literal["fcfs", "lpm", "priority"] = "fcfs"  # priority: vLLM's only
     init_new_token_ratio: float = 0.7
     min_new_token_ratio_factor: float = 0.14
     new_token_ratio_decay_steps: int = 600
@@ -395,6 +395,9 @@ class Config:
 # is read as its default block size 16) and bounds a request by max_model_len alone (row).
 ENGINE_DEFAULTS = {"vllm-0.33": {"memory.page_size": (1, 16), "semantics.request_limits": (None, "row")}}
 
+# Engines with vLLM's priority policy (scheduler.policy=priority, the trace's `priority` field).
+PRIORITY_ENGINES = ("vllm-0.33",)
+
 # Keys only the vllm-0.33 engine reads; left out of `Config.to_dict` while null.
 VLLM_ONLY_KEYS = ("scheduler.max_num_batched_tokens", "scheduler.max_num_seqs", "scheduler.long_prefill_token_threshold")
 
@@ -608,6 +611,9 @@ def validate(config: Config) -> None:
         )
     if config.cache.kind == "hiradix":
         _validate_host_pool(config)
+    if sched.policy == "priority" and config.semantics.engine not in PRIORITY_ENGINES:
+        raise ConfigError("scheduler.policy: priority is vLLM's policy; SGLang's are fcfs and lpm here",
+                          hint="use --engine vllm-0.33 for priority scheduling, or scheduler.policy fcfs or lpm")
 
 
 def host_pool_size(config: Config) -> int:

@@ -31,7 +31,7 @@ class Scheduler(Protocol):
     checker: Any  # the after-step integrity checks (`memory.checker(...)`)
 
     def new_req(self, rid: str, input_ids, max_new_tokens: int, extra_key: Optional[str] = None,
-                arrival_ms: float = 0.0) -> Any: ...
+                arrival_ms: float = 0.0, priority: int = 0) -> Any: ...  # priority: given only when non-zero
 
     def add_request(self, req: Any) -> None: ...
 

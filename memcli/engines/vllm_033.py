@@ -7,7 +7,9 @@ is `num_gpu_blocks x block_size` (the null block included), `memory.max_context_
 `max_model_len`; `scheduler.max_num_batched_tokens` (default 2048), `scheduler.max_num_seqs`
 (default 128) and `scheduler.long_prefill_token_threshold` (default 0, off) under their vLLM
 names; `cache.kind=none` is `enable_prefix_caching=False`; `semantics.event_loop` is `async`
-(the default of `vllm serve` in 0.33) or `sync` (`--no-async-scheduling`). Keys vLLM lacks are refused.
+(the default of `vllm serve` in 0.33) or `sync` (`--no-async-scheduling`); `scheduler.policy` is
+`fcfs` or `priority` (`--scheduling-policy`; a request's priority is the trace's `priority`
+field, 0 by default). Keys vLLM lacks are refused.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from memcli.engines.vllm_033_bench import make_static_batch
 from memcli.errors import ConfigError
 from memcli.mem_cache.block_manager import BlockManager
 from memcli.steps import SchedulerHooks
-from memcli.vllm_sched.scheduler import VllmScheduler, VllmSchedulerConfig
+from memcli.vllm_sched.scheduler import POLICIES, VllmScheduler, VllmSchedulerConfig
 
 NAME = "vllm-0.33"
 DEFAULT_BLOCK_SIZE = 16  # vLLM's CacheConfig.DEFAULT_BLOCK_SIZE
@@ -48,6 +50,9 @@ def check_config(config: Config) -> None:
     if cache.eviction_policy != "lru":
         raise ConfigError(f"cache.eviction_policy: vLLM 0.33 evicts from its free-block queue only, not by {cache.eviction_policy}",
                           hint="leave cache.eviction_policy at lru with --engine vllm-0.33")
+    if config.scheduler.policy not in POLICIES:
+        raise ConfigError(f"scheduler.policy: vLLM 0.33 has no {config.scheduler.policy} policy (SGLang's)",
+                          hint="vLLM's policies are fcfs (its default) and priority (--scheduling-policy priority)")
     loop = config.semantics.event_loop
     if loop in ("overlap", "normal"):
         raise ConfigError(f"semantics.event_loop: {loop} is SGLang's loop", hint="vLLM's loops are async and sync")
@@ -64,7 +69,7 @@ def settings(config: Config) -> VllmSchedulerConfig:
         max_num_seqs=s.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
         max_model_len=config.memory.max_context_len,
         long_prefill_token_threshold=s.long_prefill_token_threshold or 0,
-        policy="fcfs", async_scheduling=config.semantics.event_loop != "sync")
+        policy=config.scheduler.policy, async_scheduling=config.semantics.event_loop != "sync")
 
 
 def describe(config: Config) -> tuple[dict, dict]:

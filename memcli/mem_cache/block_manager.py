@@ -309,7 +309,7 @@ class BlockManager:
     def take_evictions(self) -> list:
         if not self.pool.evicted:
             return []
-        out = [BlockEviction(self.block_size, 0.0, 0) for _ in self.pool.evicted]
+        out = [BlockEviction(self.block_size, r.age, r.hits) for r in self.pool.evicted]
         self.pool.evicted.clear()
         return out
 
@@ -323,4 +323,6 @@ class BlockManager:
         return None
 
     def set_clock(self, clock) -> None:
+        """The time eviction ages are measured on (a zero-argument callable)."""
         self.clock = clock
+        self.pool.clock = clock

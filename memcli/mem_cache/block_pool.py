@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from typing import Any, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 from memcli.errors import IntegrityError
 
@@ -60,13 +60,15 @@ def block_hashes(tokens: Sequence[int], block_size: int, start: int = 0, parent:
 
 
 class Block:
-    """One KV block: its holders (`ref_cnt`), its map key while cached, and its links in the
-    free queue (None when not in it)."""
+    """One KV block: its holders (`ref_cnt`), its map key while cached, its links in the
+    free queue (None when not in it), and, for the eviction log, when it was cached (on the
+    pool's clock) and how many prefix hits took it since."""
 
-    __slots__ = ("block_id", "ref_cnt", "key", "prev", "next", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "key", "prev", "next", "is_null", "cached_at", "hits")
 
     def __init__(self, block_id: int):
         self.block_id, self.ref_cnt, self.key = block_id, 0, None
+        self.cached_at, self.hits = 0.0, 0
         self.prev: Optional[Block] = None
         self.next: Optional[Block] = None
         self.is_null = False
@@ -130,10 +132,13 @@ class FreeQueue:
 
 
 class Removed(NamedTuple):
-    """A cached block evicted when reused: its hash (without the group id) and its block."""
+    """A cached block evicted when reused: its hash (without the group id), its block, the
+    time from its caching to its eviction on the pool's clock, and the prefix hits it served."""
 
     block_hash: bytes
     block_id: int
+    age: float = 0.0
+    hits: int = 0
 
 
 class BlockPool:
@@ -141,6 +146,8 @@ class BlockPool:
 
     `events`: KV events (`kv_events` stand-ins of vLLM's: stored / removed) when `record_events`.
     `evicted`: hashes of cached blocks evicted by reuse since the caller last drained it.
+    `clock`: the time eviction ages are measured on (a zero-argument callable; the scheduler's
+    simulated clock in a replay).
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False):
@@ -157,6 +164,7 @@ class BlockPool:
         self.num_evicted = 0  # cached blocks evicted by reuse, since the pool was built
         self.num_cached = 0  # blocks holding a hash
         self.num_cached_free = 0  # of which in the free queue (evictable)
+        self.clock: Callable[[], float] = lambda: 0.0
 
     # -- lookups --------------------------------------------------------------------------
     def get_cached_block(self, block_hash: bytes) -> Optional[Block]:
@@ -194,7 +202,7 @@ class BlockPool:
                 del self.cached[key]
             self.num_cached -= 1
             self.num_evicted += 1
-            self.evicted.append(Removed(key[:-4], block.block_id))
+            self.evicted.append(Removed(key[:-4], block.block_id, self.clock() - block.cached_at, block.hits))
             if self.record_events:
                 from memcli.mem_cache.kv_events import VllmBlockRemoved
                 self.events.append(VllmBlockRemoved([external_hash(key[:-4])], MEDIUM_GPU))
@@ -208,6 +216,7 @@ class BlockPool:
                 self.free.remove(block)
                 self.num_cached_free -= block.key is not None
             block.ref_cnt += 1
+            block.hits += 1
 
     def free_blocks(self, ordered: Iterable[Block]) -> None:
         """Blocks in eviction order (the first evicted first)."""
@@ -236,7 +245,7 @@ class BlockPool:
         `event_block_size`, None: `block_size`)."""
         if num_cached >= num_full:
             return
-        new_hashes = []
+        new_hashes, now = [], self.clock()
         for i in range(num_cached, num_full):
             block = blocks[i]
             if block.is_null:
@@ -246,7 +255,7 @@ class BlockPool:
                 raise IntegrityError(f"block {block.block_id} is cached twice")
             entry = self.cached.setdefault(key, {})
             if block.block_id not in entry:
-                block.key = key
+                block.key, block.cached_at, block.hits = key, now, 0
                 entry[block.block_id] = block
                 self.num_cached += 1
             new_hashes.append(external_hash(hashes[i]))

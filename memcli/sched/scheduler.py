@@ -94,7 +94,8 @@ class Scheduler:
 
     # -- requests -----------------------------------------------------------------------
     def new_req(self, rid: str, input_ids, max_new_tokens: int, extra_key: str | None = None,
-                arrival_ms: float = 0.0) -> Req:
+                arrival_ms: float = 0.0, priority: int = 0) -> Req:
+        """`priority` is not read: SGLang's schedulers as reproduced have no priority policy."""
         return Req(rid, input_ids, max_new_tokens, self.device, extra_key, arrival_ms)
 
     def add_request(self, req: Req) -> None:

@@ -13,7 +13,8 @@ class VllmRequest:
     """Prompt and outputs in `all_token_ids`; `num_computed_tokens` of them have K/V.
 
     `extra_keys` are the first block's extra hash keys: vLLM's `("cache_salt", salt)` for a
-    trace request with an `extra_key`, else None. `priority` is vLLM's (0: FCFS only)."""
+    trace request with an `extra_key`, else None. `priority` is vLLM's (smaller first; read
+    by the priority policy only, 0 by default) and `arrival_time` its arrival on memcli's clock."""
 
     __slots__ = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "status",
                  "num_preemptions", "block_hashes", "extra_keys", "max_tokens", "priority", "arrival_time",
@@ -68,6 +69,17 @@ class VllmRequest:
     @property
     def num_tokens_with_spec(self) -> int:
         return len(self.all_token_ids)
+
+    def __lt__(self, other: "VllmRequest") -> bool:
+        """vLLM's `Request.__lt__`: priority, then arrival time, then request id (the order of
+        the priority policy's waiting heap)."""
+        if self.priority != other.priority:
+            return self.priority < other.priority
+        if self.arrival_time != other.arrival_time:
+            return self.arrival_time < other.arrival_time
+        if self.request_id != other.request_id:
+            return self.request_id < other.request_id
+        return self.seq < other.seq
 
     @property
     def is_finished(self) -> bool:

@@ -4,12 +4,16 @@ every request whose scheduled chunk reaches its last token.
 
 One step:
 1. running requests first, in order: each gets `min(remaining, long-prefill threshold when
-   > 0 and more than one request is eligible, budget)` tokens; when its slots do not fit, the
-   latest running request (FCFS; vLLM's priority policy is not reproduced) is preempted
-   (blocks freed, recomputed later, back at the front of the waiting queue) until they fit or
-   the request preempted itself;
+   > 0 and more than one request is eligible, budget)` tokens; when its slots do not fit, a
+   victim is preempted (blocks freed, recomputed later, back in the waiting queue) until they
+   fit or the request preempted itself: under FCFS the latest running request, put at the
+   front of the queue, and the step's running pass stops at a self-preemption; under
+   `priority` the running request of the largest (priority, arrival time), pushed back on the
+   waiting heap, its tokens given back to the budget if it was scheduled earlier in the step,
+   and a self-preempted request lets the pass go on to the next running one;
 2. waiting requests next, only when nothing was preempted, while budget remains and fewer
-   than `max_num_seqs` run: prefix lookup, the whole prompt must fit
+   than `max_num_seqs` run, in arrival order (FCFS) or by (priority, arrival time, request id)
+   (`priority`, `memcli/vllm_sched/queues.py`): prefix lookup, the whole prompt must fit
    (`scheduler_reserve_full_isl`), and a failed allocation stops admission for the step;
 3. the step's output: computed tokens advance, a request whose chunk completed samples one
    token, and a request at `max_tokens` outputs (or `max_model_len`) finishes and is freed.
@@ -31,7 +35,10 @@ from typing import Any, Optional
 from memcli.errors import StalledError
 from memcli.mem_cache.block_manager import BlockManager
 from memcli.steps import Event, SchedulerHooks, SchedulerStats, StepBatch, StepRecord
+from memcli.vllm_sched.queues import PriorityWaiting
 from memcli.vllm_sched.request import (FINISHED_ABORTED, FINISHED_LENGTH, PREEMPTED, RUNNING, WAITING, VllmRequest)
+
+POLICIES = ("fcfs", "priority")  # vLLM 0.33's SchedulingPolicy
 
 
 class VllmSchedulerConfig:
@@ -42,8 +49,8 @@ class VllmSchedulerConfig:
                  reserve_full_isl: bool = True, async_scheduling: bool = False):
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.max_model_len, self.long_prefill_token_threshold = max_model_len, long_prefill_token_threshold
-        if policy != "fcfs":
-            raise ValueError(f"vLLM's {policy} policy is not reproduced; only fcfs")
+        if policy not in POLICIES:
+            raise ValueError(f"vLLM 0.33 has no {policy} policy; only {', '.join(POLICIES)}")
         self.policy, self.enable_chunked_prefill, self.reserve_full_isl = policy, enable_chunked_prefill, reserve_full_isl
         self.async_scheduling = async_scheduling
 
@@ -74,7 +81,9 @@ class VllmScheduler:
         self.memory, self.settings, self.sim, self.hooks = memory, settings, sim, hooks
         self.checker = memory.checker(hooks.checks)
         self.clock_ms, self.step_count = 0.0, 0
-        self.waiting: deque = deque()
+        memory.set_clock(lambda: self.clock_ms)  # eviction ages on the simulated clock
+        self.priority = settings.policy == "priority"
+        self.waiting: Any = PriorityWaiting() if self.priority else deque()
         self.running: list[VllmRequest] = []
         self.finished: list = []
         self.records: list[StepRecord] = []
@@ -91,10 +100,10 @@ class VllmScheduler:
 
     # -- requests in ----------------------------------------------------------------------
     def new_req(self, rid: str, input_ids, max_new_tokens: int, extra_key: Optional[str] = None,
-                arrival_ms: float = 0.0) -> VllmRequest:
+                arrival_ms: float = 0.0, priority: int = 0) -> VllmRequest:
         self._seq += 1
         tokens = input_ids.tolist() if hasattr(input_ids, "tolist") else [int(t) for t in input_ids]
-        req = VllmRequest(rid, tokens, max_new_tokens, extra_key, arrival_ms, seq=self._seq)
+        req = VllmRequest(rid, tokens, max_new_tokens, extra_key, arrival_ms, priority=priority, seq=self._seq)
         self.memory.hash_request(req)
         return req
 
@@ -246,8 +255,11 @@ class VllmScheduler:
             if n <= 0:
                 i += 1
                 continue
-            new = self._allocate_or_preempt(plan, req, n)
+            new, back, i = self._allocate_or_preempt(plan, req, n, i)
+            budget += back
             if new is None:
+                if self.priority:
+                    continue  # preempted itself: the next running request (now at i) may fit
                 break
             plan.reqs.append(req)
             plan.num_scheduled[req.request_id] = n
@@ -257,21 +269,30 @@ class VllmScheduler:
             self._admit(plan, budget, threshold)
         return plan
 
-    def _allocate_or_preempt(self, plan: StepPlan, req: VllmRequest, n: int) -> Optional[list]:
+    def _allocate_or_preempt(self, plan: StepPlan, req: VllmRequest, n: int, i: int) -> tuple[Optional[list], int, int]:
+        """Slots for `n` tokens of `req` (at `i` in `running`), preempting until they fit or
+        `req` is preempted: (the new blocks or None, tokens given back to the budget by victims
+        scheduled earlier in this step, the index of `req`, or of its successor once it is gone).
+        Under FCFS the victim is always at or after `i`, so it gives nothing back."""
+        back = 0
         while True:
             new = self.memory.allocate_slots(req, n)
             if new is not None:
-                return new
-            victim = self._victim()
-            self.running.remove(victim)
+                return new, back, i
+            if self.priority:
+                victim = max(self.running, key=_priority_key)
+                at = self.running.index(victim)
+                del self.running[at]
+                i -= at < i
+                if victim.request_id in plan.num_scheduled:
+                    back += plan.num_scheduled.pop(victim.request_id)
+                    plan.reqs.remove(victim)
+            else:
+                victim = self.running.pop()
             self._preempt(victim)
             plan.preempted.append(victim.request_id)
             if victim is req:
-                return None
-
-    def _victim(self) -> VllmRequest:
-        """FCFS: the latest running request (vLLM's priority rule is not reproduced)."""
-        return self.running[-1]
+                return None, back, i
 
     def _preempt(self, req: VllmRequest) -> None:
         self.memory.free(req)
@@ -291,6 +312,8 @@ class VllmScheduler:
     def _arrived_waiting(self) -> int:
         """Waiting requests that have arrived: all but a tail of later arrivals (requests join
         the queue in arrival order; preempted ones, arrived, go to its front)."""
+        if self.priority:
+            return self.waiting.arrived(self.clock_ms)
         waiting, clock, n = self.waiting, self.clock_ms, len(self.waiting)
         while n and waiting[n - 1].arrival_ms > clock:
             n -= 1
@@ -304,7 +327,10 @@ class VllmScheduler:
         while budget > 0 and self.waiting and len(self.running) < s.max_num_seqs:
             req = self.waiting[0]
             if req.arrival_ms > self.clock_ms:
-                break
+                if not self.priority:
+                    break  # FCFS: every later request arrives later still
+                skipped.append(self.waiting.popleft())
+                continue
             if req.num_stale_output_tokens:
                 skipped.append(self.waiting.popleft())
                 continue
@@ -389,3 +415,9 @@ class VllmScheduler:
                             batch=batch)
         self.records.append(record)
         return record
+
+
+def _priority_key(req: VllmRequest) -> tuple:
+    """vLLM's victim key under the priority policy: the largest (priority, arrival time) is
+    preempted first (the first of equals in running order, as `max` picks)."""
+    return req.priority, req.arrival_time

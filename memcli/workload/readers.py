@@ -30,12 +30,12 @@ from memcli.workload import FORMATS
 from memcli.mem_cache.pages import cdiv
 from memcli.workload.spec import SYNTHETIC_TOKEN_BASE, RequestSpec, Trace, TokenRun
 
-MEMCLI_KEYS = ("rid", "input_ids", "input_len", "prefix", "output_len", "arrival_ms", "extra_key")
+MEMCLI_KEYS = ("rid", "input_ids", "input_len", "prefix", "output_len", "arrival_ms", "extra_key", "priority")
 PREFIX_KEYS = ("rid", "len")
 MOONCAKE_REQUIRED = ("input_length", "output_length", "hash_ids")
-# `timestamp` is optional (all lines or none); the Qwen-Bailian fields are accepted and
+# `timestamp` is optional (all lines or none), so is vLLM's `priority`; the Qwen-Bailian fields are accepted and
 # not used, since the prefix sharing they describe is already in `hash_ids`.
-MOONCAKE_OPTIONAL = ("timestamp", "chat_id", "parent_chat_id", "turn", "type")
+MOONCAKE_OPTIONAL = ("timestamp", "chat_id", "parent_chat_id", "turn", "type", "priority")
 MOONCAKE_KEYS = MOONCAKE_REQUIRED + MOONCAKE_OPTIONAL
 DOCS = "see docs/TRACES.md"
 _INT_ONLY = {int}
@@ -202,6 +202,16 @@ class _Line:
             )
         return value
 
+    def priority(self) -> int:
+        """The optional `priority` (vLLM's: any integer, smaller first; 0 when absent or null)."""
+        value = self.obj.get("priority")
+        if value is None:
+            return 0
+        if type(value) is not int:
+            self.fail(f'"priority" must be an integer, got {_describe(value)}',
+                      "write priority as a JSON integer (vLLM's request priority: smaller is served first)")
+        return value
+
     def int_list(self, key: str, upper: int | None = None) -> list[int]:
         value = self.obj[key]
         if type(value) is not list or not set(map(type, value)) <= _INT_ONLY:
@@ -324,6 +334,7 @@ class _MooncakeParser:
             hash_ids=tuple(hash_ids),
             block_size=self.block_size,
             line=line.no,
+            priority=line.priority(),
         )
 
     def _check_unknown(self, line: _Line, unknown: set[str]) -> None:
@@ -390,6 +401,7 @@ class _MemcliParser:
             token_runs=runs,
             block_size=self.block_size,
             line=line.no,
+            priority=line.priority(),
         )
         self.by_rid[rid] = (line.no, spec)
         return spec

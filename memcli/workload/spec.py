@@ -54,6 +54,7 @@ class RequestSpec:
     hash_ids: tuple[int, ...] | None = None
     block_size: int = 512
     line: int | None = None  # line of the trace file it was read from (1-based), if any
+    priority: int = 0  # vLLM's request priority (smaller first; read by its priority policy only)
 
     def __post_init__(self) -> None:
         if (self.token_runs is None) == (self.hash_ids is None):

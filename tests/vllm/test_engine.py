@@ -32,11 +32,40 @@ def test_replay_runs_under_vllm_and_frees_everything():
     ("cache.kind=hiradix", "no host tier"),
     ("cache.eviction_policy=lfu", "free-block queue"),
     ("semantics.event_loop=overlap", "SGLang's loop"),
+    ("scheduler.policy=lpm", "no lpm policy"),
 ])
 def test_what_vllm_lacks_is_refused(setting, message):
     result = CliRunner().invoke(app, ["replay", TRACE, "--limit", "2", "--engine", "vllm-0.33", *SYNC, "--set", setting])
     assert result.exit_code == 2, result.output
     assert message in result.output and "hint:" in result.output and "Traceback" not in result.output
+
+
+def test_priority_policy_is_vllms_only():
+    result = CliRunner().invoke(app, ["replay", TRACE, "--limit", "2", "--engine", "sglang-0.5.5",
+                                      "--set", "scheduler.policy=priority"])
+    assert result.exit_code == 2, result.output
+    assert "priority is vLLM's policy" in result.output and "hint:" in result.output
+
+
+def _priority_order(policy: str) -> list[str]:
+    """The order four requests are served in, one running at a time, under `policy`."""
+    from memcli.steps import SchedulerHooks
+
+    config = load_config(overrides=["semantics.engine=vllm-0.33", f"scheduler.policy={policy}",
+                                    "scheduler.max_num_seqs=1", "memory.max_total_tokens=4096",
+                                    "memory.max_context_len=4096"])
+    engine = engines.get(config)
+    sched = engine.scheduler(engine.build_stack(config).memory, config, SchedulerHooks())
+    for rid, priority in (("a", 0), ("b", 2), ("c", -1), ("d", 0)):
+        sched.add_request(sched.new_req(rid, list(range(40)), 2, None, 0.0, priority=priority))
+    while not sched.is_done():
+        sched.step()
+    return [r.rid for r in sched.finished]  # one at a time: finished in the order admitted
+
+
+def test_priority_policy_orders_the_waiting_queue():
+    assert _priority_order("fcfs") == ["a", "b", "c", "d"]
+    assert _priority_order("priority") == ["c", "a", "d", "b"]
 
 
 def test_vllm_keys_stay_out_of_documents_while_unset():
@@ -132,3 +161,17 @@ def test_vllm_rejects_prompts_of_max_model_len_and_stops_outputs_there(tmp_path)
     strict = CliRunner().invoke(app, ["replay", str(path), "--engine", "vllm-0.33", "--strict-limits",
                                       *[x for s in sets for x in ("--set", s)]])
     assert strict.exit_code == 2
+
+
+def test_replay_reads_the_traces_priorities(tmp_path):
+    trace = tmp_path / "p.jsonl"
+    rows = [{"rid": rid, "input_len": 40, "output_len": 2, "priority": p} for rid, p in (("a", 3), ("b", 0), ("c", -2))]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "r.jsonl"
+    result = CliRunner().invoke(app, ["replay", str(trace), "--engine", "vllm-0.33", "--arrivals", "burst",
+                                      "--requests-out", str(out), "--set", "scheduler.policy=priority",
+                                      "--set", "scheduler.max_num_seqs=1", "--set", "memory.max_total_tokens=4096",
+                                      "--set", "memory.max_context_len=4096"])
+    assert result.exit_code == 0, result.output
+    admitted = {r["rid"]: r["admission_ms"] for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(admitted, key=admitted.get) == ["c", "b", "a"]

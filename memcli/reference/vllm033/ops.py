@@ -36,11 +36,11 @@ def real_manager(ref: VllmReference, num_blocks: int, block_size: int, max_model
 
 
 def real_request(ref: VllmReference, rid: str, tokens: list[int], block_size: int, max_tokens: int = 1 << 20,
-                 salt: Optional[str] = None) -> Any:
+                 salt: Optional[str] = None, arrival_time: float = 0.0, priority: int = 0) -> Any:
     sampling = ref.request.SamplingParams(max_tokens=max_tokens)
     hasher = ref.kv_cache_utils.get_request_block_hasher(block_size, ref.hashing.sha256)
-    return ref.request.Request(rid, list(tokens), sampling, None, arrival_time=0.0, block_hasher=hasher,
-                               cache_salt=salt)
+    return ref.request.Request(rid, list(tokens), sampling, None, arrival_time=arrival_time, block_hasher=hasher,
+                               cache_salt=salt, priority=priority)
 
 
 @dataclass

@@ -4,7 +4,8 @@
 The fake model samples one token (unique per request, never in a prompt) for every request
 whose scheduled chunk reaches its last token, and nothing for a non-final prefill chunk.
 Compared per step: the tokens scheduled per request, the preempted requests, the finished
-requests, and each scheduled request's block ids.
+requests, and each scheduled request's block ids. A request reaches vLLM with its arrival on
+memcli's clock as `arrival_time` and the trace's `priority` (both read by the priority policy).
 """
 
 from __future__ import annotations
@@ -152,8 +153,8 @@ class SideBySide:
 
     def _add(self, spec, arrival_ms: float) -> None:
         tokens = [int(t) for t in spec.input_ids()]
-        self.mem.add_request(self.mem.new_req(spec.rid, tokens, spec.output_len, None, arrival_ms))
-        self.pending.append((arrival_ms, spec.rid, tokens, spec.output_len))
+        self.mem.add_request(self.mem.new_req(spec.rid, tokens, spec.output_len, None, arrival_ms, spec.priority))
+        self.pending.append((arrival_ms, spec.rid, tokens, spec.output_len, spec.priority))
 
     def _feed(self) -> None:
         specs, mem = self.specs, self.mem
@@ -169,8 +170,9 @@ class SideBySide:
                 self._add(specs[self.next], specs[self.next].arrival_ms)
                 self.next += 1
         while self.pending and self.pending[0][0] <= mem.clock_ms:
-            _, rid, tokens, output_len = self.pending.pop(0)
-            req = real_request(self.ref, rid, tokens, self.block_size, max_tokens=output_len)
+            arrival_ms, rid, tokens, output_len, priority = self.pending.pop(0)
+            req = real_request(self.ref, rid, tokens, self.block_size, max_tokens=output_len, arrival_time=arrival_ms,
+                               priority=priority)
             self.real.add_request(req)
 
     def run(self, max_steps: Optional[int] = None) -> VllmStepDiff:

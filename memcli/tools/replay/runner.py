@@ -272,7 +272,9 @@ class _Run:
     def _add(self, arrival_ms: float) -> None:
         spec = self.trace.requests[self.next]
         sched = self.scheduler
-        sched.add_request(sched.new_req(spec.rid, spec.input_ids(), spec.output_len, spec.extra_key, arrival_ms))
+        # A priority only when the trace gives one: an engine without vLLM's priority policy may not take it.
+        extra = {"priority": spec.priority} if spec.priority else {}
+        sched.add_request(sched.new_req(spec.rid, spec.input_ids(), spec.output_len, spec.extra_key, arrival_ms, **extra))
         if self.instruments is not None:
             self.instruments.arrived(spec.rid, arrival_ms)
         self.next += 1
