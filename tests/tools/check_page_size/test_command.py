@@ -170,7 +170,7 @@ def test_json_is_one_document():
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["command"] == "check-page-size" and doc["ok"] is True and doc["exit_code"] == 0
-    assert doc["profile"] == "sglang-0.5.5"  # the dynamic workload runs SGLang's profile by default
+    assert doc["profile"] == "sglang-0.5.23"  # the dynamic workload runs the default engine's profile
     run = doc["runs"][0]
     assert [c["name"] for c in run["static"]["components"]] == [
         "config", "kv_pool", "allocator", "tree_cache", "scheduler", "null_cache"]
