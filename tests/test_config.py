@@ -417,7 +417,8 @@ def test_show_config_names_the_semantics_in_force():
     assert doc["semantics_in_force"]["profile"] == "memcli"
     assert doc["semantics_in_force"]["lfu_hits"] == "never"  # the override
     assert doc["semantics_in_force"]["evict_amount"] == "shortfall"  # the profile's
-    text = CliRunner().invoke(app, ["show-config", "--engine", "sglang-0.5.5", "--set", "semantics.lfu_hits=count"]).stdout
+    text = CliRunner().invoke(app, ["show-config", "--engine", "sglang-0.5.5",
+                                    "--set", "semantics.lfu_hits=count"]).stdout
     assert "semantics in force: sglang-0.5.5 + lfu_hits=count" in " ".join(text.split())
     assert "count (set)" in text
 
