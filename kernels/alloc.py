@@ -1031,3 +1031,69 @@ def free_rows_triton(req_to_token: torch.Tensor, row0: int, row_index: torch.Ten
     _free_rows_launch((grid,), req_to_token, rows, free_pages, row0, req_to_token.stride(0), pages_per_row, n,
                       dest_start, free_pages.shape[0], page_size, row_index is not None, sort, block)
     return n
+
+
+# ----------------------------------------------------------------------------- free of whole rows, from host memory
+
+# The arguments of a free of rows as one block of int64 in host memory, which the kernel reads
+# (so a CUDA graph of the launch can be replayed for any rows): the first row, pages per row,
+# pages in all, where they go in the free list, the call's number, and the number the kernel
+# writes back once it has read the block (the host reuses a block only after that).
+FREE_ARG_ROW0, FREE_ARG_PER_ROW, FREE_ARG_N, FREE_ARG_DEST, FREE_ARG_CALL, FREE_ARG_DONE = range(6)
+FREE_ARGS = 8  # entries per block
+# The most pages a free from host memory takes unsorted: one program loops over them.
+FREE_ROWS_LOOP_MAX = 16384
+
+_FREE_PLANNED_RUNTIME = ["args_address", "table_ptr", "free_pages_ptr", "row_stride", "free_cap"]
+
+
+@triton.jit(do_not_specialize=_FREE_PLANNED_RUNTIME, do_not_specialize_on_alignment=_FREE_PLANNED_RUNTIME)
+def _free_rows_planned_kernel(
+    args_address,
+    table_ptr,
+    free_pages_ptr,
+    row_stride: tl.int64,
+    free_cap: tl.int64,
+    PAGE_SIZE: tl.constexpr,
+    SORT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program: the pages of consecutive rows from `row0`, as `_free_rows_kernel` writes them.
+    args = args_address.to(tl.pointer_type(tl.int64))
+    row0 = tl.load(args + 0)
+    pages_per_row = tl.load(args + 1)
+    n = tl.load(args + 2)
+    dest_start = tl.load(args + 3)
+    call = tl.load(args + 4)
+    for start in range(0, n, BLOCK):  # SORT: n <= BLOCK, one pass
+        k = start + tl.arange(0, BLOCK)
+        mask = k < n
+        row = row0 + k // pages_per_row
+        slot = tl.load(table_ptr + row * row_stride + (k % pages_per_row) * PAGE_SIZE, mask=mask, other=0)
+        page = slot.to(tl.int64) // PAGE_SIZE
+        if SORT:
+            page = tl.sort(tl.where(mask, page, 9223372036854775807))
+        tl.store(free_pages_ptr + _ring(dest_start + k, free_cap), page, mask=mask)
+    tl.store(args + 5, call)  # written from a value read above: after the block was read
+
+
+_free_rows_planned_launch = Launcher(_free_rows_planned_kernel)
+
+
+def free_rows_block(n: int, page_size: int) -> int | None:
+    """The block size of :func:`free_rows_planned` for ``n`` pages (sorted above page size 1),
+    or None when one program does not take them (more than ``FREE_ROWS_SORT_MAX`` sorted,
+    ``FREE_ROWS_LOOP_MAX`` unsorted)."""
+    if page_size > 1:
+        return max(next_power_of_2(n), 16) if n <= FREE_ROWS_SORT_MAX else None
+    return _FREE_ROWS_BLOCK if n <= FREE_ROWS_LOOP_MAX else None
+
+
+def free_rows_planned(args_address: int, req_to_token: torch.Tensor, free_pages: torch.Tensor, page_size: int,
+                      block: int) -> None:
+    """The free of consecutive rows of :func:`free_rows_triton`, its arguments read from the
+    ``FREE_ARGS`` int64 at ``args_address`` (pinned host memory on CUDA, any host memory under
+    the interpreter), which it marks read (``FREE_ARG_DONE`` = ``FREE_ARG_CALL``); one program,
+    ``block`` from :func:`free_rows_block`. Nothing is validated (the allocator's path)."""
+    _free_rows_planned_launch((1,), args_address, req_to_token, free_pages, req_to_token.stride(0),
+                              free_pages.shape[0], page_size, page_size > 1, block)

@@ -46,6 +46,11 @@ def run_line(line: str) -> tuple[int, str]:
 
         if unavailable_reason() is not None:
             return 0, f"skipped (no SGLang reference: {unavailable_reason()})"
+    if "--compare" in args and args[args.index("--compare") + 1] == "vllm-0.33":
+        from memcli.reference.vllm033.loader import vllm_unavailable_reason
+
+        if vllm_unavailable_reason() is not None:
+            return 0, f"skipped (no vLLM reference: {vllm_unavailable_reason()})"
     result = CliRunner().invoke(app, [*args, *CHEAPER.get(command, [])])
     return result.exit_code, result.stderr
 

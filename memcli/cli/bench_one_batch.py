@@ -45,7 +45,8 @@ def bench_one_batch(
         DEFAULT_ROUNDS, "--rounds", help="Rounds over every case; each phase reports the median of its round medians"),
     compare: Optional[str] = typer.Option(
         None, "--compare", metavar="IMPL",
-        help="Time SGLang 0.5.5's own memory path beside memcli's in the same rounds (sglang-0.5.5)"),
+        help="Time another implementation's own memory path beside memcli's in the same rounds: sglang-0.5.5"
+             " (SGLang 0.5.5's stack), vllm-0.33 (vLLM 0.33's KVCacheManager, with --engine vllm-0.33)"),
     compare_backend: Optional[str] = typer.Option(
         None, "--compare-backend", metavar="NAME",
         help="SGLang's attention backend under --compare (default: what its server picks on the device, e.g. fa3"

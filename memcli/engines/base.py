@@ -13,7 +13,7 @@ types of `memcli.steps`. The step log and the timeline need each record's `batch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 from memcli.config import Config
 from memcli.steps import SchedulerHooks, SchedulerStats, StepRecord
@@ -44,6 +44,51 @@ class Scheduler(Protocol):
     def memory_holders(self) -> list: ...
 
 
+class BlockFigures(NamedTuple):
+    """A static batch's blocks (bench-one-batch on a block manager): tokens hit at admission,
+    blocks taken from the free queue by the prefill and by the decode steps, blocks freed by
+    the finish; and now: blocks held, blocks cached (hashed, held or free), the stats' queries
+    and hits."""
+
+    block_size: int = 0
+    hit_tokens: int = 0
+    prefill_blocks: int = 0
+    decode_blocks: int = 0
+    freed_blocks: int = 0
+    held_blocks: int = 0
+    free_blocks: int = 0
+    cached_blocks: int = 0
+    queries: int = 0
+    hits: int = 0
+
+
+class BlockBatch(Protocol):
+    """bench-one-batch's static batch on an engine whose memory is a block manager driven by
+    its scheduler's verbs (vLLM's). Each phase runs from the state the one before left:
+    `start` (fresh memory, the prefix warmed, requests built) -> `prefill` (every request
+    admitted) -> (`sample` (next output tokens appended, untimed), `decode` (one slot each)) x
+    steps -> `finish` (every request freed). `figures` reads the blocks now, `expected` what
+    the engine's rules give after `decode_steps` steps (the fields `figures` tallies)."""
+
+    setup: str  # what runs, in words (tables and JSON)
+
+    def start(self) -> None: ...
+
+    def prefill(self) -> None: ...
+
+    def sample(self) -> None: ...
+
+    def decode(self) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def figures(self) -> BlockFigures: ...
+
+    def expected(self, decode_steps: int) -> BlockFigures: ...
+
+    def idle(self) -> dict: ...  # the memory's idle check after `finish` (`ok` and its numbers)
+
+
 @dataclass(frozen=True)
 class Engine:
     """One engine, registered by name.
@@ -52,7 +97,10 @@ class Engine:
     memory (the value has `.memory`, the engine's memory manager, and the components that
     check-page-size inspects); `scheduler(memory, config, hooks)` its scheduling policy over
     that memory. `make_req` / `make_batch` build a request and a static batch (bench-one-batch;
-    None when the engine has none). `reference` runs the engine's real code beside memcli
+    None when the engine has none). `static_batch(config, prompts, prefix_len, outputs)` builds
+    bench-one-batch's static batch for an engine without `make_batch`, driven by the verbs of
+    the engine's own scheduler (a `BlockBatch`; `prompts` and `outputs` are token arrays, one
+    row per request). `reference` runs the engine's real code beside memcli
     step by step (`reference diff`; None without one); when `reference_steps`, its
     `on_step(reference, memcli)` keyword receives both sides' observations of every step (the
     step logs of `reference diff`). `profile`
@@ -73,6 +121,7 @@ class Engine:
     semantics: tuple[str, ...] = ()
     make_req: Optional[Callable[..., Any]] = None
     make_batch: Optional[Callable[..., Any]] = None
+    static_batch: Optional[Callable[..., BlockBatch]] = None
     reference: Optional[Callable[..., Any]] = None
     limits: Optional[Callable[..., Any]] = None
     describe: Optional[Callable[[Config], tuple]] = None

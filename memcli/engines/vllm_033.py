@@ -18,6 +18,7 @@ from memcli.capacity import max_model_len_cuts
 from memcli.config import Config
 from memcli.engines import register
 from memcli.engines.base import Engine
+from memcli.engines.vllm_033_bench import make_static_batch
 from memcli.errors import ConfigError
 from memcli.mem_cache.block_manager import BlockManager
 from memcli.steps import SchedulerHooks
@@ -84,13 +85,33 @@ def describe(config: Config) -> tuple[dict, dict]:
     return behaviours, sizes
 
 
+# The holders of vLLM's block size for one full-attention group (check-page-size's components).
+BLOCK_SIZE_HOLDERS = {
+    "cache_config": ("CacheConfig.block_size", "the one block size every component is given"),
+    "kv_cache_spec": ("FullAttentionSpec.block_size", "the model runner's slot of position p: block_table[p // bs] * bs + p % bs"),
+    "block_pool": ("KVCacheManager / BlockPool", "blocks per request: cdiv(tokens, block_size); the hit length"),
+    "block_hasher": ("get_request_block_hasher(hash_block_size)", "one chained hash per full block of tokens"),
+    "kv_events": ("BlockStored.block_size", "what the events tell a consumer: token_ids = block_size x hashes"),
+    "router": ("a KV-aware router's block size", "chunks each BlockStored's token_ids, one chunk per block hash"),
+}
+
+
 def build_stack(config: Config, *, future=None, page_size_overrides=None, cache_kind=None) -> Any:
+    """The block manager (its `.stack`); `page_size_overrides` gives a holder of
+    `BLOCK_SIZE_HOLDERS` another block size (check-page-size's injections), listed with every
+    holder's size in `stack.block_sizes` (and the injected ones in `stack.injected`)."""
     check_config(config)
     bs = block_size(config)
-    memory = BlockManager(config.requested_total_tokens // bs, bs, config.memory.max_context_len,
+    sizes = {name: bs for name in BLOCK_SIZE_HOLDERS}
+    sizes.update(page_size_overrides or {})
+    pool_bs = sizes["block_pool"]
+    memory = BlockManager(config.requested_total_tokens // pool_bs, pool_bs, config.memory.max_context_len,
                           enable_caching=(cache_kind or config.cache.kind) != "none",
-                          record_events=config.cache.kv_events, max_running=settings(config).max_num_seqs,
-                          config=config)
+                          record_events=config.cache.kv_events,
+                          max_running=settings(config).max_num_seqs, config=config)
+    memory.hash_block_size, memory.event_block_size = sizes["block_hasher"], sizes["kv_events"]
+    memory.stack.block_sizes, memory.stack.injected = sizes, set(page_size_overrides or ())
+    memory.stack.block_size_holders = BLOCK_SIZE_HOLDERS
     return memory.stack
 
 
@@ -119,6 +140,7 @@ ENGINE = register(Engine(
     profile="sglang-0.5.5",
     semantics=("event_loop",),
     describe=describe,
+    static_batch=make_static_batch,
     reference=_reference,
     limits=max_model_len_cuts,  # vLLM rejects a prompt of max_model_len tokens or more
 ))

@@ -81,6 +81,8 @@ class BaseAllocator:
     ledger: Optional[AllocationObserver] = None
     # The decode step as a CUDA-graph replay (`decode_graph.DecodeGraphs`), when enabled.
     decode_graphs = None
+    # The free of rows as a CUDA-graph replay (`free_graph.FreeRowsGraphs`), when enabled.
+    free_graphs = None
 
     def __init__(self, size: int, page_size: int, device: torch.device, backend: str = "torch",
                  need_sort: bool = False, debug: bool = False):
@@ -258,7 +260,8 @@ class BaseAllocator:
         the same free list and counters as `free` of the rows' page-start columns with
         `distinct_pages`. False, with nothing done, where that launch does not apply (the
         torch backend, an observer, a free group, a release list, debug mode, rows neither
-        consecutive nor given on the device, or more pages than one program sorts)."""
+        consecutive nor given on the device, or more pages than one program sorts). With
+        `free_graphs`, consecutive rows whose pages one program takes replay a graph instead."""
         if not self._free_rows_fused:  # the backend, debug mode and the sort: fixed for the allocator
             return False
         ps, num_rows = self.page_size, len(rows)
@@ -270,8 +273,11 @@ class BaseAllocator:
         if self._in_use_pages < n:
             raise ValueError(f"double free: freeing {n} pages but only {self._in_use_pages} are allocated")
         dest = self._free_rows_dest(n)
-        kernels.free_rows_triton(req_to_token, rows[0], None if consecutive or num_rows == 1 else row_index,
-                                 num_rows, length, self._buf, dest, ps, ps > 1)
+        graphs = self.free_graphs
+        if (graphs is None or (num_rows > 1 and not consecutive)
+                or not graphs.free(req_to_token, rows[0], num_rows, length, dest)):
+            kernels.free_rows_triton(req_to_token, rows[0], None if consecutive or num_rows == 1 else row_index,
+                                     num_rows, length, self._buf, dest, ps, ps > 1)
         self._in_use_pages -= n
         self.num_frees += 1
         self.freed_tokens += n * ps

@@ -120,6 +120,9 @@ class BlockManager:
                  config: Any = None):
         self.pool = BlockPool(num_blocks, enable_caching, record_events)
         self.block_size, self.max_model_len = block_size, max_model_len
+        # vLLM's hasher and its KV events take their own block size (equal to the pool's unless
+        # check-page-size injects another).
+        self.hash_block_size = self.event_block_size = block_size
         self.enable_caching, self.max_running = enable_caching, max_running
         self.watermark_blocks = int(watermark * num_blocks)
         self.held: dict[str, _Held] = {}
@@ -166,11 +169,11 @@ class BlockManager:
     # -- hashing --------------------------------------------------------------------------
     def hash_request(self, req: Any) -> None:
         """Extend `req.block_hashes` over its newly full blocks (vLLM's request block hasher)."""
-        tokens, hashes = req.all_token_ids, req.block_hashes
-        if (len(hashes) + 1) * self.block_size > len(tokens):
+        tokens, hashes, size = req.all_token_ids, req.block_hashes, self.hash_block_size
+        if (len(hashes) + 1) * size > len(tokens):
             return
         parent = hashes[-1] if hashes else None
-        hashes.extend(block_hashes(tokens, self.block_size, len(hashes), parent, req.extra_keys, self.root_hash))
+        hashes.extend(block_hashes(tokens, size, len(hashes), parent, req.extra_keys, self.root_hash))
 
     # -- vLLM's verbs ---------------------------------------------------------------------
     def get_computed_blocks(self, req: Any) -> tuple[list[Block], int]:
@@ -243,7 +246,8 @@ class BlockManager:
                 held.num_cached = cached
             return
         self.pool.cache_full_blocks(held.blocks, req.block_hashes, cached, full, self.block_size,
-                                    req.all_token_ids if self.pool.record_events else None, req.extra_keys)
+                                    req.all_token_ids if self.pool.record_events else None, req.extra_keys,
+                                    self.event_block_size)
         held.num_cached = full
 
     def free(self, req: Any) -> None:

@@ -230,9 +230,10 @@ class BlockPool:
     # -- caching --------------------------------------------------------------------------
     def cache_full_blocks(self, blocks: list[Block], hashes: Sequence[bytes], num_cached: int, num_full: int,
                           block_size: int, token_ids: Optional[Sequence[int]] = None,
-                          first_extra: Optional[tuple] = None) -> None:
+                          first_extra: Optional[tuple] = None, event_block_size: Optional[int] = None) -> None:
         """Register `blocks[num_cached:num_full]` under `hashes[num_cached:num_full]`; with
-        events on, one stored event for them (`token_ids`: the request's tokens)."""
+        events on, one stored event for them (`token_ids`: the request's tokens; the event says
+        `event_block_size`, None: `block_size`)."""
         if num_cached >= num_full:
             return
         new_hashes = []
@@ -256,8 +257,8 @@ class BlockPool:
             salt = None if first_extra is None else tuple(key[1] for key in first_extra)
             extra = [salt if i == 0 else None for i in range(num_cached, num_full)]
             self.events.append(VllmBlockStored(
-                new_hashes, parent, list(token_ids[num_cached * block_size:num_full * block_size]), block_size,
-                MEDIUM_GPU, extra or None))
+                new_hashes, parent, list(token_ids[num_cached * block_size:num_full * block_size]),
+                event_block_size or block_size, MEDIUM_GPU, extra or None))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (only when no request holds one)."""

@@ -383,6 +383,16 @@ class MemoryManager:
         """The first `kv_len` positions of the request's row hold computed K/V."""
         req.kv.kv_committed_len = kv_len
 
+    def commit_each(self, reqs: list, kv_lens: list[int]) -> None:
+        """`commit(req, kv_len)` for each pair (a decode result's requests, in one call)."""
+        for req, kv_len in zip(reqs, kv_lens):
+            req.kv.kv_committed_len = kv_len
+
+    def commit_one_more(self, reqs: list) -> None:
+        """`commit(req, kv_committed_len + 1)` for each request (a decode step's result)."""
+        for req in reqs:
+            req.kv.kv_committed_len += 1
+
     def release(self, req: Any, why: Release = Release.FINISHED) -> None:
         """Give back everything the request holds (its prefix enters the tree unless
         retracted); a retracted request's record is emptied for its next admission."""

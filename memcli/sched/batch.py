@@ -8,11 +8,15 @@ counts the pages (`decode_pages_needed`, O(1)) and passes that number down.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 import torch
 
 from memcli.mem_cache import pages
 from memcli.mem_cache.manager import ExtendPlan, MemoryManager, Release
+
+_finished = attrgetter("finished")
 
 
 class ScheduleBatch:
@@ -102,6 +106,8 @@ class ScheduleBatch:
     def filter_batch(self, keep_indices: list[int] | None = None) -> None:
         """Keep the unfinished requests (or exactly `keep_indices`). Frees nothing."""
         if keep_indices is None:
+            if not any(map(_finished, self.reqs)):
+                return
             keep_indices = [i for i, r in enumerate(self.reqs) if not r.finished]
         if len(keep_indices) == len(self.reqs) and keep_indices == list(range(len(self.reqs))):
             return
@@ -144,7 +150,7 @@ class ScheduleBatch:
         ps = self.page_size
         if self.enable_overlap and ps > 1:
             reqs = self.reqs if keep is None else [self.reqs[i] for i in keep]
-            return sum(1 for r in reqs if r.seqlen % ps == 0)
+            return sum(1 for r in reqs if (r.input_len + len(r.output_ids)) % ps == 0)  # r.seqlen, inlined
         if keep is None:
             return self.decode_pages_needed(ps)
         return pages.decode_new_pages(self.seq_lens_cpu[torch.tensor(keep, dtype=torch.int64)], ps)

@@ -76,6 +76,10 @@ class OverlapLoop:
     def in_flight_slots(self) -> list[InFlightSlot]:
         return [slot for flight in self.result_queue for slot in flight.extra.values() if slot is not None]
 
+    def in_flight_count(self) -> int:
+        """`len(in_flight_slots())`, without building the list when nothing is held."""
+        return sum(slot is not None for flight in self.result_queue if flight.extra for slot in flight.extra.values())
+
     # -- one iteration ------------------------------------------------------------------------
     def iterate(self) -> tuple[str, int, int]:
         """One loop iteration; returns (kind, batch size, new tokens) of the launched batch."""
@@ -142,8 +146,11 @@ class OverlapLoop:
         """Requests of the batch in flight whose result gives them their last output."""
         if not self.result_queue:
             return set()
+        ending = [r for r in self.sched.running.reqs if len(r.output_ids) + 1 >= r.max_new_tokens]
+        if not ending:
+            return set()
         queued = set(self.result_queue[0].reqs)
-        return {r for r in self.sched.running.reqs if r in queued and len(r.output_ids) + 1 >= r.max_new_tokens}
+        return {r for r in ending if r in queued}
 
     def _launch(self, kind: str, batch: ScheduleBatch) -> None:
         s = self.sched
@@ -192,14 +199,33 @@ class OverlapLoop:
                 s.memory.cache_unfinished(req)
 
     def _process_decode(self, flight: InFlight) -> None:
+        # The per-request loop of every decode result, kept to the token and the finish test:
+        # `_skip`'s test inlined (a request with an extra slot is skipped whatever its state),
+        # the commits made in one call after it, the finishes after them (each one's own
+        # request only: the order of what memory sees per request is the plain loop's).
         s = self.sched
-        for req, seq_len, token in zip(flight.reqs, flight.seq_lens, flight.tokens):
-            if self._skip(flight, req):
+        extra = flight.extra
+        done, skipped = [], []
+        for req, token in zip(flight.reqs, flight.tokens):
+            if extra and req in extra:
+                self._skip(flight, req)
+                skipped.append(req)
                 continue
-            s.memory.commit(req, seq_len)
-            req.output_ids.append(token)
-            if len(req.output_ids) >= req.max_new_tokens:
-                s.finish(req)
+            if req.finished or req.is_retracted:
+                skipped.append(req)
+                continue
+            out = req.output_ids
+            out.append(token)
+            if len(out) >= req.max_new_tokens:
+                done.append(req)
+        if skipped:
+            gone = set(map(id, skipped))
+            pairs = [(r, n) for r, n in zip(flight.reqs, flight.seq_lens) if id(r) not in gone]
+            s.memory.commit_each([r for r, _ in pairs], [n for _, n in pairs])
+        else:
+            s.memory.commit_each(flight.reqs, flight.seq_lens)
+        for req in done:
+            s.finish(req)
 
     # -- releasing a request ------------------------------------------------------------------
     def release(self, req: Req, why: Release) -> None:

@@ -25,6 +25,7 @@ class Req:
                  extra_key: str | None = None, arrival_ms: float = 0.0):
         self.rid = rid
         self.origin_input_ids = np.asarray(input_ids, dtype=np.int64)
+        self.input_len = len(self.origin_input_ids)  # the prompt is never replaced: its length is kept
         self.max_new_tokens = max_new_tokens
         self.extra_key = extra_key
         self.arrival_ms = arrival_ms
@@ -55,12 +56,8 @@ class Req:
     kv_freed = _mirror("kv_freed")
 
     @property
-    def input_len(self) -> int:
-        return len(self.origin_input_ids)
-
-    @property
     def seqlen(self) -> int:
-        return len(self.origin_input_ids) + len(self.output_ids)
+        return self.input_len + len(self.output_ids)
 
     def token_ids(self, n: int) -> np.ndarray:
         """The first `n` tokens of prompt + output."""

@@ -13,6 +13,7 @@ of `SimConfig`. Every arrival, admission, allocation, finish, retraction and abo
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 
 from memcli.config import REQ_INPUT_MARGIN, Config
 from memcli.mem_cache.manager import MemoryManager, Release
@@ -29,6 +30,7 @@ __all__ = ["Event", "Scheduler", "SchedulerHooks", "SchedulerStats", "StepRecord
 # SGLang 0.5.23's waiting-prefix refresh (schedule_policy.py): every 32nd ordering, 128 requests.
 WAITING_PREFIX_REFRESH_INTERVAL = 32
 WAITING_PREFIX_REFRESH_MAX = 128
+_kv = attrgetter("kv")
 
 
 class Scheduler:
@@ -147,7 +149,10 @@ class Scheduler:
         record = self._record(kind, bs, new_tokens)
         self.progress_guard.after_step(self, before)
         self.step_count += 1
-        if self.checker.after_step(record.step, self.memory_holders(), idle=kind == "idle"):
+        idle = kind == "idle"
+        checker = self.checker
+        holders = self.memory_holders() if checker.reads_holders(idle) else []
+        if checker.after_step(record.step, holders, idle=idle):
             self.stats.checks_run += 1
         if self.on_step is not None:
             self.on_step(self, record)
@@ -218,9 +223,7 @@ class Scheduler:
             self._evicted_seen = evicted
         u = memory.usage()
         held_pages = memory.held_pages(u)
-        held_tokens = sum(r.kv_allocated_len - r.last_matched_prefix_len for r in self.active_reqs() if not r.kv_freed)
-        if self.overlap is not None:
-            held_tokens += len(self.overlap.in_flight_slots())
+        held_tokens = self._held_tokens()
         rows = memory.rows_in_use()
         self.stats.peak_request_rows = max(self.stats.peak_request_rows, rows)
         host = memory.host_tier()
@@ -237,6 +240,22 @@ class Scheduler:
                             held_pages, host_used, d2h, h2d, batch)
         self.records.append(record)
         return record
+
+    def _held_tokens(self) -> int:
+        """Slots the requests holding memory own (`active_reqs()`, not yet freed) plus, under
+        overlap, the decode slots in flight of released requests. One pass over the records."""
+        running, chunked, held = self.running.reqs, self.chunked_req, 0
+        if self.overlap is None:
+            held = sum(kv.kv_allocated_len - kv.last_matched_prefix_len for kv in map(_kv, running) if not kv.kv_freed)
+        else:
+            held = sum(kv.kv_allocated_len - kv.last_matched_prefix_len for r in running
+                       if not r.finished and not (kv := r.kv).kv_freed)
+            held += sum(kv.kv_allocated_len - kv.last_matched_prefix_len for r in self.overlap.unmerged_reqs()
+                        if r is not chunked and not r.finished and not (kv := r.kv).kv_freed)
+            held += self.overlap.in_flight_count()
+        if chunked is not None and not chunked.kv.kv_freed:
+            held += chunked.kv.kv_allocated_len - chunked.kv.last_matched_prefix_len
+        return held
 
     # -- prefill --------------------------------------------------------------------------
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
@@ -433,18 +452,21 @@ class Scheduler:
         self.running.filter_batch()
 
     def process_decode_result(self, batch: ScheduleBatch) -> None:
-        any_finished = 0
         base, self.next_token = self.next_token, self.next_token + batch.batch_size
         memory = self.memory
+        reqs = batch.reqs
+        memory.commit_one_more(reqs)  # each request's own commit comes before its finish, as before
+        done = []
+        for token, req in enumerate(reqs, base):
+            out = req.output_ids
+            out.append(token)
+            if len(out) >= req.max_new_tokens:
+                done.append(req)
         with memory.free_group():
-            for token, req in enumerate(batch.reqs, base):
-                memory.commit(req, req.kv.kv_committed_len + 1)
-                req.output_ids.append(token)
-                if len(req.output_ids) >= req.max_new_tokens:
-                    self.finish(req)
-                    any_finished += 1
-        if any_finished:
-            self.gate.finished_in_decode(any_finished)
+            for req in done:
+                self.finish(req)
+        if done:
+            self.gate.finished_in_decode(len(done))
             batch.filter_batch()
 
     def finish(self, req: Req) -> None:

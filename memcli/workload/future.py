@@ -48,6 +48,7 @@ _MASK = (1 << 64) - 1
 _BASE = 0x9E3779B97F4A7C15  # odd: invertible modulo 2**64
 _BASE_INV = pow(_BASE, -1, 1 << 64)
 _POS_MIX = 0xFF51AFD7ED558CCD
+_SHORT = 16  # `_BlockFuture.advance` walks up to this many tokens in Python, more with numpy
 
 
 class FutureTooLarge(MemcliError):
@@ -171,6 +172,8 @@ class _BlockFuture(FutureUses):
             return handle
         node, pos = handle
         bs, n = self.block_size, len(tokens)
+        if n <= _SHORT:
+            return self._advance_short(node, pos, tokens.tolist())
         where = pos + np.arange(n, dtype=np.int64)
         ids, offsets = np.divmod(tokens, bs)
         if not np.array_equal(offsets, where % bs):
@@ -192,6 +195,27 @@ class _BlockFuture(FutureUses):
                 if node is None:
                     return None
         return node, pos + n
+
+    def _advance_short(self, node: int, pos: int, tokens: list[int]) -> Any:
+        """`advance` token by token in Python, for the few tokens where numpy's per-call cost
+        is all of it (an evicted node's first page): the same checks, the same handle."""
+        bs, children, block = self.block_size, self.children, None
+        for p, token in enumerate(tokens, pos):
+            h, offset = divmod(token, bs)
+            if offset != p % bs:
+                return None
+            if offset == 0:  # a new block: the trie's child for its id
+                node = children.get((node, h))
+                if node is None:
+                    return None
+                block = h
+            elif block is None:  # the first tokens finish the block the path is in
+                block = int(self.block_hash[node])
+                if h != block:
+                    return None
+            elif h != block:
+                return None
+        return node, pos + len(tokens)
 
     def users(self, handle: Any) -> Optional[tuple[np.ndarray, int]]:
         node, pos = handle

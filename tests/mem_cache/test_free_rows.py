@@ -87,3 +87,68 @@ def test_fused_free_refuses_a_double_free():
     assert allocator.free_rows(pool.req_to_token, [0], 8, True)
     with pytest.raises(ValueError, match="double free"):
         allocator.free_rows(pool.req_to_token, [0], 8, True)
+
+
+def _args_block(row0: int, num_rows: int, length: int, page_size: int, dest: int, call: int) -> torch.Tensor:
+    per_row = (length + page_size - 1) // page_size
+    args = torch.zeros(kernels.FREE_ARGS, dtype=torch.int64, pin_memory=DEVICE.type == "cuda")
+    args[:5] = torch.tensor([row0, per_row, num_rows * per_row, dest, call])
+    return args
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("row0, num_rows, length", [(3, 1, 19), (1, 3, 64), (0, 2, 1)])
+def test_free_from_host_arguments_matches_the_launch(page_size, row0, num_rows, length):
+    """`free_rows_planned` (its arguments read from host memory, one program looping over
+    blocks) writes what `free_rows_triton` writes, wrapping the ring, and marks its block read."""
+    length *= page_size if page_size > 1 else 1
+    allocator, pool = _stack("torch", page_size, size=200 * page_size, cols=16 * 70)
+    rows = list(range(row0, row0 + num_rows))
+    _fill(allocator, pool, rows, length, churn=3)
+    cap = allocator._buf.shape[0]
+    dest = cap - 2  # the ring wraps
+    n = num_rows * ((length + page_size - 1) // page_size)
+    block = kernels.free_rows_block(n, page_size)
+    launched = torch.full((cap,), -7, dtype=torch.int64, device=DEVICE)
+    kernels.free_rows_triton(pool.req_to_token, row0, None, num_rows, length, launched, dest, page_size, page_size > 1)
+    planned = torch.full((cap,), -7, dtype=torch.int64, device=DEVICE)
+    args = _args_block(row0, num_rows, length, page_size, dest, call=5)
+    # A small block for the unsorted free makes the one program loop.
+    kernels.free_rows_planned(args.data_ptr(), pool.req_to_token, planned, page_size, block if page_size > 1 else 16)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert planned.tolist() == launched.tolist()
+    assert int(args[kernels.FREE_ARG_DONE]) == 5
+
+
+def test_free_rows_block_declines_what_one_program_does_not_take():
+    assert kernels.free_rows_block(kernels.FREE_ROWS_SORT_MAX, 16) == kernels.FREE_ROWS_SORT_MAX
+    assert kernels.free_rows_block(kernels.FREE_ROWS_SORT_MAX + 1, 16) is None
+    assert kernels.free_rows_block(3, 4) == 16
+    assert kernels.free_rows_block(kernels.alloc.FREE_ROWS_LOOP_MAX, 1) == 1024
+    assert kernels.free_rows_block(kernels.alloc.FREE_ROWS_LOOP_MAX + 1, 1) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_free_graphs_give_the_launch_free_list(page_size):
+    """Frees through `FreeRowsGraphs` (several queued behind a spin, so blocks are reused
+    while earlier replays wait) leave the free list and counters of the plain launch."""
+    from memcli.mem_cache.free_graph import SLOTS, FreeRowsGraphs
+    states, rows = [], list(range(2 * SLOTS + 1))
+    for graphs in (False, True):
+        allocator, pool = _stack("triton", page_size, size=400 * page_size, rows=16, cols=page_size * 40)
+        if graphs:
+            allocator.free_graphs = FreeRowsGraphs(allocator._buf, pool.req_to_token, page_size)
+        for spin in (False, True):  # the first pass captures; in the second the replays queue behind a spin
+            for row in rows:
+                _fill(allocator, pool, [row], length=page_size * 3 - 1, churn=1 if row == 0 else 0)
+            if spin:
+                torch.cuda._sleep(50_000_000)
+            for row in rows:
+                assert allocator.free_rows(pool.req_to_token, [row], page_size * 3 - 1, True)
+            torch.cuda.synchronize()
+        if graphs:
+            assert allocator.free_graphs.captures == SLOTS and allocator.free_graphs.waits >= 1
+        states.append(_state(allocator))
+    assert states[0] == states[1]

@@ -82,3 +82,26 @@ def test_a_token_trace_too_large_for_the_index_is_refused(tmp_path, monkeypatch)
         check_future_fits(trace, 1)
     assert "larger page size" in info.value.hint
     check_future_fits(trace, 4)
+
+
+def test_mooncake_short_advance_equals_the_numpy_one(tmp_path, monkeypatch):
+    """Up to `_SHORT` tokens are walked in Python: every slice of a path, of a path with one
+    token changed (id, offset, unknown block), gives the handle numpy's walk gives."""
+    from memcli.workload import future as future_module
+
+    rows = [(12, [1, 2, 5]), (10, [1, 3, 6]), (8, [4, 2])]
+    future = build_future(mooncake(tmp_path, rows), page_size=1)
+    paths = [mooncake_token_ids(tuple(h), 4, n) for n, h in rows]
+    cases = []
+    for tokens in paths:
+        for start in range(len(tokens)):
+            for end in range(start + 1, min(start + future_module._SHORT, len(tokens)) + 1):
+                handle = future.advance(future.start(None), tokens[:start]) if start else future.start(None)
+                piece = tokens[start:end].copy()
+                cases.append((handle, piece))
+                for bad in (piece + 1, piece + 4, piece * 0 + 99 * 4):
+                    cases.append((handle, bad))
+    short = [future.advance(h, t) for h, t in cases]
+    monkeypatch.setattr(future_module, "_SHORT", 0)
+    assert short == [future.advance(h, t) for h, t in cases]
+    assert sum(h is not None for h in short) > len(paths)  # real paths were walked, not only refused

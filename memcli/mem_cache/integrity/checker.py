@@ -98,6 +98,11 @@ class IntegrityChecker:
         self._start = time.perf_counter()
         self._idle_since_walk: Optional[int] = None  # None: no idle walk yet
 
+    def reads_holders(self, idle: bool) -> bool:
+        """Whether `after_step(..., idle)` may read its `running` list (else the caller need
+        not build it): always with the ledger or a walk every step, else on idle steps."""
+        return idle or self.ledger is not None or self.policy.every_step in ("full", "both")
+
     def after_step(self, step: int, running: list, idle: bool) -> bool:
         """Check step `step` (0-based) as the policy says; True when some check ran."""
         mode, ran = self.policy.every_step, False

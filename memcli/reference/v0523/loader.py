@@ -45,7 +45,7 @@ from memcli.reference.v0523.standins import STANDINS
 
 SKIPPED_INITS = ("sglang", "sglang.srt.configs", "sglang.srt.layers.quantization")
 AUTO_STUBS = ("PIL", "orjson", "psutil", "pybase64", "requests", "starlette", "zmq", "tvm_ffi", "tqdm",
-              "dill")
+              "dill", "sgl_kernel")
 MODULES = {
     "allocator": "sglang.srt.mem_cache.allocator",
     "memory_pool": "sglang.srt.mem_cache.memory_pool",

@@ -2,7 +2,9 @@
 
 `run.py` (the entry, `run_bench_one_batch`), `results.py`, `report.py`; `rounds.py` runs the
 rounds over the cases, `runner.py` one case's stack calls, `host_tier_bench.py` the host
-tier's copies, `sglang_side.py` SGLang's own memory path beside memcli's.
+tier's copies, `sglang_side.py` SGLang's own memory path beside memcli's; `blocks.py` the
+static batch of an engine whose memory is a block manager (vLLM's), `vllm_side.py` vLLM's own
+`KVCacheManager` beside it.
 """
 
 import os
@@ -16,7 +18,9 @@ DEFAULT_INPUT_LEN = 512
 DEFAULT_OUTPUT_LEN = 16
 DEFAULT_REPEAT = {"cuda": 10, "cpu": 5}
 DEFAULT_ROUNDS = 7
-COMPARE_CHOICES = ("sglang-0.5.5",)
+VLLM_COMPARE = "vllm-0.33"  # vLLM's real KVCacheManager, beside memcli's vllm-0.33 engine
+SGLANG_0523_COMPARE = "sglang-0.5.23"  # SGLang 0.5.23's allocation.py, loaded in this process
+COMPARE_CHOICES = ("sglang-0.5.5", VLLM_COMPARE, SGLANG_0523_COMPARE)
 
 
 def interpret_without_cuda() -> None:

@@ -71,6 +71,17 @@ def bench_document(result: BenchResult, ignored_keys: list[str]) -> dict:
     return envelope("bench-one-batch", {**result.to_dict(), "ignored_keys": ignored_keys}, result.config)
 
 
+BLOCKS_LINE = ("engine memory: a block manager, host-side Python, timed by the wall clock on the host; memory path ="
+               " the manager's calls alone (prefill: get_computed_blocks + allocate_slots + stats record per request;"
+               " decode: allocate_slots of one token per request; free: free per request); the model step, its KV"
+               " store and the block table belong to the model runner and are not timed.")
+
+
+def _on_blocks(result: BenchResult) -> bool:
+    cases = getattr(result, "cases", None)
+    return bool(cases) and cases[0].blocks is not None
+
+
 def header_line(result: BenchResult) -> str:
     opts = result.options
     how = ("CUDA events" if result.timing_method == "cuda-events"
@@ -80,9 +91,10 @@ def header_line(result: BenchResult) -> str:
             f" each phase {opts['repeat']} timed calls per round after {opts['warmup']} warm-up calls; median = median"
             f" of the round medians, min = fastest call, spread = largest round median / smallest"
             f" (! above {UNSTABLE_SPREAD:.2f}x); tree cache {opts['tree_cache']}; semantics {result.semantics}.\n"
+            + (BLOCKS_LINE if _on_blocks(result) else
             "prefill = prepare_for_extend + KV store of the new tokens; decode step = prepare_for_decode +"
             " KV store of one token per request; memory path = alloc_for_extend / alloc_for_decode alone;"
-            " free = release of every request; first call includes compilation."
+            " free = release of every request; first call includes compilation.")
             + ("\nmedian/min: the device idle when each call starts, so host work and launch latency count;"
                " device: the same call queued behind a busy stream, so only the GPU's execution counts."
                if result.timing_method == "cuda-events" else ""))
@@ -95,14 +107,8 @@ def case_table(r: CaseResult) -> Table:
     for name, justify in (("phase", "left"), ("median", "right"), ("min", "right"), ("spread", "right"),
                           ("device", "right"), ("first call", "right"), ("host syncs", "right"), ("rate", "right")):
         table.add_column(name, justify=justify)
-    _row(table, "prefill", r.phases["prefill"], fmt_rate(r.prefill_throughput, "tok/s"))
-    step = r.phases.get("decode_step")
-    if step is not None:
-        _row(table, f"decode step (median of {len(r.decode_step_us)})", step,
-             fmt_rate(r.median_decode_throughput, "tok/s"))
-    table.add_row(f"total (prefill + {len(r.decode_step_us)} steps)", fmt_us(r.total_latency * 1e6), "", "", "", "",
-                  "", fmt_rate(r.overall_throughput, "tok/s"))
-    table.add_section()
+    if "prefill" in r.phases:
+        _model_step_rows(table, r)
     kind = f"cached prefix {r.cached_prefix_len:,}" if r.cached_prefix_len else "new"
     _row(table, f"prefill memory path ({kind})", r.phases["prefill_memory"],
          fmt_rate(_per_s(r.prefill_new_tokens, r.phases["prefill_memory"]), "tok/s"))
@@ -116,6 +122,19 @@ def case_table(r: CaseResult) -> Table:
     _row(table, f"free on finish ({_plural(c.batch_size, 'request')})", r.phases["free"], "")
     _kv_rows(table, r)
     return table
+
+
+def _model_step_rows(table: Table, r: CaseResult) -> None:
+    """The prefill and decode step of the stack (absent on a block manager, whose model step
+    runs in the model runner)."""
+    _row(table, "prefill", r.phases["prefill"], fmt_rate(r.prefill_throughput, "tok/s"))
+    step = r.phases.get("decode_step")
+    if step is not None:
+        _row(table, f"decode step (median of {len(r.decode_step_us)})", step,
+             fmt_rate(r.median_decode_throughput, "tok/s"))
+    table.add_row(f"total (prefill + {len(r.decode_step_us)} steps)", fmt_us(r.total_latency * 1e6), "", "", "", "",
+                  "", fmt_rate(r.overall_throughput, "tok/s"))
+    table.add_section()
 
 
 def _plural(n: int, word: str) -> str:
@@ -155,6 +174,8 @@ def _per_s(amount: int, t: PhaseTiming) -> Optional[float]:
 
 
 def _caption(r: CaseResult) -> str:
+    if r.blocks is not None:
+        return _blocks_caption(r)
     idle = r.idle
     verdict = "ok" if idle.get("ok") else "FAILED"
     lines = [
@@ -170,13 +191,34 @@ def _caption(r: CaseResult) -> str:
     return "\n".join(lines)
 
 
+def _blocks_caption(r: CaseResult) -> str:
+    """A block manager's case: its blocks beside what the engine's rules give."""
+    b, got = r.blocks, r.blocks["measured"]
+    verdict = "ok" if r.idle.get("ok") else "FAILED"
+    differ = f" (differ: {', '.join(b['differ'])})" if b["differ"] else ""
+    idle = r.idle
+    return "\n".join([
+        f"{b['setup']}; blocks of {got['block_size']} tokens: hit {got['hit_tokens'] // max(got['block_size'], 1):,}"
+        f" blocks at admission ({r.cached_prefix_len:,} tokens per request), prefill took {got['prefill_blocks']:,}"
+        f" new blocks, decode {got['decode_blocks']:,}, freed on finish {got['freed_blocks']:,};"
+        f" {got['cached_blocks']:,} blocks cached after it; stats {got['queries']:,} queries, {got['hits']:,} hits",
+        f"blocks check {verdict}: every figure as vLLM's rules give it{differ}; idle: {idle.get('available', 0):,}"
+        f" + evictable {idle.get('evictable', 0):,} vs size {idle.get('size', 0):,}",
+        f"prefill / decode step / KV store {r.kv_store_note}",
+    ])
+
+
+def _us_of(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else seconds * 1e6
+
+
 COMPARED = (
     ("prefill memory path", lambda r: r.phases["prefill_memory"].median_us),
     ("decode memory path", lambda r: _phase_us(r, "decode_memory")),
     ("free on finish", lambda r: r.phases["free"].median_us),
-    ("prefill latency", lambda r: r.prefill_latency * 1e6),
+    ("prefill latency", lambda r: _us_of(r.prefill_latency)),
     ("median decode step", lambda r: _phase_us(r, "decode_step")),
-    ("total latency", lambda r: r.total_latency * 1e6),
+    ("total latency", lambda r: _us_of(r.total_latency)),
 )
 
 
@@ -212,8 +254,11 @@ PHASE_LABELS = {"prefill_memory": "prefill memory path", "decode_memory": "decod
 def reference_table(result: BenchResult) -> Table:
     """memcli's memory path beside the compared implementation's, timed in the same rounds."""
     ref = result.reference
-    table = Table(title=f"memcli vs {ref.name}, attention backend {ref.backend_label}: the memory path, same cases,"
-                        " same rounds (medians of round medians)",
+    what = ref.setup or f"attention backend {ref.backend_label}"
+    if ref.setup and ref.attention_backend:
+        what = f"{ref.setup}; attention backend {ref.backend_label}"
+    table = Table(title=f"memcli vs {ref.name}, {what}: the memory path, same cases, same rounds (medians of round"
+                        " medians)",
                   title_justify="left", caption=f"speedup = {ref.name} median / memcli median (above 1: memcli is"
                   " faster); per round = the median of the same ratio taken round by round, which a slow spell of"
                   " the machine hits on both sides alike; spread as in the case tables", caption_justify="left")

@@ -101,14 +101,18 @@ class CaseResult:
     kv_store_decode: Optional[KVStoreFigures] = None
     kv_store_note: Optional[str] = None
     idle: dict[str, Any] = field(default_factory=dict)
+    blocks: Optional[dict[str, Any]] = None  # a block manager's case: its blocks, expected and measured
 
-    # -- the reference's figures (seconds, tokens/s) -------------------------------------------
+    # -- the reference's figures (seconds, tokens/s; None without a `prefill` phase) ----------
     @property
-    def prefill_latency(self) -> float:
-        return self.phases["prefill"].median_us / 1e6
+    def prefill_latency(self) -> Optional[float]:
+        phase = self.phases.get("prefill")
+        return phase.median_us / 1e6 if phase else None
 
     @property
-    def prefill_throughput(self) -> float:
+    def prefill_throughput(self) -> Optional[float]:
+        if self.prefill_latency is None:
+            return None
         return _per_second(self.case.batch_size * self.case.input_len, self.prefill_latency)
 
     @property
@@ -122,11 +126,15 @@ class CaseResult:
         return _per_second(self.case.batch_size, latency) if latency is not None else None
 
     @property
-    def total_latency(self) -> float:
+    def total_latency(self) -> Optional[float]:
+        if self.prefill_latency is None:
+            return None
         return self.prefill_latency + sum(self.decode_step_us) / 1e6
 
     @property
-    def overall_throughput(self) -> float:
+    def overall_throughput(self) -> Optional[float]:
+        if self.total_latency is None:
+            return None
         return _per_second(self.case.batch_size * self.case.seq_len, self.total_latency)
 
     def decode_over_floor(self) -> Optional[dict[str, Optional[float]]]:
@@ -142,9 +150,10 @@ class CaseResult:
         return {name: self.phases[name].syncs for name in PHASES if name in self.phases}
 
     def to_dict(self) -> dict[str, Any]:
-        """One flat record (the reference's keys first), as written to --result-file."""
+        """One flat record (the reference's keys first), as written to --result-file; a block
+        manager's case adds `blocks` (and has no prefill or decode-step latency: None)."""
         c = self.case
-        return {
+        out = {
             "run_name": self.run_name, "batch_size": c.batch_size, "input_len": c.input_len,
             "output_len": c.output_len, "prefill_latency": self.prefill_latency,
             "prefill_throughput": self.prefill_throughput, "median_decode_latency": self.median_decode_latency,
@@ -170,11 +179,14 @@ class CaseResult:
             "page_sizes": self.page_sizes,
             "idle": self.idle,
         }
+        if self.blocks is not None:
+            out["blocks"] = self.blocks
+        return out
 
 
 # What every round of a case must reproduce exactly: the bench is deterministic.
 _SAME_EVERY_ROUND = ("cached_prefix_len", "prefill_new_tokens", "prefill_allocated_tokens",
-                     "decode_allocated_tokens", "freed_tokens")
+                     "decode_allocated_tokens", "freed_tokens", "blocks")
 
 
 def combine_case_rounds(rounds: Sequence[CaseResult]) -> CaseResult:
@@ -209,6 +221,7 @@ class ReferenceResult:
     phases: list[dict[str, PhaseTiming]]
     attention_backend: str = ""  # the server argument the reference ran with
     backend_label: str = ""  # the same, and why (SGLang's default on the device, or asked for)
+    setup: str = ""  # what runs, where no attention backend names it (vLLM's host-side manager)
 
     def rows(self, cases: Sequence[CaseResult]) -> list[tuple[CaseResult, str, PhaseTiming, PhaseTiming]]:
         """(case, phase, memcli's timing, the reference's) for every phase timed on both sides."""
@@ -217,8 +230,12 @@ class ReferenceResult:
                 if name in ref and name in case.phases]
 
     def to_dict(self, cases: Sequence[CaseResult]) -> dict[str, Any]:
-        return {"name": self.name, "attention_backend": self.attention_backend, "backend": self.backend_label,
-                "rows": [
+        head = {"name": self.name, "attention_backend": self.attention_backend, "backend": self.backend_label}
+        if self.setup and self.attention_backend:  # both: the backend it runs with, and what runs
+            head["setup"] = self.setup
+        elif self.setup:
+            head = {"name": self.name, "attention_backend": None, "setup": self.setup}
+        return {**head, "rows": [
             {"case": case.case.label, "phase": name, "memcli": mine.to_dict(), "reference": ref.to_dict(),
              "speedup": speedup(mine, ref), "paired_speedup": paired_speedup(mine, ref)}
             for case, name, mine, ref in self.rows(cases)]}

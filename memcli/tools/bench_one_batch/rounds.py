@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+from memcli.tools.bench_one_batch.blocks import run_block_case
 from memcli.tools.bench_one_batch.cases import Case, check_cases_fit
 from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_rounds, combine_steps, measure, measure_beside
 from memcli.tools.bench_one_batch.results import (BenchResult, CaseResult, KVStoreFigures, ReferenceResult,
@@ -44,6 +45,7 @@ class Comparison(Protocol):
     """Another implementation of the memory path, timed beside memcli's in the same rounds."""
 
     name: str
+    setup: str  # what the reference runs, in words, where no attention backend names it ("" otherwise)
 
     def run_case(self, case: Case, config: Config, options: "BenchOptions",
                  floor: Optional["GraphFloor"] = None) -> dict[str, PhaseTiming]:
@@ -53,6 +55,10 @@ class Comparison(Protocol):
 
     def slow_start_notes(self, cases: list[Case]) -> list[str]:
         """Lines to print before the run when these cases will be slow to start on its side."""
+        ...
+
+    def check_case(self, case: Case, mine: CaseResult) -> None:
+        """Raise `IntegrityError` when its last run of `case` did other work than memcli's `mine`."""
         ...
 
 # Share of the free device memory the K/V sources of the store may take.
@@ -105,6 +111,7 @@ def run_cases(config: Config, cases: Sequence[Case], options: BenchOptions,
                     rounds[case].append(run_case(stack, case, options, floor))
                     if comparison is not None:
                         compared[case].append(comparison.run_case(case, cfg, options, floor))
+                        comparison.check_case(case, rounds[case][-1])
                 del stack
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -117,7 +124,7 @@ def run_cases(config: Config, cases: Sequence[Case], options: BenchOptions,
     if comparison is not None:
         reference = ReferenceResult(comparison.name, [
             {name: combine_rounds([r[name] for r in compared[case]]) for name in compared[case][0]}
-            for case in cases], comparison.backend.name, comparison.backend.label)
+            for case in cases], comparison.backend.name, comparison.backend.label, comparison.setup)
     method = results[0].timing_method if results else ""
     shown = replace(config, cache={"kind": options.tree_cache})
     return BenchResult(shown, options.to_dict(), describe_device(device), method, results, reference,
@@ -151,6 +158,8 @@ def describe_device(device: torch.device) -> str:
 def run_case(stack: Any, case: Case, options: BenchOptions, floor: Optional[GraphFloor] = None) -> CaseResult:
     """One case on `stack` (built with the case's page size); leaves the stack idle. With a
     `floor`, the launch floor is timed beside the decode memory path (`launch_floor`)."""
+    if engines.get(stack.config).static_batch is not None:
+        return run_block_case(stack, case, options)
     runner = CaseRunner(stack, case, seed=options.seed)
     timed = functools.partial(measure, device=stack.device, repeat=options.repeat, warmup=options.warmup)
     runner.start()

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
+from memcli import engines
 from memcli.config import Config
 from memcli.errors import MemcliError
 from memcli.devices import resolve_device
-from memcli.tools.bench_one_batch import COMPARE_CHOICES, DEFAULT_REPEAT, DEFAULT_ROUNDS, TREE_CACHES
+from memcli.tools.bench_one_batch import (COMPARE_CHOICES, DEFAULT_REPEAT, DEFAULT_ROUNDS, SGLANG_0523_COMPARE,
+                                          TREE_CACHES, VLLM_COMPARE)
 from memcli.tools.bench_one_batch.cases import Case, plan_cases
 from memcli.tools.bench_one_batch.host_tier_bench import run_transfer_bench
 from memcli.tools.bench_one_batch.results import BenchOutcome, BenchResult
@@ -73,7 +75,7 @@ def run_bench_one_batch(request: BenchRequest, hooks: Hooks = Hooks()) -> BenchO
     if request.tree_cache == "hiradix":
         return BenchOutcome(transfers=_transfers(request, cases, options, hooks.say))
     _check_result_file(request.result_file)
-    comparison = _comparison(request.compare, cfg, request.compare_backend)
+    comparison = _comparison(request.compare, cfg, request.compare_backend, request.tree_cache)
     if comparison is not None:
         for line in comparison.slow_start_notes(cases):
             hooks.note(line)
@@ -106,7 +108,7 @@ def _transfers(request: BenchRequest, cases: list[Case], options: BenchOptions, 
     return run_transfer_bench(request.config, cases, options.repeat, options.warmup, options.rounds, report)
 
 
-def _comparison(compare: Optional[str], cfg: Config, backend: Optional[str] = None):
+def _comparison(compare: Optional[str], cfg: Config, backend: Optional[str] = None, tree_cache: str = "none"):
     """SGLang's side of `--compare`, from the cached wheel (exit 2 with the fetch command when absent),
     with the attention backend `backend` (None: SGLang's default on the device)."""
     if compare is None:
@@ -116,6 +118,12 @@ def _comparison(compare: Optional[str], cfg: Config, backend: Optional[str] = No
         return None
     if compare not in COMPARE_CHOICES:
         raise MemcliError(f"--compare {compare!r}: unknown", hint=f"use one of {', '.join(COMPARE_CHOICES)}")
+    _check_compared_engine(compare, cfg)
+    if compare == VLLM_COMPARE:
+        return _vllm_comparison(backend, tree_cache != "none")
+    if compare == SGLANG_0523_COMPARE:
+        from memcli.tools.bench_one_batch.sglang_0523_side import load_comparison
+        return load_comparison(resolve_device(cfg), backend)
     from memcli.reference.fetch import cached_wheel, reference_dir
     if cached_wheel() is None:
         raise MemcliError(f"--compare {compare}: the sglang 0.5.5 wheel is not in {reference_dir()}",
@@ -124,6 +132,33 @@ def _comparison(compare: Optional[str], cfg: Config, backend: Optional[str] = No
     from memcli.reference.loader import load_reference
     from memcli.tools.bench_one_batch.sglang_side import SglangComparison
     return SglangComparison(load_reference(), resolve_device(cfg), backend)
+
+
+def _check_compared_engine(compare: str, cfg: Config) -> None:
+    """The memcli side of a comparison must run the compared engine's kind of memory: vLLM's
+    manager beside memcli's block manager, SGLang's stack beside memcli's stack."""
+    engine = engines.get(cfg)
+    blocks = engine.static_batch is not None
+    if (compare == VLLM_COMPARE) != blocks:
+        raise MemcliError(f"--compare {compare}: memcli runs engine {engine.name}, whose memory is not the kind"
+                          f" {compare} has, so the two would not do the same work",
+                          hint=f"add --engine {compare}" if compare == VLLM_COMPARE else
+                          f"add --engine {compare} (or compare {VLLM_COMPARE} under --engine {VLLM_COMPARE})")
+
+
+def _vllm_comparison(backend: Optional[str], caching: bool):
+    """vLLM's real `KVCacheManager` from its wheel (fetched once; exit 2 with the reason when it cannot be)."""
+    if backend is not None:
+        raise MemcliError(f"--compare-backend {backend}: vLLM's KV-cache manager reads no attention backend",
+                          hint=f"leave out --compare-backend with --compare {VLLM_COMPARE}")
+    from memcli.reference.vllm033.loader import load_vllm, vllm_unavailable_reason
+    reason = vllm_unavailable_reason()
+    if reason is not None:
+        raise MemcliError(f"--compare {VLLM_COMPARE}: vLLM's wheel is not available: {reason}",
+                          hint="it is fetched once (pip download --no-deps vllm==0.33.0, 336 MB) into memcli's cache;"
+                               " run where the package index is reachable (MEMCLI_CACHE_DIR moves the cache)")
+    from memcli.tools.bench_one_batch.vllm_side import VllmComparison
+    return VllmComparison(load_vllm(), caching)
 
 
 def _check_result_file(path: Optional[Path]) -> None:

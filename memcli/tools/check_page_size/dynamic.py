@@ -42,6 +42,13 @@ CHECK_DESCRIPTIONS = {
     "idle": "at idle: every row free, available + evictable == size",
     "chunk_alignment": "non-final prefill chunks end on a page boundary",
     "completion": "no request aborted by the scheduler although it fits",
+    # On a block manager (vLLM's; `blocks.py`):
+    "block_pool": "the manager's check: reference counts, free queue, cached map",
+    "blocks_cover": "each running request holds cdiv(computed tokens, block size) blocks at least",
+    "slot_mapping": "the KV-cache spec's slot of each computed block's first and last position lies in that block",
+    "block_hashes": "one chained hash per full block of the cache's size (a new request's chain recomputed)",
+    "kv_events": "every BlockStored carries block_size x (its hashes) token ids, at the cache's block size",
+    "router": "a KV-aware router cuts every BlockStored's token ids into one full chunk per block hash",
 }
 
 

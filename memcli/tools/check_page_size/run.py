@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from memcli.tools.check_page_size import DEFAULT_STEPS, TRACE_DEFAULT_REQUESTS
+from memcli.tools.check_page_size.blocks import BLOCK_HOLDERS, run_block_page_size
 from memcli.tools.check_page_size.dynamic import FaultHook, PhaseResult, run_phase
 from memcli.tools.check_page_size.results import CheckPageSizeResult, PageSizeRun
 from memcli.tools.check_page_size.static import page_cost, static_checks
@@ -53,7 +54,7 @@ def parse_injections(texts: Iterable[str]) -> dict[str, int]:
         component, dot, attr = key.strip().partition(".")
         if not sep or not dot or attr != "page_size":
             raise MemcliError(f"--inject {text!r}: expected COMPONENT.page_size=N", hint=example)
-        if component not in COMPONENTS:
+        if component not in COMPONENTS and component not in BLOCK_HOLDERS:
             raise MemcliError(f"--inject {text!r}: unknown component {component!r}",
                               hint="components: " + ", ".join(COMPONENTS))
         try:
@@ -67,12 +68,19 @@ def parse_injections(texts: Iterable[str]) -> dict[str, int]:
 
 def check_injections(injections: Mapping[str, int]) -> None:
     for component, value in injections.items():
-        if component not in COMPONENTS:
+        if component not in COMPONENTS and component not in BLOCK_HOLDERS:
             raise MemcliError(f"cannot inject a page size into {component!r}",
                               hint="components: " + ", ".join(COMPONENTS))
         if not isinstance(value, int) or not _power_of_two(value):
             raise MemcliError(f"--inject {component}.page_size={value}: a page size is a power of two",
                               hint="use 1, 2, 4, ..., 64, 128")
+
+
+def _check_holders(injections: Mapping[str, int], holders) -> None:
+    for component in injections:
+        if component not in holders:
+            raise MemcliError(f"cannot inject a page size into {component!r}: this engine has no such holder",
+                              hint="components: " + ", ".join(holders))
 
 
 def resolve_page_sizes(config: Config, page_sizes: Optional[Sequence[int]]) -> list[int]:
@@ -119,6 +127,11 @@ def run_check_page_size(config: Config, page_sizes: Optional[Sequence[int]] = No
 
 def _run_page_size(config: Config, injections: dict[str, int], trace: Optional[Workload], steps: int,
                    fault_hook: Optional[FaultHook], progress: Optional[Progress]) -> PageSizeRun:
+    holders = getattr(engines.get(config).build_stack(config).memory.stack, "block_size_holders", None)
+    if holders is not None:  # a block manager (vLLM's): its own holders and checks
+        _check_holders(injections, holders)
+        return run_block_page_size(config, injections, trace, steps)
+    _check_holders(injections, COMPONENTS)
     static_config, static_adjustments = indices_only(config)
     engine = engines.get(static_config)
     stack = engine.build_stack(static_config, page_size_overrides=injections)

@@ -1,0 +1,135 @@
+"""`python -m memcli.tools.replay.bench [TRACE]`: how fast replays run, in requests/s and steps/s.
+
+The trace is read once; each point (a set of `--set` overrides on the built-in replay config)
+is replayed `--rounds` times, the points interleaved within each round so that a burst of
+host noise falls on every point alike. A point's figure is the median of its rounds' replay
+times (`summary.wall_s`: stack build, every step, the final integrity check; not the trace
+read). Every round of a point must give the same steps and hits, or the bench stops: a
+replay's document does not depend on its speed. The machine (CPU count, model name) and its
+load average before and after are printed with the figures, since on a shared host they say
+how far the figures can be trusted.
+
+Default points: page sizes 1 and 16 of the radix cache, and page size 1 of the host tier
+(hiradix), each with `--engine` (default sglang-0.5.23); `--point "k=v k=v"` replaces them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from memcli.config import load_config
+from memcli.errors import MemcliError
+from memcli.tools.replay.ceiling import shared_prefix_lens
+from memcli.tools.replay.runner import ReplayOptions, check_options, default_arrivals, replay
+from memcli.workload.readers import read_trace
+
+DEFAULT_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
+DEFAULT_POINTS = ("memory.page_size=1", "memory.page_size=16", "memory.page_size=1 cache.kind=hiradix")
+
+
+@dataclass(frozen=True)
+class BenchPoint:
+    """One point's figures: the median replay time over its rounds, and the rates from it."""
+
+    point: str
+    requests: int
+    steps: int
+    cached_tokens: int
+    replay_s: float  # median of the rounds
+    rounds_s: tuple[float, ...]
+    requests_per_s: float
+    steps_per_s: float
+
+
+def machine() -> dict:
+    """What the figures were measured on: CPU count and model, and the load average now."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpu": model, "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def run_bench(trace_path: Path, points: Sequence[str], engine: str, limit: Optional[int] = None,
+              rounds: int = 1) -> list[BenchPoint]:
+    """Replay every point `rounds` times (interleaved); raises `MemcliError` for bad input or
+    when two rounds of one point disagree on the steps or the hits."""
+    trace = read_trace(trace_path, limit=limit)
+    shared = shared_prefix_lens(trace)
+    configs = [load_config(None, [*point.split(), f"semantics.engine={engine}"], builtin="replay") for point in points]
+    options = ReplayOptions(default_arrivals(trace))
+    for config in configs:
+        check_options(trace, config, options)
+    times: list[list[float]] = [[] for _ in points]
+    seen: list[Optional[tuple[int, int]]] = [None] * len(points)
+    for _ in range(rounds):
+        for i, config in enumerate(configs):
+            result = replay(config, trace, options, None, shared)
+            if result.stop is not None or result.integrity.failure is not None:
+                raise MemcliError(f"point {points[i]!r}: the replay did not finish cleanly",
+                                  "run it with memcli replay to see why")
+            outcome = (result.summary.steps, int(result.first_cached_tokens.sum()))
+            if seen[i] is not None and seen[i] != outcome:
+                raise MemcliError(f"point {points[i]!r}: two rounds differ (steps, cached tokens) {seen[i]} vs {outcome}",
+                                  "a replay must not depend on its speed: this is a bug in memcli")
+            seen[i] = outcome
+            times[i].append(result.summary.wall_s)
+    rows = []
+    for point, samples, (steps, cached) in zip(points, times, seen):
+        median = statistics.median(samples)
+        rows.append(BenchPoint(point, trace.num_requests, steps, cached, median, tuple(samples),
+                               trace.num_requests / median, steps / median))
+    return rows
+
+
+def format_table(rows: Sequence[BenchPoint], before: dict, after: dict, engine: str) -> str:
+    lines = [f"replay speed, engine {engine}: {before['cpus']} CPUs ({before['cpu']}),"
+             f" load average {before['load_avg_1m']} before, {after['load_avg_1m']} after",
+             f"{'point':<42} {'requests':>9} {'steps':>8} {'replay s':>9} {'requests/s':>11} {'steps/s':>9}  rounds (s)"]
+    for r in rows:
+        lines.append(f"{r.point:<42} {r.requests:>9,} {r.steps:>8,} {r.replay_s:>9.2f} {r.requests_per_s:>11,.0f}"
+                     f" {r.steps_per_s:>9,.0f}  {' '.join(f'{t:.2f}' for t in r.rounds_s)}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m memcli.tools.replay.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("trace", nargs="?", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument("--engine", default="sglang-0.5.23")
+    parser.add_argument("--point", action="append", help='overrides of one point, e.g. "memory.page_size=16"')
+    parser.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        print("error: --rounds must be at least 1\nhint: --rounds 3 takes the median of three", file=sys.stderr)
+        return 2
+    before = machine()
+    try:
+        rows = run_bench(args.trace, args.point or DEFAULT_POINTS, args.engine, args.limit, args.rounds)
+    except MemcliError as exc:
+        print(f"error: {exc.message}" + (f"\nhint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
+        return exc.exit_code
+    after = machine()
+    if args.json:
+        print(json.dumps({"engine": args.engine, "machine": before, "load_avg_1m_after": after["load_avg_1m"],
+                          "points": [asdict(r) for r in rows]}, indent=1))
+    else:
+        print(format_table(rows, before, after, args.engine))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

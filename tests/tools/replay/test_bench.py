@@ -1,0 +1,38 @@
+"""The replay benchmark (`python -m memcli.tools.replay.bench`): its figures are the replays'
+own (steps and hits of `memcli replay`, rates from the median round), and bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+
+from memcli.config import load_config
+from memcli.tools.replay.bench import main, run_bench
+from memcli.tools.replay.runner import ReplayOptions, replay
+from memcli.workload.readers import read_trace
+from tests.tools.replay.helpers import CONVERSATION
+
+POINT = "memory.max_total_tokens=200000 memory.max_running_requests=16 memory.max_context_len=65536"
+
+
+def test_bench_rows_are_the_replays_steps_and_hits():
+    points = [POINT, POINT + " memory.page_size=16"]
+    rows = run_bench(CONVERSATION, points, "sglang-0.5.23", limit=30, rounds=2)
+    trace = read_trace(CONVERSATION, limit=30)
+    for point, row in zip(points, rows):
+        config = load_config(None, [*point.split(), "semantics.engine=sglang-0.5.23"], builtin="replay")
+        result = replay(config, trace, ReplayOptions("timestamp"))
+        assert (row.requests, row.steps, row.cached_tokens) == (30, result.summary.steps,
+                                                                 int(result.first_cached_tokens.sum()))
+        assert len(row.rounds_s) == 2 and min(row.rounds_s) <= row.replay_s <= max(row.rounds_s)
+        assert abs(row.steps_per_s - row.steps / row.replay_s) <= 1e-6 * row.steps_per_s
+        assert abs(row.requests_per_s - 30 / row.replay_s) <= 1e-6 * row.requests_per_s
+
+
+def test_bench_json_and_bad_input(capsys):
+    assert main([str(CONVERSATION), "--limit", "10", "--point", POINT, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["engine"] == "sglang-0.5.23" and doc["machine"]["cpus"] >= 1
+    assert [p["point"] for p in doc["points"]] == [POINT] and doc["points"][0]["requests"] == 10
+    assert main([str(CONVERSATION), "--limit", "10", "--point", "memory.page_size=3"]) == 2
+    assert "error: memory.page_size" in capsys.readouterr().err
+    assert main([str(CONVERSATION), "--rounds", "0"]) == 2
