@@ -140,9 +140,9 @@ class SemanticsConfig:
     """
 
     # The engine the stack reproduces (`memcli.engines`; an unknown name is refused with the list).
-    engine: str = "sglang-0.5.5"
+    engine: str = "sglang-0.5.23"
     # An engine's own profile carries its name; `--engine NAME` selects it too (cli.options.with_engine).
-    profile: Literal["sglang-0.5.5", "memcli", "sglang-0.5.23"] = "sglang-0.5.5"
+    profile: Literal["sglang-0.5.5", "memcli", "sglang-0.5.23"] = "sglang-0.5.23"
     # Eviction when the free list is short: evict the whole need, or only the shortfall.
     evict_amount: Optional[Literal["full_need", "shortfall"]] = None
     # Pages an extend batch is assumed to open before evicting: one extra per request, or the exact count.

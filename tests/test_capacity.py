@@ -70,14 +70,16 @@ def test_the_hint_names_the_commands_flag_and_holds_every_request(tmp_path):
     check_fits(config, trace.requests[:1], "here")
 
 
-def test_sglang_limits_abort_and_clip_as_its_scheduler_does(tmp_path):
+@pytest.mark.parametrize("engine, kept", [("sglang-0.5.5", 94), ("sglang-0.5.23", 79)])
+def test_sglang_limits_abort_and_clip_as_its_scheduler_does(tmp_path, engine, kept):
     """max_req_len = min(4096, 4096) - 1 = 4095: a prompt of 4090 tokens or more is aborted at
-    arrival, an output clipped to 4095 - input - 1. The replay runs the rest, reports each cut
-    request with its line, warns once, exits 0; the scheduler cut exactly those."""
+    arrival, an output clipped to 4095 - input - 1 = 94 (0.5.23 then also to the memory left:
+    pool - ceil_page(input) - page - 1 = 4096 - 4000 - 16 - 1 = 79). The replay runs the rest,
+    reports each cut request with its line, warns once, exits 0; the scheduler cut exactly those."""
     from memcli.tools.replay.runner import ReplayOptions, replay as run
 
     path = write(tmp_path / "t.jsonl", (40, 8), (4000, 200), (4090, 2), (30, 4), (5000, 1))
-    result = replay(path, "--json")
+    result = replay(path, "--json", "--engine", engine)
     assert result.exit_code == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "2 requests aborted at arrival, 1 with its output clipped" in warnings[0]
@@ -85,15 +87,15 @@ def test_sglang_limits_abort_and_clip_as_its_scheduler_does(tmp_path):
     limits = doc["limits"]
     assert (limits["aborted"], limits["clipped"]) == (2, 1) and "max_req_len 4095" in limits["rule"]
     assert [(r["rid"], r["line"], r["action"], r["kept_output_len"]) for r in limits["requests"]] == [
-        ("r1", 2, "clipped", 94), ("r2", 3, "aborted", 0), ("r4", 5, "aborted", 0)]
+        ("r1", 2, "clipped", kept), ("r2", 3, "aborted", 0), ("r4", 5, "aborted", 0)]
     assert doc["summary"]["aborted"] == 2 and doc["summary"]["finished"] == 3
     # The scheduler's own cuts agree, request by request.
-    config = load_config(None, [s for s in SETS if s != "--set"])
+    config = load_config(None, [s for s in SETS if s != "--set"] + [f"semantics.engine={engine}"])
     trace = read_trace(path)
     out = run(config, trace, ReplayOptions("burst"))
     assert out.requests_log.aborted.tolist() == [False, False, True, False, True]
-    assert out.requests_log.output_tokens.tolist() == [8, 94, 0, 4, 0]
-    text = replay(path).stdout
+    assert out.requests_log.output_tokens.tolist() == [8, kept, 0, 4, 0]
+    text = replay(path, "--engine", engine).stdout
     assert "aborted at arrival: r2 (line 3), r4 (line 5)" in text and "output clipped: r1 (line 2)" in text
 
 

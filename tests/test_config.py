@@ -373,7 +373,10 @@ def test_show_config_bad_set_exits_2_with_error_and_hint(override, message, monk
 
 
 def test_semantics_profile_sets_every_behaviour_and_overrides_win():
-    sglang = load_config(None, []).behaviour
+    default = load_config(None, []).behaviour
+    assert (default.engine, default.profile) == ("sglang-0.5.23", "sglang-0.5.23")
+    assert (default.evict_amount, default.lfu_hits, default.prompt_split) == ("shortfall", "insert", "prompt")
+    sglang = load_config(None, ["semantics.engine=sglang-0.5.5"]).behaviour
     assert sglang.profile == "sglang-0.5.5"
     assert (sglang.evict_amount, sglang.split_stamp, sglang.lfu_hits, sglang.retract_requeue) == (
         "full_need", "refresh", "never", "back")
@@ -414,9 +417,33 @@ def test_show_config_names_the_semantics_in_force():
     assert doc["semantics_in_force"]["profile"] == "memcli"
     assert doc["semantics_in_force"]["lfu_hits"] == "never"  # the override
     assert doc["semantics_in_force"]["evict_amount"] == "shortfall"  # the profile's
-    text = CliRunner().invoke(app, ["show-config", "--set", "semantics.lfu_hits=count"]).stdout
+    text = CliRunner().invoke(app, ["show-config", "--engine", "sglang-0.5.5",
+                                    "--set", "semantics.lfu_hits=count"]).stdout
     assert "semantics in force: sglang-0.5.5 + lfu_hits=count" in " ".join(text.split())
     assert "count (set)" in text
+
+
+def test_show_config_prints_the_engine_and_0055s_values_where_0523_differs():
+    from memcli.config import PROFILE_CHOICES, SGLANG_0523_CHOICES
+
+    result = CliRunner().invoke(app, ["show-config", "--json", "--engine", "sglang-0.5.23",
+                                      "--set", "semantics.page_estimate=exact"])
+    doc = json.loads(result.stdout)
+    in_force, baseline = doc["semantics_in_force"], doc["baseline"]
+    assert in_force["engine"] == "sglang-0.5.23" and baseline["engine"] == "sglang-0.5.5"
+    assert set(in_force) == {"engine", "profile", *SGLANG_0523_CHOICES}  # every key the engine reads
+    old = {k: v["sglang-0.5.5"] for k, v in PROFILE_CHOICES.items()}
+    expected = {k: old[k] for k, v in SGLANG_0523_CHOICES.items() if v != old[k]}
+    expected.update(engine="sglang-0.5.5", profile="sglang-0.5.5", page_estimate="one_per_request")  # the override
+    assert baseline["differs"] == expected
+    text = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["show-config", "--engine", "sglang-0.5.23"]).stdout
+    assert text.startswith("engine sglang-0.5.23: SGLang 0.5.23")
+    row = next(line for line in text.splitlines() if "semantics.prompt_split" in line)
+    assert [cell.strip() for cell in row.split("│")[1:4]] == ["semantics.prompt_split", "prompt", "none"]
+    row = next(line for line in text.splitlines() if "semantics.page_estimate" in line)
+    assert [cell.strip() for cell in row.split("│")[1:4]] == ["semantics.page_estimate", "one_per_request", ""]
+    old = json.loads(CliRunner().invoke(app, ["show-config", "--engine", "sglang-0.5.5", "--json"]).stdout)
+    assert "baseline" not in old  # an engine without an earlier release: its document as before
 
 
 def test_a_retired_key_is_an_unknown_key_whose_hint_says_why():

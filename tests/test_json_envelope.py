@@ -42,7 +42,7 @@ def assert_envelope(doc: dict, command: str, reads_config: bool) -> None:
     assert doc["command"] == command and doc["memcli_version"] == memcli.__version__
     if reads_config:
         assert isinstance(doc["config"], dict) and set(doc["config"]) >= {"memory", "cache", "semantics"}
-        assert doc["profile"] == doc["config"]["semantics"]["profile"] == "sglang-0.5.5"
+        assert doc["profile"] == doc["config"]["semantics"]["profile"] == "sglang-0.5.23"  # the default engine
     else:
         assert doc["config"] is None and doc["profile"] is None
     assert len(doc) > 4  # the command's own fields follow

@@ -92,7 +92,7 @@ run_line() {  # the job on line $1 of jobs.tsv
   for try in 1 2 3; do  # retried: a replay can fail while the code is being edited
     t0=$(date +%s.%N)
     # shellcheck disable=SC2086
-    if $MEMCLI replay "$file" $args --jobs 1 --json > "$out.tmp" 2> "$OUT/json/$name.err"; then
+    if $MEMCLI replay "$file" --engine sglang-0.5.5 $args --jobs 1 --json > "$out.tmp" 2> "$OUT/json/$name.err"; then
       mv "$out.tmp" "$out"
       printf '%s\t%s\n' "$name" "$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')" \
         | tee -a "$OUT/times.tsv" >&2

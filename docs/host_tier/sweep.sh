@@ -8,7 +8,7 @@ set -euo pipefail
 TRACE=${TRACE:-/work/shared/traces/conversation_trace.jsonl}
 OUT=${OUT:-/tmp/host-tier-sweep}
 mkdir -p "$OUT"
-BASE=(--set memory.max_total_tokens=1000000)
+BASE=(--engine sglang-0.5.5 --set memory.max_total_tokens=1000000)
 memcli replay "$TRACE" "${BASE[@]}" --json > "$OUT/radix.json"
 for policy in write_through write_through_selective write_back; do
   memcli replay "$TRACE" "${BASE[@]}" --set cache.kind=hiradix --set cache.write_policy=$policy \

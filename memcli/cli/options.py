@@ -32,7 +32,8 @@ SetOpt: List[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE",
                                  help="Override a config key, section.key=value (repeatable)")
 EngineOpt: Optional[str] = typer.Option(
     None, "--engine", metavar="NAME",
-    help="The engine the stack reproduces (default sglang-0.5.5); the same as --set semantics.engine=NAME")
+    help="The engine the stack reproduces (default sglang-0.5.23; sglang-0.5.5, vllm-0.33); the same as --set"
+         " semantics.engine=NAME")
 JsonOpt: bool = typer.Option(False, "--json", help="Print one JSON document on stdout")
 
 

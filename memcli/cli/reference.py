@@ -11,7 +11,7 @@ from memcli.cli.guard import guarded
 from memcli.cli.options import EngineOpt, with_engine, JsonOpt, MemcliCommand, MemcliGroup, ReplayConfigOpt, SetOpt
 
 app = typer.Typer(name="reference", cls=MemcliGroup, no_args_is_help=True, add_completion=False,
-                  help="Fetch SGLang 0.5.5's own memory-stack code and diff memcli against it step by step.")
+                  help="Fetch SGLang's own memory-stack code and diff memcli against the engine's own code step by step.")
 
 
 @app.command("fetch", cls=MemcliCommand)
@@ -52,7 +52,7 @@ def diff(
         None, "--reference-steps-out", metavar="FILE.jsonl", help="Write the step log of the engine's own code"),
     json_out: bool = JsonOpt,
 ) -> None:
-    """Run memcli's scheduler and SGLang 0.5.5's loop side by side and print the first divergent step.
+    """Run memcli's scheduler and the engine's own loop side by side and print the first divergent step.
 
     The loop is semantics.event_loop (overlap, SGLang's default, or --set
     semantics.event_loop=normal). Exit 0 when equal, 1 when they diverge or a side raises

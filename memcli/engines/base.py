@@ -109,7 +109,8 @@ class Engine:
     (`memcli.capacity.LimitRule`: the requests it aborts at arrival or clips, as it would serving
     them); None: such a trace is refused. `describe` gives show-config the engine's own view
     (behaviours in force, derived sizes), when it has one (None: the profile's behaviours and
-    memcli's sizes).
+    memcli's sizes). `baseline` names the engine this one is a later release of (show-config
+    prints, beside each behaviour in force, the baseline's value where it differs).
     """
 
     name: str
@@ -125,3 +126,4 @@ class Engine:
     limits: Optional[Callable[..., Any]] = None
     describe: Optional[Callable[[Config], tuple]] = None
     reference_steps: bool = False  # `reference` takes `on_step` (both sides' step observations)
+    baseline: Optional[str] = None  # the engine's earlier release (its profile is the baseline's values)

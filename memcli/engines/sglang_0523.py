@@ -37,4 +37,5 @@ ENGINE = register(Engine(
     make_batch=_batch,
     reference=_reference,
     limits=max_req_len_cuts,  # SGLang's request limits, with 0.5.23's memory clip
+    baseline="sglang-0.5.5",
 ))

@@ -9,7 +9,13 @@ from memcli.mem_cache.manager import ExtendAllocation, ExtendPlan, PageSizeMisma
 from memcli.mem_cache.base_prefix_cache import RadixKey
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.req import Req
-from tests.sched.helpers import small_stack, tokens
+from tests.sched.helpers import small_stack as _small_stack, tokens
+
+
+def small_stack(*args, **kw):
+    """SGLang 0.5.5's stack: the slots, rows (from row 0) and evictions these tests expect are its."""
+    kw.setdefault("semantics__engine", "sglang-0.5.5")
+    return _small_stack(*args, **kw)
 
 
 def make_reqs(stack, *token_arrays, max_new=4):

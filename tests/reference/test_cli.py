@@ -85,7 +85,8 @@ def test_diff_prints_one_json_document(ref):
     assert doc["first_divergence"]["sglang"]["step"] == doc["first_divergence"]["step"]
 
 
-HOST_TIER = ["--set", "cache.kind=hiradix", "--set", "memory.max_total_tokens=90000",
+# SGLang 0.5.5's host tier (the 0.5.23 reference runs no HiCache).
+HOST_TIER = ["--engine", "sglang-0.5.5", "--set", "cache.kind=hiradix", "--set", "memory.max_total_tokens=90000",
              "--set", "memory.max_context_len=88000"]
 
 
@@ -122,7 +123,7 @@ def test_diff_reports_a_side_that_raises_as_a_failure_not_a_traceback(ref, monke
 
     monkeypatch.setattr(observe, "_step", failing)
     args = ["reference", "diff", TRACE, "--limit", "4", "--set", "memory.max_total_tokens=90000",
-            "--set", "memory.max_context_len=88000"]
+            "--set", "memory.max_context_len=88000", "--engine", "sglang-0.5.5"]  # 0.5.5's loop, stepped here
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 1, result.output
     assert "failed: SGLang's loop raised at step 3: AssertionError: a check of SGLang's" in result.stdout
@@ -144,7 +145,7 @@ def test_diff_names_memcli_when_its_scheduler_raises(ref, monkeypatch):
 
     monkeypatch.setattr(observe.MemcliSide, "step", failing)
     result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "4", "--set", "memory.max_total_tokens=90000",
-                                      "--set", "memory.max_context_len=88000"])
+                                      "--set", "memory.max_context_len=88000", "--engine", "sglang-0.5.5"])
     assert result.exit_code == 1, result.output
     assert "failed: memcli's scheduler raised at step 2: IndexError: a bug of memcli's (test_cli.py:" in result.stdout
 
@@ -174,18 +175,20 @@ def test_diff_chooses_the_triton_interpreter_in_process(ref):
 def test_reference_diff_writes_both_step_logs_and_they_match_the_replays(ref, tmp_path):
     mine, theirs, replayed = tmp_path / "memcli.jsonl", tmp_path / "sglang.jsonl", tmp_path / "replay.jsonl"
     trace = "tests/data/conversation_head300.jsonl"
+    # The step logs of both sides: an engine whose harness observes steps (sglang-0.5.5).
     result = CliRunner().invoke(app, ["reference", "diff", trace, "--limit", "12", "--steps-out", str(mine),
-                                      "--reference-steps-out", str(theirs)])
+                                      "--reference-steps-out", str(theirs), "--engine", "sglang-0.5.5"])
     assert result.exit_code == 0, result.output
     assert "step logs (A: the engine's own code, B: memcli):" in result.output and "equal:" in result.output
     replay = CliRunner().invoke(app, ["replay", trace, "--limit", "12", "--arrivals", "burst",
-                                      "--steps-out", str(replayed)])
+                                      "--steps-out", str(replayed), "--engine", "sglang-0.5.5"])
     assert replay.exit_code == 0, replay.output
     # memcli's side of the harness and the replay write the same log; SGLang's side equals it too.
     assert mine.read_text() == replayed.read_text() and len(mine.read_text().splitlines()) > 10
     assert CliRunner().invoke(app, ["diff", str(theirs), str(mine)]).exit_code == 0
     # The --json document carries the same comparison, in memcli diff's fields.
-    doc = json.loads(CliRunner().invoke(app, ["reference", "diff", trace, "--limit", "12", "--json"]).stdout)
+    doc = json.loads(CliRunner().invoke(app, ["reference", "diff", trace, "--limit", "12", "--json",
+                                              "--engine", "sglang-0.5.5"]).stdout)
     logs = doc["step_logs"]
     assert logs["a"] == "the engine's own code" and logs["b"] == "memcli"
     assert logs["equal"] is True and logs["first_divergence"] is None

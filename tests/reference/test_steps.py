@@ -64,7 +64,9 @@ def _load(case, event_loop="overlap"):
     requests = [r for r in trace.requests if r.input_len + r.output_len <= case.max_len][: case.num_requests]
     if case.output_cap is not None:
         requests = [dataclasses.replace(r, output_len=min(r.output_len, case.output_cap)) for r in requests]
-    config = load_config(None, case.settings + (f"semantics.event_loop={event_loop}",))
+    # SGLang 0.5.5's engine: these cases run against its reference loop (test_v0523_steps.py
+    # switches the same cases to sglang-0.5.23).
+    config = load_config(None, case.settings + (f"semantics.event_loop={event_loop}", "semantics.engine=sglang-0.5.5"))
     return config, requests, output_token_base(trace)
 
 

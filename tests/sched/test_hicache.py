@@ -9,7 +9,9 @@ from tests.sched.test_scheduler import assert_all_free, shared_prefix_workload
 
 
 def make(page_size=1, pool=256, loop="normal", ack="prefill_attempt", policy="write_through", **kw):
-    extra = {"semantics__event_loop": loop, "semantics__hicache_ack": ack, "cache__write_policy": policy,
+    # SGLang 0.5.5's host tier (HiRadixCache): its decisions and timings are what these tests pin.
+    extra = {"semantics__engine": "sglang-0.5.5", "semantics__event_loop": loop, "semantics__hicache_ack": ack,
+             "cache__write_policy": policy,
              "model__num_layers": 1, "model__num_kv_heads": 1, "model__head_dim": 4, "model__dtype": "float32",
              **kw}
     cfg, stack = small_stack(page_size, pool=pool, cache="hiradix", rows=8, context=128, **extra)

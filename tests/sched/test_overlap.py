@@ -14,6 +14,9 @@ LOOPS = ("overlap", "normal")
 
 
 def overlap_scheduler(page_size=1, pool=256, **kw):
+    """SGLang 0.5.5's overlap loop (a finishing request decoded once more, its in-flight slot
+    freed at that batch's result); 0.5.23 skips that decode (skip_finishing_decode)."""
+    kw.setdefault("semantics__engine", "sglang-0.5.5")
     cfg, stack = small_stack(page_size, pool=pool, rows=8, context=128, semantics__event_loop="overlap", **kw)
     return stack, make_scheduler(stack, cfg)
 

@@ -180,9 +180,12 @@ def test_abort_releases_everything():
     assert_all_free(stack)
 
 
-@pytest.mark.parametrize("event_loop, allocs", [("normal", 3), ("overlap", 4)])
-def test_events_record_the_lifecycle(event_loop, allocs):
-    cfg, stack = small_stack(1, pool=512, semantics__event_loop=event_loop)
+@pytest.mark.parametrize("engine, event_loop, allocs", [("sglang-0.5.5", "normal", 3), ("sglang-0.5.5", "overlap", 4),
+                                                        ("sglang-0.5.23", "normal", 3), ("sglang-0.5.23", "overlap", 3)])
+def test_events_record_the_lifecycle(engine, event_loop, allocs):
+    """0.5.5's overlap loop launches one more decode before the result that finishes the
+    request; 0.5.23's leaves a request its in-flight result finishes out of the decode."""
+    cfg, stack = small_stack(1, pool=512, semantics__event_loop=event_loop, semantics__engine=engine)
     sched = make_scheduler(stack, cfg)
     sched.add_request(sched.new_req("a", tokens((0, 10)), 3))
     sched.run()

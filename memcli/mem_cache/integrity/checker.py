@@ -63,7 +63,8 @@ def track(stack: Any, running: Iterable[Any] = ()) -> OwnershipLedger:
     """Attach an ownership ledger to `stack` (allocator, request pool), seeded from a full walk
     of its current state with the requests `running` that hold memory. Returns it."""
     alloc, pool = stack.allocator, stack.req_to_token_pool
-    ledger = OwnershipLedger(alloc.num_pages, alloc.page_size, pool.size, pool.req_to_token)
+    # Every row of the request table (0.5.23 keeps row 0 as padding: size + 1 rows).
+    ledger = OwnershipLedger(alloc.num_pages, alloc.page_size, pool.req_to_token.shape[0], pool.req_to_token)
     running = list(running)
     if not running and alloc.available_size() == alloc.size and stack.tree_cache.total_size() == 0:
         alloc.ledger = pool.ledger = ledger  # an empty stack: every page free, as the ledger starts

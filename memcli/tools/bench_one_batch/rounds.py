@@ -186,7 +186,7 @@ def run_case(stack: Any, case: Case, options: BenchOptions, floor: Optional[Grap
     return CaseResult(
         run_name=options.run_name, case=case, tree_cache=options.tree_cache, device=str(stack.device),
         backend=stack.backend, timing_method=phases["prefill"].method,
-        cached_prefix_len=len(runner.reqs[0].prefix_indices), prefill_new_tokens=runner.new_tokens,
+        cached_prefix_len=runner.prefix_lens[0], prefill_new_tokens=runner.new_tokens,
         prefill_allocated_tokens=allocated, decode_allocated_tokens=decode_allocated,
         freed_tokens=in_use - stack.memory.in_use_tokens, page_sizes=stack.page_sizes(), phases=phases,
         decode_step_us=[s.median_us for s, _ in steps], kv_store_prefill=kv_prefill, kv_store_decode=kv_decode,

@@ -63,6 +63,7 @@ class CaseRunner:
         self.case = case
         self.device = stack.device
         self.store_kv = False  # set by alloc_kv_sources()
+        self.prefix_lens: list[int] = []  # each request's cached prefix, set by start()
         # SGLang's bench runs output_len - 1 decode steps (its prefill samples the first token).
         minus_one = stack.config.behaviour.bench_decode_steps == "output_len_minus_1"
         self.decode_steps = max(case.output_len - minus_one, 0)
@@ -96,6 +97,9 @@ class CaseRunner:
                 memory.adopt_prefix(req, prefix)
                 req.extend_input_len = len(req.fill_ids) - len(prefix)
             memory.lock(req.last_node)
+        # Each request's cached prefix at admission (a release may rewrite `prefix_indices`:
+        # SGLang 0.5.23's checkpoint points it at the tree's slots of the whole row).
+        self.prefix_lens = [len(r.prefix_indices) for r in reqs]
         # The warm-up rows are all free again: start from the table's initial row order, so
         # that every prefill (first, timed or replayed) gets the same rows.
         memory.clear_rows()
@@ -163,7 +167,7 @@ class CaseRunner:
     @property
     def new_tokens(self) -> int:
         """Tokens the prefill computes (and stores), over the batch."""
-        return sum(len(r.fill_ids) - len(r.prefix_indices) for r in self.reqs)
+        return sum(len(r.fill_ids) - prefix for r, prefix in zip(self.reqs, self.prefix_lens))
 
     def alloc_kv_sources(self) -> None:
         """K/V of the new tokens for every layer (prefill) and of one token per request (decode);

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from memcli.config import Config, engine_reads, host_pool_size
+from memcli.config import PROFILE_CHOICES, Config, engine_reads, host_pool_size
 from memcli.tools.show_config.results import ShowConfigResult
 
 
@@ -13,10 +13,24 @@ def run_show_config(cfg: Config) -> ShowConfigResult:
     from memcli import engines
 
     engine = engines.get(cfg)
+    title = f"{engine.name}: {engine.summary}"
     if engine.describe is not None:
         behaviours, sizes = engine.describe(cfg)
-        return ShowConfigResult(cfg, behaviours, sizes, engine.name)
-    return ShowConfigResult(cfg, in_force(cfg), derived_sizes(cfg))
+        return ShowConfigResult(cfg, behaviours, sizes, engine.name, title)
+    behaviours = in_force(cfg)
+    if engine.baseline is None:
+        return ShowConfigResult(cfg, behaviours, derived_sizes(cfg), engine=title)
+    return ShowConfigResult(cfg, behaviours, derived_sizes(cfg), engine=title, baseline=engine.baseline,
+                            baseline_differs=differing(behaviours, engines.get(engine.baseline)))
+
+
+def differing(behaviours: dict[str, str], baseline) -> dict[str, str]:
+    """{key: the value under `baseline` (an `Engine`)} for each behaviour whose value in force is
+    another: the engine and its profile, and every key where the baseline's profile differs or
+    an override moved the value."""
+    own = {"engine": baseline.name, "profile": baseline.profile}
+    theirs = {key: own.get(key) or PROFILE_CHOICES[key][baseline.profile] for key in behaviours}
+    return {key: value for key, value in theirs.items() if value != behaviours[key]}
 
 
 def derived_sizes(cfg: Config) -> dict[str, int]:

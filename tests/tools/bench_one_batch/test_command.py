@@ -55,7 +55,8 @@ def test_default_run():
 
 @pytest.mark.parametrize("profile, steps", [("sglang-0.5.5", 2), ("memcli", 3)])
 def test_decode_steps_follow_the_profile(profile, steps):
-    doc = bench_json("-b", 2, "--input-len", 40, *QUICK, "--set", f"semantics.profile={profile}")
+    doc = bench_json("-b", 2, "--input-len", 40, *QUICK, "--engine", "sglang-0.5.5",
+                     "--set", f"semantics.profile={profile}")
     (case,) = doc["cases"]
     assert case["output_len"] == 3 and len(case["decode_step_us"]) == steps
     assert doc["profile"] == profile
@@ -166,7 +167,9 @@ def test_batched_release_frees_what_per_request_release_frees(page_size, rows, w
     device rows or by rows it builds itself)."""
     free_lists = []
     for batched in (True, False):
-        cfg = replace(load_config(None, ["runtime.device=cpu"]), memory={"page_size": page_size},
+        # SGLang 0.5.5's rows (FIFO from row 0); 0.5.23 hands them out from the tail.
+        cfg = replace(load_config(None, ["runtime.device=cpu", "semantics.engine=sglang-0.5.5"]),
+                      memory={"page_size": page_size},
                       cache={"kind": "none"})
         stack = build_stack(cfg)
         pool = stack.req_to_token_pool

@@ -188,7 +188,7 @@ def test_sglang_side_runs_the_same_batch_slot_for_slot(tree_cache, page_size, pr
     from memcli.tools.bench_one_batch.sglang_side import SglangCase
 
     ref = load_reference()
-    cfg = replace(_small_config(page_size), cache={"kind": tree_cache})
+    cfg = replace(_small_config(page_size), cache={"kind": tree_cache}, semantics={"engine": "sglang-0.5.5"})
     case = Case(3, 20, 4, prefix, page_size)
     mine = CaseRunner(build_stack(cfg), case)
     mine.start()

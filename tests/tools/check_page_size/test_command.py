@@ -170,7 +170,7 @@ def test_json_is_one_document():
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["command"] == "check-page-size" and doc["ok"] is True and doc["exit_code"] == 0
-    assert doc["profile"] == "sglang-0.5.5"  # the dynamic workload runs SGLang's profile by default
+    assert doc["profile"] == "sglang-0.5.23"  # the dynamic workload runs the default engine's profile
     run = doc["runs"][0]
     assert [c["name"] for c in run["static"]["components"]] == [
         "config", "kv_pool", "allocator", "tree_cache", "scheduler", "null_cache"]
@@ -313,3 +313,15 @@ def test_trace_request_at_the_context_needs_sglangs_two_tokens(tmp_path):
     assert "semantics.request_limits" in exc.value.message
     check_fits(load_config(None, ["memory.max_context_len=4096", "memory.max_total_tokens=16384",
                                   "semantics.profile=memcli"]), workload.requests, workload.name, "--requests")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_0523_aborts_a_chunked_request_before_its_chunk_committed_and_keeps_the_tree(page_size):
+    """Under sglang-0.5.23 the workload aborts a chunked request whose first chunk has not
+    committed yet: its release checkpoints nothing and frees only its own slots, never the
+    prefix it matched in the tree (which once went back to the free list while still cached)."""
+    result = invoke("--engine", "sglang-0.5.23", "--page-size", page_size, "--steps", 120, "--allow-unfinished",
+                    "--json")
+    doc = json.loads(result.stdout)
+    assert result.exit_code == 0 and doc["ok"] is True, result.stdout
+    assert sum(p["coverage"]["aborts_chunked"] for p in doc["runs"][0]["phases"]) >= 1

@@ -28,7 +28,9 @@ def trace(trace_path):
 
 
 def _config(policy="write_through", ratio=8.0, **sections):
+    """SGLang 0.5.5's host tier (HiRadixCache), whose numbers these tests pin."""
     cache = {"kind": "hiradix", "host_ratio": ratio, "write_policy": policy}
+    sections["semantics"] = {"engine": "sglang-0.5.5", **sections.get("semantics", {})}
     return small_config(page_size=1, pool=12_000, rows=32, context=12_000, cache=cache, **sections)
 
 
@@ -68,7 +70,7 @@ def test_cli_json_and_sweeps(trace_path):
     runner = CliRunner()
     base = ["replay", str(trace_path), "--block-size", "32", "--limit", "120", "--json",
             "--set", "memory.max_total_tokens=12000", "--set", "memory.max_context_len=12000",
-            "--set", "cache.kind=hiradix", "--set", "runtime.device=cpu"]
+            "--set", "cache.kind=hiradix", "--set", "runtime.device=cpu", "--engine", "sglang-0.5.5"]
     out = runner.invoke(app, base + ["--check"])
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout)
@@ -92,7 +94,7 @@ def test_cli_json_and_sweeps(trace_path):
 
 def test_a_host_pool_not_above_the_device_pool_is_refused_under_sglang(trace_path):
     out = CliRunner().invoke(app, ["replay", str(trace_path), "--block-size", "32", "--set", "cache.kind=hiradix",
-                                   "--set", "cache.host_ratio=1"])
+                                   "--set", "cache.host_ratio=1", "--engine", "sglang-0.5.5"])
     assert out.exit_code == 2
     assert "error: cache.host_ratio" in out.output and "semantics.host_pool_floor=any" in out.output
 
@@ -109,6 +111,7 @@ def test_a_host_size_sweep_plots_the_tiers(trace_path, tmp_path):
     out = tmp_path / "tiers.png"
     result = CliRunner().invoke(app, ["replay", str(trace_path), "--block-size", "32", "--limit", "60",
                                       "--set", "memory.max_total_tokens=12000", "--set", "memory.max_context_len=12000",
-                                      "--set", "cache.kind=hiradix", "--sweep", "cache.host_ratio=2,4", "--plot", str(out)])
+                                      "--set", "cache.kind=hiradix", "--sweep", "cache.host_ratio=2,4", "--plot", str(out),
+                                      "--engine", "sglang-0.5.5"])
     assert result.exit_code == 0, result.output
     assert out.read_bytes()[:4] == b"\x89PNG" and "host tier by cache.host_ratio" in result.stdout
