@@ -230,6 +230,10 @@ class SemanticsConfig:
     # batch's result comes (lagging: 0.5.5), or with the rest of its row at once (committed:
     # 0.5.23 counts the slot committed when it is allocated, PR #12224).
     overlap_release: Optional[Literal["lagging", "committed"]] = None
+    # Admission's reserve for a running request of the trace marked `ignore_eos`: its remaining
+    # output times the new-token ratio (ratio: 0.5.5), or whole (one: 0.5.23's
+    # _get_running_request_total_token_offset; such a request cannot finish early).
+    ignore_eos_ratio: Optional[Literal["ratio", "one"]] = None
 
     def resolved(self) -> "SemanticsConfig":
         """The same section with every behaviour set: the override where one is set, else the
@@ -279,6 +283,7 @@ PROFILE_CHOICES: dict[str, dict[str, str]] = {
     "tree_stamps": {"sglang-0.5.5": "radix", "memcli": "radix"},
     "skip_finishing_decode": {"sglang-0.5.5": "decode", "memcli": "decode"},
     "overlap_release": {"sglang-0.5.5": "lagging", "memcli": "lagging"},
+    "ignore_eos_ratio": {"sglang-0.5.5": "ratio", "memcli": "ratio"},
 }
 # SGLang 0.5.23's values (docs/FIDELITY.md; the reference page's sections in brackets).
 SGLANG_0523_CHOICES: dict[str, str] = {
@@ -309,6 +314,7 @@ SGLANG_0523_CHOICES: dict[str, str] = {
     "tree_stamps": "unified",  # UnifiedTreeCore [2.3]
     "skip_finishing_decode": "skip",  # _reqs_finishing_inflight [2.9]
     "overlap_release": "committed",  # release_kv_cache, kv_committed_len [2.6, 2.9]
+    "ignore_eos_ratio": "one",  # PrefillAdder._get_running_request_total_token_offset [2.8]
 }
 for _key, _value in SGLANG_0523_CHOICES.items():
     PROFILE_CHOICES[_key]["sglang-0.5.23"] = _value
@@ -316,7 +322,8 @@ for _key, _value in SGLANG_0523_CHOICES.items():
 ENGINE_KEYS: dict[str, tuple[str, ...]] = {
     key: ("sglang-0.5.23",) for key in ("prompt_split", "waiting_prefix_refresh", "admission_reserve",
                                          "rem_input_gate", "chunk_progress", "row_order", "free_order",
-                                         "tree_stamps", "skip_finishing_decode", "overlap_release")
+                                         "tree_stamps", "skip_finishing_decode", "overlap_release",
+                                         "ignore_eos_ratio")
 }
 
 

@@ -236,7 +236,7 @@ class ReferenceLoop:
     def _recv_requests(self) -> None:
         while self.pending and self.pending[0][0] <= self.clock_ms:
             _, spec = self.pending.popleft()
-            sampling_params = self.ref.SamplingParams(max_new_tokens=spec.output_len)
+            sampling_params = self.ref.SamplingParams(max_new_tokens=spec.output_len, ignore_eos=spec.ignore_eos)
             sampling_params.normalize(None)  # the tokenizer manager's step: no stop strings
             req = self.ref.Req(spec.rid, "", spec.input_ids().tolist(), sampling_params,
                                vocab_size=ModelConfig.vocab_size, extra_key=spec.extra_key)

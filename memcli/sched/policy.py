@@ -40,7 +40,7 @@ class PrefillAdder:
     def __init__(self, memory: MemoryManager, running_reqs: list, new_token_ratio: float,
                  max_prefill_tokens: int, chunked_prefill_size: int | None, page_size: int, clip: int,
                  align_chunks: bool = True, budget: str = "none", chunk_instead: bool = False,
-                 full_chunk: bool = False):
+                 full_chunk: bool = False, ignore_eos_whole: bool = False):
         self.memory = memory
         self.align_chunks = align_chunks
         # SGLang 0.5.23's PrefillBudget: one page per request (semantics.admission_reserve:
@@ -53,8 +53,12 @@ class PrefillAdder:
         self.clip = clip
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens = chunked_prefill_size
+        # A running request's remaining output times the ratio; under 0.5.23 whole for an
+        # `ignore_eos` request (semantics.ignore_eos_ratio: one).
         self.rem_total_token_offset = sum(
-            min(r.max_new_tokens - len(r.output_ids), clip) * new_token_ratio for r in running_reqs
+            min(r.max_new_tokens - len(r.output_ids), clip) * (1.0 if ignore_eos_whole and r.ignore_eos
+                                                               else new_token_ratio)
+            for r in running_reqs
         )
         self.can_run_list: list = []
         self.new_chunked_req = None

@@ -30,7 +30,8 @@ from memcli.workload import FORMATS
 from memcli.mem_cache.pages import cdiv
 from memcli.workload.spec import SYNTHETIC_TOKEN_BASE, RequestSpec, Trace, TokenRun
 
-MEMCLI_KEYS = ("rid", "input_ids", "input_len", "prefix", "output_len", "arrival_ms", "extra_key")
+MEMCLI_KEYS = ("rid", "input_ids", "input_len", "prefix", "output_len", "arrival_ms", "extra_key",
+               "ignore_eos")
 PREFIX_KEYS = ("rid", "len")
 MOONCAKE_REQUIRED = ("input_length", "output_length", "hash_ids")
 # `timestamp` is optional (all lines or none); the Qwen-Bailian fields are accepted and
@@ -201,6 +202,14 @@ class _Line:
                 f'write it as a JSON string: "{key}": "{value}"',
             )
         return value
+
+    def optional_bool(self, key: str) -> bool:
+        """The JSON boolean at `key`; False when absent or null."""
+        value = self.obj.get(key)
+        if value is not None and type(value) is not bool:
+            self.fail(f'"{key}" must be true or false, got {_describe(value)}',
+                      f'write it as a JSON boolean: "{key}": true')
+        return bool(value)
 
     def int_list(self, key: str, upper: int | None = None) -> list[int]:
         value = self.obj[key]
@@ -387,6 +396,7 @@ class _MemcliParser:
             output_len=output_len,
             arrival_ms=line.arrival("arrival_ms"),
             extra_key=line.optional_str("extra_key"),
+            ignore_eos=line.optional_bool("ignore_eos"),
             token_runs=runs,
             block_size=self.block_size,
             line=line.no,

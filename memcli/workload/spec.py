@@ -54,6 +54,7 @@ class RequestSpec:
     hash_ids: tuple[int, ...] | None = None
     block_size: int = 512
     line: int | None = None  # line of the trace file it was read from (1-based), if any
+    ignore_eos: bool = False  # SGLang's sampling_params.ignore_eos (a fixed-length request)
 
     def __post_init__(self) -> None:
         if (self.token_runs is None) == (self.hash_ids is None):

@@ -122,6 +122,7 @@ BAD = {
     "mem duplicate rid": (GOOD_MEM, {"rid": "a", "input_len": 3, "output_len": 1}, 'duplicate rid "a" (first used on line 1)'),
     "mem rid not string": (GOOD_MEM, {"rid": 7, "input_len": 3, "output_len": 1}, '"rid" must be a string'),
     "mem extra_key type": (GOOD_MEM, {"input_len": 3, "output_len": 1, "extra_key": 3}, '"extra_key" must be a string'),
+    "mem ignore_eos type": (GOOD_MEM, {"input_len": 3, "output_len": 1, "ignore_eos": 1}, '"ignore_eos" must be true or false'),
     "mem prefix unknown rid": (GOOD_MEM, {"input_len": 5, "output_len": 1, "prefix": {"rid": "zz", "len": 2}}, 'prefix rid "zz" is not an earlier request'),
     "mem prefix too long": (GOOD_MEM, {"input_len": 5, "output_len": 1, "prefix": {"rid": "a", "len": 4}}, "prefix len 4 is longer"),
     "mem prefix over input": (GOOD_MEM, {"input_len": 1, "output_len": 1, "prefix": {"rid": "a", "len": 2}}, "prefix len 2 is longer"),
@@ -272,6 +273,13 @@ def test_memcli_fields_are_kept(tmp_path):
     path = write(tmp_path, {"rid": "q", "input_ids": [1, 2], "output_len": 0, "arrival_ms": 2, "extra_key": "lora-a"})
     (spec,) = read_trace(path, block_size=16).requests
     assert (spec.rid, spec.output_len, spec.arrival_ms, spec.extra_key, spec.block_size) == ("q", 0, 2.0, "lora-a", 16)
+    assert not spec.ignore_eos
+
+
+def test_ignore_eos_is_read(tmp_path):
+    path = write(tmp_path, {"input_len": 2, "output_len": 1, "ignore_eos": True},
+                 {"input_len": 2, "output_len": 1, "ignore_eos": None})
+    assert [spec.ignore_eos for spec in read_trace(path).requests] == [True, False]
 
 
 # -- real traces ------------------------------------------------------------------------

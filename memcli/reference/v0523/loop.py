@@ -120,9 +120,9 @@ class ReferenceLoop0523:
     def _recv_requests(self) -> None:
         ref = self.ref
         while self.pending and self.pending[0][0] <= self.clock_ms:
-            _, (rid, input_ids, output_len, extra_key, _arrival) = self.pending.popleft()
+            _, (rid, input_ids, output_len, extra_key, _arrival, ignore_eos) = self.pending.popleft()
             params = importlib.import_module("sglang.srt.sampling.sampling_params").SamplingParams(
-                max_new_tokens=output_len)
+                max_new_tokens=output_len, ignore_eos=ignore_eos)
             params.normalize(None)
             req = ref.Req(rid, "", array("q", input_ids), params, vocab_size=VOCAB_SIZE, extra_key=extra_key)
             self._init_max_new_tokens(req)

@@ -272,7 +272,10 @@ class _Run:
     def _add(self, arrival_ms: float) -> None:
         spec = self.trace.requests[self.next]
         sched = self.scheduler
-        sched.add_request(sched.new_req(spec.rid, spec.input_ids(), spec.output_len, spec.extra_key, arrival_ms))
+        req = sched.new_req(spec.rid, spec.input_ids(), spec.output_len, spec.extra_key, arrival_ms)
+        if spec.ignore_eos and hasattr(req, "ignore_eos"):  # SGLang's requests; vLLM's admission has no estimate
+            req.ignore_eos = True
+        sched.add_request(req)
         if self.instruments is not None:
             self.instruments.arrived(spec.rid, arrival_ms)
         self.next += 1
