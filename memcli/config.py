@@ -234,6 +234,11 @@ class SemanticsConfig:
     # output times the new-token ratio (ratio: 0.5.5), or whole (one: 0.5.23's
     # _get_running_request_total_token_offset; such a request cannot finish early).
     ignore_eos_ratio: Optional[Literal["ratio", "one"]] = None
+    # Overlap loop, a request finishing on EOS (traces with max_new_tokens > output_len): its
+    # finished insert takes input + output - 1 tokens (none: 0.5.5), or also the token of the
+    # decode in flight (one: 0.5.23 commits a slot when it is allocated; with
+    # overlap_release: committed only).
+    eos_extra_insert: Optional[Literal["none", "one"]] = None
 
     def resolved(self) -> "SemanticsConfig":
         """The same section with every behaviour set: the override where one is set, else the
@@ -284,6 +289,7 @@ PROFILE_CHOICES: dict[str, dict[str, str]] = {
     "skip_finishing_decode": {"sglang-0.5.5": "decode", "memcli": "decode"},
     "overlap_release": {"sglang-0.5.5": "lagging", "memcli": "lagging"},
     "ignore_eos_ratio": {"sglang-0.5.5": "ratio", "memcli": "ratio"},
+    "eos_extra_insert": {"sglang-0.5.5": "none", "memcli": "none"},
 }
 # SGLang 0.5.23's values (docs/FIDELITY.md; the reference page's sections in brackets).
 SGLANG_0523_CHOICES: dict[str, str] = {
@@ -315,6 +321,7 @@ SGLANG_0523_CHOICES: dict[str, str] = {
     "skip_finishing_decode": "skip",  # _reqs_finishing_inflight [2.9]
     "overlap_release": "committed",  # release_kv_cache, kv_committed_len [2.6, 2.9]
     "ignore_eos_ratio": "one",  # PrefillAdder._get_running_request_total_token_offset [2.8]
+    "eos_extra_insert": "one",  # release_kv_cache: owned_kv_len = min(committed, input + output) [2.9]
 }
 for _key, _value in SGLANG_0523_CHOICES.items():
     PROFILE_CHOICES[_key]["sglang-0.5.23"] = _value
@@ -323,7 +330,7 @@ ENGINE_KEYS: dict[str, tuple[str, ...]] = {
     key: ("sglang-0.5.23",) for key in ("prompt_split", "waiting_prefix_refresh", "admission_reserve",
                                          "rem_input_gate", "chunk_progress", "row_order", "free_order",
                                          "tree_stamps", "skip_finishing_decode", "overlap_release",
-                                         "ignore_eos_ratio")
+                                         "ignore_eos_ratio", "eos_extra_insert")
 }
 
 

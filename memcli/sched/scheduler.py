@@ -78,6 +78,7 @@ class Scheduler:
         self.full_chunk = behaviour.chunk_progress == "full_chunk"
         self.release_committed = behaviour.overlap_release == "committed"
         self.ignore_eos_whole = behaviour.ignore_eos_ratio == "one"
+        self.eos_extra_insert = behaviour.eos_extra_insert == "one"
         self.refresh_waiting = (behaviour.waiting_prefix_refresh == "touch" and memory.sharing
                                 and config.cache.eviction_policy == "lru")
         self._refresh_calls = 0
@@ -375,7 +376,7 @@ class Scheduler:
                     memory.cache_unfinished(req, chunked=True)
                 continue
             req.output_ids.append(self.next_output_token())
-            if len(req.output_ids) >= req.max_new_tokens:
+            if len(req.output_ids) >= req.max_new_tokens or len(req.output_ids) == req.eos_len:
                 self.finish(req)
             else:
                 memory.cache_unfinished(req)
@@ -447,7 +448,7 @@ class Scheduler:
             for token, req in enumerate(batch.reqs, base):
                 memory.commit(req, req.kv.kv_committed_len + 1)
                 req.output_ids.append(token)
-                if len(req.output_ids) >= req.max_new_tokens:
+                if len(req.output_ids) >= req.max_new_tokens or len(req.output_ids) == req.eos_len:
                     self.finish(req)
                     any_finished += 1
         if any_finished:

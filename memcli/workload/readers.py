@@ -31,7 +31,7 @@ from memcli.mem_cache.pages import cdiv
 from memcli.workload.spec import SYNTHETIC_TOKEN_BASE, RequestSpec, Trace, TokenRun
 
 MEMCLI_KEYS = ("rid", "input_ids", "input_len", "prefix", "output_len", "arrival_ms", "extra_key",
-               "ignore_eos")
+               "ignore_eos", "max_new_tokens")
 PREFIX_KEYS = ("rid", "len")
 MOONCAKE_REQUIRED = ("input_length", "output_length", "hash_ids")
 # `timestamp` is optional (all lines or none); the Qwen-Bailian fields are accepted and
@@ -397,12 +397,26 @@ class _MemcliParser:
             arrival_ms=line.arrival("arrival_ms"),
             extra_key=line.optional_str("extra_key"),
             ignore_eos=line.optional_bool("ignore_eos"),
+            max_new_tokens=self._max_new_tokens(line, output_len),
             token_runs=runs,
             block_size=self.block_size,
             line=line.no,
         )
         self.by_rid[rid] = (line.no, spec)
         return spec
+
+    @staticmethod
+    def _max_new_tokens(line: _Line, output_len: int) -> int | None:
+        if line.obj.get("max_new_tokens") is None:
+            return None
+        value = line.int_field("max_new_tokens", minimum=0)
+        if value < output_len:
+            line.fail(f'"max_new_tokens" {value} is below output_len {output_len}',
+                      "a request stops at max_new_tokens; give at least output_len (more: it ends on EOS)")
+        if value > output_len and line.obj.get("ignore_eos") is True:
+            line.fail(f'"max_new_tokens" {value} is above output_len {output_len} on an ignore_eos request',
+                      "an ignore_eos request never stops on EOS: drop max_new_tokens or ignore_eos")
+        return value
 
     def _check_keys(self, line: _Line, obj: dict[str, Any]) -> None:
         unknown = sorted(obj.keys() - _MEMCLI_KEY_SET)

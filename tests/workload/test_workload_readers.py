@@ -122,6 +122,8 @@ BAD = {
     "mem duplicate rid": (GOOD_MEM, {"rid": "a", "input_len": 3, "output_len": 1}, 'duplicate rid "a" (first used on line 1)'),
     "mem rid not string": (GOOD_MEM, {"rid": 7, "input_len": 3, "output_len": 1}, '"rid" must be a string'),
     "mem extra_key type": (GOOD_MEM, {"input_len": 3, "output_len": 1, "extra_key": 3}, '"extra_key" must be a string'),
+    "mem max_new_tokens short": (GOOD_MEM, {"input_len": 3, "output_len": 5, "max_new_tokens": 4}, '"max_new_tokens" 4 is below output_len 5'),
+    "mem eos and ignore_eos": (GOOD_MEM, {"input_len": 3, "output_len": 5, "max_new_tokens": 6, "ignore_eos": True}, "on an ignore_eos request"),
     "mem ignore_eos type": (GOOD_MEM, {"input_len": 3, "output_len": 1, "ignore_eos": 1}, '"ignore_eos" must be true or false'),
     "mem prefix unknown rid": (GOOD_MEM, {"input_len": 5, "output_len": 1, "prefix": {"rid": "zz", "len": 2}}, 'prefix rid "zz" is not an earlier request'),
     "mem prefix too long": (GOOD_MEM, {"input_len": 5, "output_len": 1, "prefix": {"rid": "a", "len": 4}}, "prefix len 4 is longer"),
@@ -280,6 +282,13 @@ def test_ignore_eos_is_read(tmp_path):
     path = write(tmp_path, {"input_len": 2, "output_len": 1, "ignore_eos": True},
                  {"input_len": 2, "output_len": 1, "ignore_eos": None})
     assert [spec.ignore_eos for spec in read_trace(path).requests] == [True, False]
+
+
+def test_max_new_tokens_sets_the_eos_position(tmp_path):
+    path = write(tmp_path, {"input_len": 2, "output_len": 3, "max_new_tokens": 9},
+                 {"input_len": 2, "output_len": 3, "max_new_tokens": 3}, {"input_len": 2, "output_len": 3})
+    specs = read_trace(path).requests
+    assert [(s.sampling_limit, s.eos_len) for s in specs] == [(9, 3), (3, None), (3, None)]
 
 
 # -- real traces ------------------------------------------------------------------------

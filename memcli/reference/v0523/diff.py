@@ -21,7 +21,7 @@ CORE = "rust"  # SGLang's default tree core
 
 def _wire(spec: RequestSpec) -> list:
     return [spec.rid, [int(t) for t in spec.input_ids()], spec.output_len, spec.extra_key, spec.arrival_ms,
-            spec.ignore_eos]
+            spec.ignore_eos, spec.sampling_limit, spec.eos_len]
 
 
 class ReferenceStep(NamedTuple):

@@ -16,7 +16,7 @@ finishes by length (`_reqs_finishing_inflight`), and skips the step instead of r
 when memory is short while such requests exist.
 
 Left out, as in the 0.5.5 loop: mixed chunks, priorities, LoRA, grammars, PD, DP attention,
-speculative decoding, EOS (a request finishes at its `max_new_tokens`), and the host tier. Settings come from a memcli `Config` as for 0.5.5
+speculative decoding, stop strings (a request finishes at its `max_new_tokens`, or on `EOS_ID` where the trace gives a larger `max_new_tokens`), and the host tier. Settings come from a memcli `Config` as for 0.5.5
 (`memcli.reference.loop`); `run_reference_replay` returns one observation per step, in the
 terms of `memcli.reference.observe.StepObservation` (JSON).
 """
@@ -35,6 +35,7 @@ from memcli.config import Config, config_from_dict
 from memcli.reference.v0523.stack import build_stack_0523, publish_server_args
 
 VOCAB_SIZE = 1 << 62  # sampled ids are fresh large integers; none is a stop token
+EOS_ID = VOCAB_SIZE - 1  # what a request the trace ends on EOS samples last (its only stop token)
 
 
 class ReferenceLoop0523:
@@ -120,11 +121,12 @@ class ReferenceLoop0523:
     def _recv_requests(self) -> None:
         ref = self.ref
         while self.pending and self.pending[0][0] <= self.clock_ms:
-            _, (rid, input_ids, output_len, extra_key, _arrival, ignore_eos) = self.pending.popleft()
+            _, (rid, input_ids, _output, extra_key, _arrival, ignore_eos, max_new, eos_len) = self.pending.popleft()
             params = importlib.import_module("sglang.srt.sampling.sampling_params").SamplingParams(
-                max_new_tokens=output_len, ignore_eos=ignore_eos)
+                max_new_tokens=max_new, ignore_eos=ignore_eos, stop_token_ids=None if eos_len is None else [EOS_ID])
             params.normalize(None)
             req = ref.Req(rid, "", array("q", input_ids), params, vocab_size=VOCAB_SIZE, extra_key=extra_key)
+            req.memcli_eos_len = eos_len  # its output length when it samples EOS_ID (None: never)
             self._init_max_new_tokens(req)
             self.waiting.append(req)
 
@@ -283,6 +285,8 @@ class ReferenceLoop0523:
             if prefill and req.inflight_middle_chunks > 0:
                 req.inflight_middle_chunks -= 1
                 continue
+            if len(req.output_ids) + 1 == req.memcli_eos_len:
+                token = EOS_ID
             req.output_ids.append(token)
             req.update_finish_state()
             if req.finished():

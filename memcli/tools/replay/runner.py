@@ -46,7 +46,7 @@ from memcli.devices import resolve_device
 from memcli.steps import SchedulerHooks
 from memcli.timing import torch_threads
 from memcli.workload.future import FutureTooLarge, FutureUses, build_future, check_future_fits
-from memcli.workload.spec import Trace, output_token_base
+from memcli.workload.spec import Trace, apply_sampling, output_token_base
 
 RECORDS_KEPT = 4096  # the scheduler's own step records are trimmed to this many (we keep our own)
 
@@ -273,8 +273,7 @@ class _Run:
         spec = self.trace.requests[self.next]
         sched = self.scheduler
         req = sched.new_req(spec.rid, spec.input_ids(), spec.output_len, spec.extra_key, arrival_ms)
-        if spec.ignore_eos and hasattr(req, "ignore_eos"):  # SGLang's requests; vLLM's admission has no estimate
-            req.ignore_eos = True
+        apply_sampling(req, spec)
         sched.add_request(req)
         if self.instruments is not None:
             self.instruments.arrived(spec.rid, arrival_ms)
