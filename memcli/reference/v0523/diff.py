@@ -86,10 +86,10 @@ def run_side_by_side_0523(config: Config, requests: Sequence[RequestSpec], arriv
                           max_steps: Optional[int] = None, worker: Any = None) -> StepDiff:
     from memcli.reference.v0523.client import Worker0523, unavailable_reason_0523
 
-    if config.cache.kind not in ("radix", "none") or config.cache.eviction_policy == "belady":
+    if config.cache.kind == "chunk" or config.cache.eviction_policy == "belady":
         raise MemcliError(f"cache.kind {config.cache.kind} / eviction_policy {config.cache.eviction_policy}: the"
-                          " SGLang 0.5.23 reference runs the unified radix tree (lru, lfu) only",
-                          "use --set cache.kind=radix and cache.eviction_policy=lru or lfu")
+                          " SGLang 0.5.23 reference runs the unified radix tree (lru, lfu; host tier optional) only",
+                          "use --set cache.kind=radix or hiradix and cache.eviction_policy=lru or lfu")
     reason = unavailable_reason_0523()
     if reason is not None:
         raise MemcliError(f"the SGLang 0.5.23 reference cannot run here: {reason}")
