@@ -239,6 +239,14 @@ class SemanticsConfig:
     # decode in flight (one: 0.5.23 commits a slot when it is allocated; with
     # overlap_release: committed only).
     eos_extra_insert: Optional[Literal["none", "one"]] = None
+    # Host tier, a copy short of room (a load-back on the device, a backup on the host): evict
+    # the whole copy's size after a failed allocation (full_need: 0.5.5's HiRadixCache), or the
+    # shortfall first, failing when that does not free it (shortfall: 0.5.23's
+    # _load_back_transfers -> evict_for_alloc, _execute_kv_backup -> evict_host).
+    hicache_evict: Optional[Literal["full_need", "shortfall"]] = None
+    # Host tier: the host pool is host_ratio x the device pool in whole pages (none: 0.5.5), plus
+    # one padding page (page: 0.5.23's pool_host/base.py).
+    host_pool_padding: Optional[Literal["none", "page"]] = None
 
     def resolved(self) -> "SemanticsConfig":
         """The same section with every behaviour set: the override where one is set, else the
@@ -290,6 +298,8 @@ PROFILE_CHOICES: dict[str, dict[str, str]] = {
     "overlap_release": {"sglang-0.5.5": "lagging", "memcli": "lagging"},
     "ignore_eos_ratio": {"sglang-0.5.5": "ratio", "memcli": "ratio"},
     "eos_extra_insert": {"sglang-0.5.5": "none", "memcli": "none"},
+    "hicache_evict": {"sglang-0.5.5": "full_need", "memcli": "full_need"},
+    "host_pool_padding": {"sglang-0.5.5": "none", "memcli": "none"},
 }
 # SGLang 0.5.23's values (docs/FIDELITY.md; the reference page's sections in brackets).
 SGLANG_0523_CHOICES: dict[str, str] = {
@@ -322,6 +332,8 @@ SGLANG_0523_CHOICES: dict[str, str] = {
     "overlap_release": "committed",  # release_kv_cache, kv_committed_len [2.6, 2.9]
     "ignore_eos_ratio": "one",  # PrefillAdder._get_running_request_total_token_offset [2.8]
     "eos_extra_insert": "one",  # release_kv_cache: owned_kv_len = min(committed, input + output) [2.9]
+    "hicache_evict": "shortfall",  # _load_back_transfers, _execute_kv_backup [2.5]
+    "host_pool_padding": "page",  # HostKVCache.__init__: page_num = size // ps + 1 [2.5]
 }
 for _key, _value in SGLANG_0523_CHOICES.items():
     PROFILE_CHOICES[_key]["sglang-0.5.23"] = _value
@@ -330,7 +342,8 @@ ENGINE_KEYS: dict[str, tuple[str, ...]] = {
     key: ("sglang-0.5.23",) for key in ("prompt_split", "waiting_prefix_refresh", "admission_reserve",
                                          "rem_input_gate", "chunk_progress", "row_order", "free_order",
                                          "tree_stamps", "skip_finishing_decode", "overlap_release",
-                                         "ignore_eos_ratio", "eos_extra_insert")
+                                         "ignore_eos_ratio", "eos_extra_insert",
+                                         "hicache_evict", "host_pool_padding")
 }
 
 
@@ -628,7 +641,8 @@ def host_pool_size(config: Config) -> int:
     """Slots of the hiradix host pool the config asks for (0 when the cache is not hiradix)."""
     if config.cache.kind != "hiradix":
         return 0
-    return config.cache.host_pool_tokens(config.pool_size, config.model.bytes_per_token, config.page_size)
+    padding = config.page_size if config.behaviour.host_pool_padding == "page" else 0
+    return config.cache.host_pool_tokens(config.pool_size, config.model.bytes_per_token, config.page_size) + padding
 
 
 def _validate_host_pool(config: Config) -> None:

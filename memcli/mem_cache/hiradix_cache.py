@@ -125,7 +125,8 @@ class HiRadixCache(RadixCache):
                  write_policy: str = "write_through", load_back_threshold: int = 10,
                  controller: Optional[CacheController] = None, host_floor: str = "above_device",
                  eviction_policy: str = "lru", device: Optional[torch.device | str] = None,
-                 lru_clock: str = "simulated", split_stamp: str = "keep", retract_free: str = "one_call"):
+                 lru_clock: str = "simulated", split_stamp: str = "keep", retract_free: str = "one_call",
+                 shortfall_first: bool = False):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}; valid: {', '.join(WRITE_POLICIES)}")
         if host_floor not in ("above_device", "any"):
@@ -135,6 +136,7 @@ class HiRadixCache(RadixCache):
         self.write_threshold = 1 if write_policy == "write_through" else 2
         self.load_back_threshold = load_back_threshold
         self.drop_without_room = host_floor == "any"
+        self.evict_shortfall_first = shortfall_first  # 0.5.23: a copy short of room evicts the shortfall
         self._writing_back: set = set()  # device leaves being written back inside one evict call
         self.ongoing_write: dict[int, HiTreeNode] = {}
         self.ongoing_load: dict[int, HiTreeNode] = {}
@@ -314,8 +316,11 @@ class HiRadixCache(RadixCache):
         """Start copying `node` to the host; returns its tokens, or 0 when the host pool has no
         room even after host eviction. Locks the node until the copy is acknowledged (not for
         a write-back, which the evicting call waits for)."""
+        short = len(node.value) - self.host_pool.available_size()
+        if self.evict_shortfall_first and short > 0 and self.evict_host(short) < short:
+            return 0
         host_indices = self.controller.write(node.value, node.id)
-        if host_indices is None:
+        if host_indices is None and not self.evict_shortfall_first:
             self.evict_host(len(node.value))
             host_indices = self.controller.write(node.value, node.id)
         if host_indices is None:
@@ -459,8 +464,11 @@ class HiRadixCache(RadixCache):
             return None
         for n in nodes_to_load:  # eviction below may evict host copies: not these
             n.host_ref += 1
+        short = len(host_indices) - self.allocator.available_size()
+        if self.evict_shortfall_first and short > 0:
+            self.evict(short)
         device_indices = self.controller.load(host_indices, last_hit.id)
-        if device_indices is None:
+        if device_indices is None and not self.evict_shortfall_first:
             self.evict(len(host_indices))
             device_indices = self.controller.load(host_indices, last_hit.id)
         for n in nodes_to_load:
