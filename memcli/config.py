@@ -247,6 +247,14 @@ class SemanticsConfig:
     # Host tier: the host pool is host_ratio x the device pool in whole pages (none: 0.5.5), plus
     # one padding page (page: 0.5.23's pool_host/base.py).
     host_pool_padding: Optional[Literal["none", "page"]] = None
+    # Host tier under write_back, an eviction: the nodes written back give up their device slots
+    # after the whole walk (batched: 0.5.5), or each right after its copy (per_node: 0.5.23's
+    # _evict_components, backup then demote); the order of frees differs.
+    write_back_demote: Optional[Literal["batched", "per_node"]] = None
+    # Host tier under write_back, host pressure: evict host-only leaves (leaves: 0.5.5), or first
+    # free the host copies of nodes also on the device, oldest duplicate first, sparing evictable
+    # device leaves in a first pass (duplicates_first: 0.5.23's _reclaim_full_host_duplicates).
+    write_back_host_reclaim: Optional[Literal["leaves", "duplicates_first"]] = None
 
     def resolved(self) -> "SemanticsConfig":
         """The same section with every behaviour set: the override where one is set, else the
@@ -300,6 +308,8 @@ PROFILE_CHOICES: dict[str, dict[str, str]] = {
     "eos_extra_insert": {"sglang-0.5.5": "none", "memcli": "none"},
     "hicache_evict": {"sglang-0.5.5": "full_need", "memcli": "full_need"},
     "host_pool_padding": {"sglang-0.5.5": "none", "memcli": "none"},
+    "write_back_demote": {"sglang-0.5.5": "batched", "memcli": "batched"},
+    "write_back_host_reclaim": {"sglang-0.5.5": "leaves", "memcli": "leaves"},
 }
 # SGLang 0.5.23's values (docs/FIDELITY.md; the reference page's sections in brackets).
 SGLANG_0523_CHOICES: dict[str, str] = {
@@ -334,6 +344,8 @@ SGLANG_0523_CHOICES: dict[str, str] = {
     "eos_extra_insert": "one",  # release_kv_cache: owned_kv_len = min(committed, input + output) [2.9]
     "hicache_evict": "shortfall",  # _load_back_transfers, _execute_kv_backup [2.5]
     "host_pool_padding": "page",  # HostKVCache.__init__: page_num = size // ps + 1 [2.5]
+    "write_back_demote": "per_node",  # UnifiedRadixCache._evict_components [2.5]
+    "write_back_host_reclaim": "duplicates_first",  # UnifiedTreeCore.drive_host_eviction [2.5]
 }
 for _key, _value in SGLANG_0523_CHOICES.items():
     PROFILE_CHOICES[_key]["sglang-0.5.23"] = _value
@@ -343,7 +355,8 @@ ENGINE_KEYS: dict[str, tuple[str, ...]] = {
                                          "rem_input_gate", "chunk_progress", "row_order", "free_order",
                                          "tree_stamps", "skip_finishing_decode", "overlap_release",
                                          "ignore_eos_ratio", "eos_extra_insert",
-                                         "hicache_evict", "host_pool_padding")
+                                         "hicache_evict", "host_pool_padding",
+                                         "write_back_demote", "write_back_host_reclaim")
 }
 
 

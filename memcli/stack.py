@@ -203,4 +203,6 @@ def make_hiradix_cache(config: Config, req_to_token_pool: ReqToTokenPool, alloca
     return HiRadixCache(req_to_token_pool, allocator, page_size, host_pool, write_policy=cache.write_policy,
                         load_back_threshold=cache.load_back_threshold, controller=controller,
                         host_floor=behaviour.host_pool_floor, eviction_policy=cache.eviction_policy,
-                        shortfall_first=behaviour.hicache_evict == "shortfall", **semantics)
+                        shortfall_first=behaviour.hicache_evict == "shortfall",
+                        demote_per_node=behaviour.write_back_demote == "per_node",
+                        reclaim_duplicates=behaviour.write_back_host_reclaim == "duplicates_first", **semantics)

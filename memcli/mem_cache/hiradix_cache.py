@@ -56,12 +56,13 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 class HiTreeNode(TreeNode):
     """A radix node that may also hold (or only hold) a host copy of its KV."""
 
-    __slots__ = ("host_value", "host_ref")
+    __slots__ = ("host_value", "host_ref", "load_pending")
 
     def __init__(self, *args: Any):
         super().__init__(*args)
         self.host_value: Optional[torch.Tensor] = None  # host slots, None when not backed up
         self.host_ref = 0  # readers of the host copy (a load-back in progress): not host-evictable
+        self.load_pending: Optional[int] = None  # the load-back (its anchor's id) filling it, until acknowledged
 
     @property
     def backuped(self) -> bool:
@@ -126,7 +127,8 @@ class HiRadixCache(RadixCache):
                  controller: Optional[CacheController] = None, host_floor: str = "above_device",
                  eviction_policy: str = "lru", device: Optional[torch.device | str] = None,
                  lru_clock: str = "simulated", split_stamp: str = "keep", retract_free: str = "one_call",
-                 shortfall_first: bool = False):
+                 shortfall_first: bool = False, demote_per_node: bool = False,
+                 reclaim_duplicates: bool = False):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}; valid: {', '.join(WRITE_POLICIES)}")
         if host_floor not in ("above_device", "any"):
@@ -137,6 +139,11 @@ class HiRadixCache(RadixCache):
         self.load_back_threshold = load_back_threshold
         self.drop_without_room = host_floor == "any"
         self.evict_shortfall_first = shortfall_first  # 0.5.23: a copy short of room evicts the shortfall
+        self.demote_per_node = demote_per_node  # 0.5.23: a written-back node frees its slots at once
+        # 0.5.23 under write_back: nodes on both tiers, in the order they became so (entries
+        # may be stale: checked when reclaimed)
+        self.reclaim_duplicates = reclaim_duplicates and write_policy == "write_back"
+        self._duplicates: dict[int, HiTreeNode] = {}
         self._writing_back: set = set()  # device leaves being written back inside one evict call
         self.ongoing_write: dict[int, HiTreeNode] = {}
         self.ongoing_load: dict[int, HiTreeNode] = {}
@@ -223,7 +230,43 @@ class HiRadixCache(RadixCache):
         child.key, child.parent = child.key[split_len:], upper
         upper.children[self._child_key(child.extra_key, child.key, 0)] = child
         self._num_nodes += 1
+        upper.load_pending = child.load_pending
+        self._track_duplicate(upper)
         return upper
+
+    def _track_duplicate(self, node: HiTreeNode) -> None:
+        """0.5.23's `_update_duplicate_tracking`: a node on both tiers, no load-back pending."""
+        if not self.reclaim_duplicates:
+            return
+        if node.value is not None and node.host_value is not None and node.load_pending is None:
+            self._duplicates.setdefault(node.id, node)
+        else:
+            self._duplicates.pop(node.id, None)
+
+    def _reclaim_duplicates(self, num_tokens: int) -> int:
+        """0.5.23's `_reclaim_full_host_duplicates`: free host copies of nodes also on the
+        device until `num_tokens` are freed; a first pass spares evictable device leaves."""
+        freed, swept = 0, []
+        for spare_leaves in (True, False):
+            for node_id, node in self._duplicates.items():
+                if freed >= num_tokens:
+                    break
+                if node.value is None or node.host_value is None or node.parent is None:
+                    swept.append(node_id)
+                    continue
+                if spare_leaves and self._device_leaf(node):
+                    continue
+                if node.load_pending is not None or node.host_ref > 0 or node.id in self.ongoing_write:
+                    continue
+                freed += self.controller.evict_host(node.host_value)
+                self._host_total -= len(node.host_value)
+                node.host_value = None
+                swept.append(node_id)
+            if freed >= num_tokens:
+                break
+        for node_id in swept:
+            self._duplicates.pop(node_id, None)
+        return freed
 
     def _walk(self, tokens: np.ndarray, extra_key: Optional[str], count_hit: bool):
         """The radix walk (stamps, splits); the values returned are the device ones only."""
@@ -287,6 +330,7 @@ class HiRadixCache(RadixCache):
                 child.value = value[pos: pos + matched].clone()  # recomputed KV revives the node
                 self._total += matched
                 self._evictable += matched
+                self._track_duplicate(child)
             else:
                 self._inc_hit_count(child, chunked)
                 device_prefix += matched
@@ -346,7 +390,18 @@ class HiRadixCache(RadixCache):
 
     def loading_check(self) -> None:
         for node_id in self.controller.finished_loads():
-            self.dec_lock_ref(self.ongoing_load.pop(node_id))
+            self._finish_load(node_id)
+
+    def _finish_load(self, node_id: int) -> None:
+        """A load-back is acknowledged: its anchor is unlocked, its nodes are settled."""
+        anchor = self.ongoing_load.pop(node_id)
+        self.dec_lock_ref(anchor)
+        node = anchor
+        while node is not self.root and node is not None:  # 0.5.23's finish_load_back
+            if node.load_pending == node_id:
+                node.load_pending = None
+                self._track_duplicate(node)
+            node = node.parent
 
     def check_hicache_events(self) -> None:
         """Acknowledge the copies that are done: their nodes are unlocked."""
@@ -374,7 +429,11 @@ class HiRadixCache(RadixCache):
             parent = node.parent
             if node.host_value is not None:
                 freed += self._evict_backuped(node, now)
-            elif write_back and self.write_backup(node, write_back=True):
+            elif write_back and self.write_backup(node, write_back=True) and self.demote_per_node:
+                self.writing_check(write_back=True)
+                self.written_back_nodes += 1
+                freed += self._evict_backuped(node, now)
+            elif write_back and node.host_value is not None:  # written back, freed after the walk
                 freed += len(node.value)
                 pending.append(node)
                 self._writing_back.add(node)
@@ -428,7 +487,7 @@ class HiRadixCache(RadixCache):
     def evict_host(self, num_tokens: int) -> int:
         """Free host copies of host-only leaves, lowest priority first, until `num_tokens` are
         freed; their nodes leave the tree. Returns the host slots freed."""
-        freed = 0
+        freed = self._reclaim_duplicates(num_tokens) if self.reclaim_duplicates else 0
         while freed < num_tokens:
             node = self._host_queue.pop()
             if node is None:
@@ -481,6 +540,7 @@ class HiRadixCache(RadixCache):
         for n in nodes_to_load:
             n.value = device_indices[offset: offset + len(n.host_value)]
             offset += len(n.host_value)
+            n.load_pending = last_hit.id
         self._total += len(device_indices)
         self._evictable += len(device_indices)
         self.loaded_back_tokens += len(device_indices)
@@ -528,7 +588,7 @@ class HiRadixCache(RadixCache):
                 self.dec_lock_ref(node)
         for ack in list(self.controller.ack_load_queue):
             for node_id in ack.node_ids:
-                self.dec_lock_ref(self.ongoing_load.pop(node_id))
+                self._finish_load(node_id)
         self.controller.ack_load_queue.clear()
 
     def host_tier(self) -> HostTierCounters:
