@@ -128,7 +128,7 @@ class HiRadixCache(RadixCache):
                  eviction_policy: str = "lru", device: Optional[torch.device | str] = None,
                  lru_clock: str = "simulated", split_stamp: str = "keep", retract_free: str = "one_call",
                  shortfall_first: bool = False, demote_per_node: bool = False,
-                 reclaim_duplicates: bool = False):
+                 reclaim_duplicates: bool = False, **unified: Any):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}; valid: {', '.join(WRITE_POLICIES)}")
         if host_floor not in ("above_device", "any"):
@@ -155,7 +155,7 @@ class HiRadixCache(RadixCache):
         self._host_total = 0  # host slots held by nodes of the tree (in flight included)
         super().__init__(req_to_token_pool, allocator, page_size, eviction_policy=eviction_policy,
                          kv_events=False, device=device, lru_clock=lru_clock, split_stamp=split_stamp,
-                         count_hits=False, retract_free=retract_free)
+                         count_hits=False, retract_free=retract_free, **unified)
         self.controller = controller or CacheController(allocator, host_pool, write_policy,
                                                         host_pool.bytes_per_token, math.inf, 0.0)
         # Copies are timed in milliseconds on `clock` (replays set it to the simulated clock).
@@ -211,11 +211,11 @@ class HiRadixCache(RadixCache):
             self._queue.rebuild(n for n in nodes if self._device_leaf(n))
             self._host_queue.rebuild(n for n in nodes if self._host_leaf(n))
 
-    def _split(self, child: HiTreeNode, split_len: int) -> HiTreeNode:
+    def _split(self, child: HiTreeNode, split_len: int, fresh: Optional[bool] = None) -> HiTreeNode:
         """Insert a node holding `child`'s first `split_len` tokens above it (device and host
         parts alike); it takes the lock count and the hit count. Sizes do not change."""
         parent = child.parent
-        if self.refresh_split:
+        if self.refresh_split if fresh is None else fresh:
             upper = self._node(parent, child.key[:split_len], None, child.extra_key, self._now)
         else:
             upper = HiTreeNode(parent, child.key[:split_len], None, child.extra_key,
@@ -289,7 +289,12 @@ class HiRadixCache(RadixCache):
         if self.disable or aligned == 0:
             return MatchResult(self.empty_indices(), self.root, self.root, 0)
         self._begin()
-        node, _, values = self._walk(key.token_ids[:aligned], key.extra_key, count_hit=False)
+        if self.unified:  # 0.5.23: no stamps on the way down, the best match's path at the end
+            node, _, values = self._walk_unified(key.token_ids[:aligned], key.extra_key)
+            values = [v for v in values if v is not None]
+            self._stamp_path(node)
+        else:
+            node, _, values = self._walk(key.token_ids[:aligned], key.extra_key, count_hit=False)
         self._touched(node)
         last, host_hit = node, 0
         while last.value is None:
@@ -346,6 +351,56 @@ class HiRadixCache(RadixCache):
                 self._inc_hit_count(node, chunked)
         self._touched(node)
         return device_prefix
+
+    def insert_unified(self, key: RadixKey, value: torch.Tensor, prev_prefix_len: int = 0,
+                       inserted_len: int = 0, owner: Any = None) -> tuple[int, TreeNode]:
+        """0.5.23's insert walk on the host tier (see `RadixCache.insert_unified`): a node on
+        the path with only a host copy takes the request's slots (`_unevict_node_on_insert`);
+        each node ending past `inserted_len` counts a hit, and reaching the write threshold
+        without a host copy starts its backup (not under write_back)."""
+        prepared = self._insert_input(key, value)
+        if prepared is None:
+            return 0, self.root
+        tokens, value, aligned = prepared
+        tokens = tokens[:aligned]
+        now = self._begin()
+        node, pos = self.root, 0
+        node.last_access_time = self._stamp()
+        while pos < aligned:
+            child = node.children.get(self._child_key(key.extra_key, tokens, pos))
+            if child is None:
+                break
+            child.last_access_time = self._stamp()
+            matched = self._common_len(child.key, tokens[pos: pos + len(child.key)])
+            if matched < len(child.key):
+                child = self._split_unified(child, matched)
+            if child.value is None:
+                child.value = value[pos: pos + matched].to(self.device, torch.int64).clone()
+                self._total += matched
+                self._evictable += matched
+                self._track_duplicate(child)
+            else:
+                start = max(prev_prefix_len, pos)
+                if start < pos + matched:
+                    self._free(value[start: pos + matched], owner, "insert")
+            if pos + matched > inserted_len:
+                self._count_insert_hit(child)
+            node, pos = child, pos + matched
+        if pos < aligned:
+            leaf_value = value[pos:aligned].to(self.device, torch.int64).clone()
+            node = self._add_leaf(node, tokens[pos:aligned].copy(), leaf_value, key.extra_key, now)
+            if aligned > inserted_len:
+                self._count_insert_hit(node)
+        self._touched(node)
+        return pos, node
+
+    def _count_insert_hit(self, node: HiTreeNode) -> None:
+        """0.5.23's `_inc_hit_count_and_check` (none under write_back)."""
+        if self.write_policy == "write_back":
+            return
+        node.hit_count += 1
+        if node.host_value is None and node.hit_count >= self.write_threshold:
+            self.write_backup(node)
 
     def _inc_hit_count(self, node: HiTreeNode, chunked: bool) -> None:
         if self.write_policy == "write_back" or chunked:
@@ -455,7 +510,7 @@ class HiRadixCache(RadixCache):
 
     def _evict_backuped(self, node: HiTreeNode, now: float) -> int:
         """The node keeps its host copy and gives up its device slots."""
-        size = self.controller.evict_device(node.value)
+        size = self.controller.evict_device(node.value, **self._segment)
         self._total -= size
         self._evictable -= size
         self.eviction_log.append(EvictionRecord(size, now - node.birth_time, node.hit_count))

@@ -40,7 +40,7 @@ LOAD_BACK_THRESHOLD = 10  # UnifiedRadixCache.init_hicache sets it (not an argum
 EOS_ID = VOCAB_SIZE - 1  # what a request the trace ends on EOS samples last (its only stop token)
 
 
-def _host_tier(config: Config) -> Optional[HostTier]:
+def host_tier(config: Config) -> Optional[HostTier]:
     """`--enable-hierarchical-cache` with `--hicache-ratio` and `--hicache-write-policy` for
     `cache.kind hiradix`; None otherwise."""
     cache = config.cache
@@ -69,7 +69,7 @@ class ReferenceLoop0523:
         ref.schedule_policy.CLIP_MAX_NEW_TOKENS = sched.max_new_tokens_clip
         stack = build_stack_0523(ref, config.pool_size, ps, core, config.cache.eviction_policy,
                                  rows=mem.max_running_requests, context_len=mem.max_context_len + 4,
-                                 disable=config.cache.kind == "none", host=_host_tier(config))
+                                 disable=config.cache.kind == "none", host=host_tier(config))
         self.hierarchical = stack.tree.cache_controller is not None
         self.tree, self.allocator, self.req_to_token_pool = stack.tree, stack.allocator, stack.req_to_token_pool
         self._count_evictions()
