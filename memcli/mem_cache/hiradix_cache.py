@@ -30,6 +30,15 @@ the load is acknowledged.
 
 Sizes (`total_size`, `evictable_size`, `protected_size`) count device tokens only;
 `host_size` counts the host copies the tree holds.
+
+SGLang 0.5.23 (HiCache on `UnifiedRadixCache`) differs by options the stack sets from the
+semantics keys: the unified tree's stamps, split and `insert_unified` walk (a host-only node on
+the path takes the request's slots; one hit per request per node, past `cache_inserted_len`,
+chunks included), the prompt split and row-order frees (the radix cache's unified options);
+`shortfall_first` (a copy short of room evicts the shortfall first, and a backup fails when
+the host cannot free it); `demote_per_node` (write_back frees each victim right after its
+copy); `reclaim_duplicates` (write_back host pressure frees the host copies of nodes also on
+the device first, oldest first).
 """
 
 from __future__ import annotations
