@@ -230,6 +230,31 @@ class SemanticsConfig:
     # batch's result comes (lagging: 0.5.5), or with the rest of its row at once (committed:
     # 0.5.23 counts the slot committed when it is allocated, PR #12224).
     overlap_release: Optional[Literal["lagging", "committed"]] = None
+    # Admission's reserve for a running request of the trace marked `ignore_eos`: its remaining
+    # output times the new-token ratio (ratio: 0.5.5), or whole (one: 0.5.23's
+    # _get_running_request_total_token_offset; such a request cannot finish early).
+    ignore_eos_ratio: Optional[Literal["ratio", "one"]] = None
+    # Overlap loop, a request finishing on EOS (traces with max_new_tokens > output_len): its
+    # finished insert takes input + output - 1 tokens (none: 0.5.5), or also the token of the
+    # decode in flight (one: 0.5.23 commits a slot when it is allocated; with
+    # overlap_release: committed only).
+    eos_extra_insert: Optional[Literal["none", "one"]] = None
+    # Host tier, a copy short of room (a load-back on the device, a backup on the host): evict
+    # the whole copy's size after a failed allocation (full_need: 0.5.5's HiRadixCache), or the
+    # shortfall first, failing when that does not free it (shortfall: 0.5.23's
+    # _load_back_transfers -> evict_for_alloc, _execute_kv_backup -> evict_host).
+    hicache_evict: Optional[Literal["full_need", "shortfall"]] = None
+    # Host tier: the host pool is host_ratio x the device pool in whole pages (none: 0.5.5), plus
+    # one padding page (page: 0.5.23's pool_host/base.py).
+    host_pool_padding: Optional[Literal["none", "page"]] = None
+    # Host tier under write_back, an eviction: the nodes written back give up their device slots
+    # after the whole walk (batched: 0.5.5), or each right after its copy (per_node: 0.5.23's
+    # _evict_components, backup then demote); the order of frees differs.
+    write_back_demote: Optional[Literal["batched", "per_node"]] = None
+    # Host tier under write_back, host pressure: evict host-only leaves (leaves: 0.5.5), or first
+    # free the host copies of nodes also on the device, oldest duplicate first, sparing evictable
+    # device leaves in a first pass (duplicates_first: 0.5.23's _reclaim_full_host_duplicates).
+    write_back_host_reclaim: Optional[Literal["leaves", "duplicates_first"]] = None
 
     def resolved(self) -> "SemanticsConfig":
         """The same section with every behaviour set: the override where one is set, else the
@@ -279,6 +304,12 @@ PROFILE_CHOICES: dict[str, dict[str, str]] = {
     "tree_stamps": {"sglang-0.5.5": "radix", "memcli": "radix"},
     "skip_finishing_decode": {"sglang-0.5.5": "decode", "memcli": "decode"},
     "overlap_release": {"sglang-0.5.5": "lagging", "memcli": "lagging"},
+    "ignore_eos_ratio": {"sglang-0.5.5": "ratio", "memcli": "ratio"},
+    "eos_extra_insert": {"sglang-0.5.5": "none", "memcli": "none"},
+    "hicache_evict": {"sglang-0.5.5": "full_need", "memcli": "full_need"},
+    "host_pool_padding": {"sglang-0.5.5": "none", "memcli": "none"},
+    "write_back_demote": {"sglang-0.5.5": "batched", "memcli": "batched"},
+    "write_back_host_reclaim": {"sglang-0.5.5": "leaves", "memcli": "leaves"},
 }
 # SGLang 0.5.23's values (docs/FIDELITY.md; the reference page's sections in brackets).
 SGLANG_0523_CHOICES: dict[str, str] = {
@@ -309,6 +340,12 @@ SGLANG_0523_CHOICES: dict[str, str] = {
     "tree_stamps": "unified",  # UnifiedTreeCore [2.3]
     "skip_finishing_decode": "skip",  # _reqs_finishing_inflight [2.9]
     "overlap_release": "committed",  # release_kv_cache, kv_committed_len [2.6, 2.9]
+    "ignore_eos_ratio": "one",  # PrefillAdder._get_running_request_total_token_offset [2.8]
+    "eos_extra_insert": "one",  # release_kv_cache: owned_kv_len = min(committed, input + output) [2.9]
+    "hicache_evict": "shortfall",  # _load_back_transfers, _execute_kv_backup [2.5]
+    "host_pool_padding": "page",  # HostKVCache.__init__: page_num = size // ps + 1 [2.5]
+    "write_back_demote": "per_node",  # UnifiedRadixCache._evict_components [2.5]
+    "write_back_host_reclaim": "duplicates_first",  # UnifiedTreeCore.drive_host_eviction [2.5]
 }
 for _key, _value in SGLANG_0523_CHOICES.items():
     PROFILE_CHOICES[_key]["sglang-0.5.23"] = _value
@@ -316,7 +353,10 @@ for _key, _value in SGLANG_0523_CHOICES.items():
 ENGINE_KEYS: dict[str, tuple[str, ...]] = {
     key: ("sglang-0.5.23",) for key in ("prompt_split", "waiting_prefix_refresh", "admission_reserve",
                                          "rem_input_gate", "chunk_progress", "row_order", "free_order",
-                                         "tree_stamps", "skip_finishing_decode", "overlap_release")
+                                         "tree_stamps", "skip_finishing_decode", "overlap_release",
+                                         "ignore_eos_ratio", "eos_extra_insert",
+                                         "hicache_evict", "host_pool_padding",
+                                         "write_back_demote", "write_back_host_reclaim")
 }
 
 
@@ -620,7 +660,8 @@ def host_pool_size(config: Config) -> int:
     """Slots of the hiradix host pool the config asks for (0 when the cache is not hiradix)."""
     if config.cache.kind != "hiradix":
         return 0
-    return config.cache.host_pool_tokens(config.pool_size, config.model.bytes_per_token, config.page_size)
+    padding = config.page_size if config.behaviour.host_pool_padding == "page" else 0
+    return config.cache.host_pool_tokens(config.pool_size, config.model.bytes_per_token, config.page_size) + padding
 
 
 def _validate_host_pool(config: Config) -> None:

@@ -200,8 +200,13 @@ def make_hiradix_cache(config: Config, req_to_token_pool: ReqToTokenPool, alloca
     controller = CacheController(allocator, host_pool, cache.write_policy, config.model.bytes_per_token,
                                  config.sim.host_bandwidth_gbps, config.sim.host_latency_us, kv_pool=kv_pool)
     semantics = radix_semantics(behaviour)
-    for key in ("count_hits", *UNIFIED_TREE_OPTIONS):  # the host tier runs on 0.5.5's tree
-        semantics.pop(key)
+    semantics.pop("count_hits")
+    if behaviour.tree_stamps != "unified":  # 0.5.5's tree: its own insert walk
+        for key in UNIFIED_TREE_OPTIONS:
+            semantics.pop(key)
     return HiRadixCache(req_to_token_pool, allocator, page_size, host_pool, write_policy=cache.write_policy,
                         load_back_threshold=cache.load_back_threshold, controller=controller,
-                        host_floor=behaviour.host_pool_floor, eviction_policy=cache.eviction_policy, **semantics)
+                        host_floor=behaviour.host_pool_floor, eviction_policy=cache.eviction_policy,
+                        shortfall_first=behaviour.hicache_evict == "shortfall",
+                        demote_per_node=behaviour.write_back_demote == "per_node",
+                        reclaim_duplicates=behaviour.write_back_host_reclaim == "duplicates_first", **semantics)

@@ -189,12 +189,14 @@ class CacheController:
 
     # -- frees ------------------------------------------------------------------------------
 
-    def evict_device(self, device_indices: torch.Tensor) -> int:
-        """A backed-up node gives its device slots back (ledger: TREE -> FREE)."""
+    def evict_device(self, device_indices: torch.Tensor, segment: bool = False) -> int:
+        """A backed-up node gives its device slots back (ledger: TREE -> FREE); `segment`: as
+        one run in row order (0.5.23's free_segment)."""
+        extra = {"segment": True} if segment else {}
         if getattr(self.allocator, "ledger", None) is not None:
-            self.allocator.free(device_indices, owner=TREE, op="evict (backed up)")
+            self.allocator.free(device_indices, owner=TREE, op="evict (backed up)", **extra)
         else:
-            self.allocator.free(device_indices)
+            self.allocator.free(device_indices, **extra)
         return len(device_indices)
 
     def evict_host(self, host_indices: torch.Tensor) -> int:

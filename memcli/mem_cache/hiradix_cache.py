@@ -30,6 +30,15 @@ the load is acknowledged.
 
 Sizes (`total_size`, `evictable_size`, `protected_size`) count device tokens only;
 `host_size` counts the host copies the tree holds.
+
+SGLang 0.5.23 (HiCache on `UnifiedRadixCache`) differs by options the stack sets from the
+semantics keys: the unified tree's stamps, split and `insert_unified` walk (a host-only node on
+the path takes the request's slots; one hit per request per node, past `cache_inserted_len`,
+chunks included), the prompt split and row-order frees (the radix cache's unified options);
+`shortfall_first` (a copy short of room evicts the shortfall first, and a backup fails when
+the host cannot free it); `demote_per_node` (write_back frees each victim right after its
+copy); `reclaim_duplicates` (write_back host pressure frees the host copies of nodes also on
+the device first, oldest first).
 """
 
 from __future__ import annotations
@@ -56,12 +65,13 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 class HiTreeNode(TreeNode):
     """A radix node that may also hold (or only hold) a host copy of its KV."""
 
-    __slots__ = ("host_value", "host_ref")
+    __slots__ = ("host_value", "host_ref", "load_pending")
 
     def __init__(self, *args: Any):
         super().__init__(*args)
         self.host_value: Optional[torch.Tensor] = None  # host slots, None when not backed up
         self.host_ref = 0  # readers of the host copy (a load-back in progress): not host-evictable
+        self.load_pending: Optional[int] = None  # the load-back (its anchor's id) filling it, until acknowledged
 
     @property
     def backuped(self) -> bool:
@@ -125,7 +135,9 @@ class HiRadixCache(RadixCache):
                  write_policy: str = "write_through", load_back_threshold: int = 10,
                  controller: Optional[CacheController] = None, host_floor: str = "above_device",
                  eviction_policy: str = "lru", device: Optional[torch.device | str] = None,
-                 lru_clock: str = "simulated", split_stamp: str = "keep", retract_free: str = "one_call"):
+                 lru_clock: str = "simulated", split_stamp: str = "keep", retract_free: str = "one_call",
+                 shortfall_first: bool = False, demote_per_node: bool = False,
+                 reclaim_duplicates: bool = False, **unified: Any):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}; valid: {', '.join(WRITE_POLICIES)}")
         if host_floor not in ("above_device", "any"):
@@ -135,6 +147,12 @@ class HiRadixCache(RadixCache):
         self.write_threshold = 1 if write_policy == "write_through" else 2
         self.load_back_threshold = load_back_threshold
         self.drop_without_room = host_floor == "any"
+        self.evict_shortfall_first = shortfall_first  # 0.5.23: a copy short of room evicts the shortfall
+        self.demote_per_node = demote_per_node  # 0.5.23: a written-back node frees its slots at once
+        # 0.5.23 under write_back: nodes on both tiers, in the order they became so (entries
+        # may be stale: checked when reclaimed)
+        self.reclaim_duplicates = reclaim_duplicates and write_policy == "write_back"
+        self._duplicates: dict[int, HiTreeNode] = {}
         self._writing_back: set = set()  # device leaves being written back inside one evict call
         self.ongoing_write: dict[int, HiTreeNode] = {}
         self.ongoing_load: dict[int, HiTreeNode] = {}
@@ -146,7 +164,7 @@ class HiRadixCache(RadixCache):
         self._host_total = 0  # host slots held by nodes of the tree (in flight included)
         super().__init__(req_to_token_pool, allocator, page_size, eviction_policy=eviction_policy,
                          kv_events=False, device=device, lru_clock=lru_clock, split_stamp=split_stamp,
-                         count_hits=False, retract_free=retract_free)
+                         count_hits=False, retract_free=retract_free, **unified)
         self.controller = controller or CacheController(allocator, host_pool, write_policy,
                                                         host_pool.bytes_per_token, math.inf, 0.0)
         # Copies are timed in milliseconds on `clock` (replays set it to the simulated clock).
@@ -202,11 +220,11 @@ class HiRadixCache(RadixCache):
             self._queue.rebuild(n for n in nodes if self._device_leaf(n))
             self._host_queue.rebuild(n for n in nodes if self._host_leaf(n))
 
-    def _split(self, child: HiTreeNode, split_len: int) -> HiTreeNode:
+    def _split(self, child: HiTreeNode, split_len: int, fresh: Optional[bool] = None) -> HiTreeNode:
         """Insert a node holding `child`'s first `split_len` tokens above it (device and host
         parts alike); it takes the lock count and the hit count. Sizes do not change."""
         parent = child.parent
-        if self.refresh_split:
+        if self.refresh_split if fresh is None else fresh:
             upper = self._node(parent, child.key[:split_len], None, child.extra_key, self._now)
         else:
             upper = HiTreeNode(parent, child.key[:split_len], None, child.extra_key,
@@ -221,7 +239,43 @@ class HiRadixCache(RadixCache):
         child.key, child.parent = child.key[split_len:], upper
         upper.children[self._child_key(child.extra_key, child.key, 0)] = child
         self._num_nodes += 1
+        upper.load_pending = child.load_pending
+        self._track_duplicate(upper)
         return upper
+
+    def _track_duplicate(self, node: HiTreeNode) -> None:
+        """0.5.23's `_update_duplicate_tracking`: a node on both tiers, no load-back pending."""
+        if not self.reclaim_duplicates:
+            return
+        if node.value is not None and node.host_value is not None and node.load_pending is None:
+            self._duplicates.setdefault(node.id, node)
+        else:
+            self._duplicates.pop(node.id, None)
+
+    def _reclaim_duplicates(self, num_tokens: int) -> int:
+        """0.5.23's `_reclaim_full_host_duplicates`: free host copies of nodes also on the
+        device until `num_tokens` are freed; a first pass spares evictable device leaves."""
+        freed, swept = 0, []
+        for spare_leaves in (True, False):
+            for node_id, node in self._duplicates.items():
+                if freed >= num_tokens:
+                    break
+                if node.value is None or node.host_value is None or node.parent is None:
+                    swept.append(node_id)
+                    continue
+                if spare_leaves and self._device_leaf(node):
+                    continue
+                if node.load_pending is not None or node.host_ref > 0 or node.id in self.ongoing_write:
+                    continue
+                freed += self.controller.evict_host(node.host_value)
+                self._host_total -= len(node.host_value)
+                node.host_value = None
+                swept.append(node_id)
+            if freed >= num_tokens:
+                break
+        for node_id in swept:
+            self._duplicates.pop(node_id, None)
+        return freed
 
     def _walk(self, tokens: np.ndarray, extra_key: Optional[str], count_hit: bool):
         """The radix walk (stamps, splits); the values returned are the device ones only."""
@@ -244,7 +298,12 @@ class HiRadixCache(RadixCache):
         if self.disable or aligned == 0:
             return MatchResult(self.empty_indices(), self.root, self.root, 0)
         self._begin()
-        node, _, values = self._walk(key.token_ids[:aligned], key.extra_key, count_hit=False)
+        if self.unified:  # 0.5.23: no stamps on the way down, the best match's path at the end
+            node, _, values = self._walk_unified(key.token_ids[:aligned], key.extra_key)
+            values = [v for v in values if v is not None]
+            self._stamp_path(node)
+        else:
+            node, _, values = self._walk(key.token_ids[:aligned], key.extra_key, count_hit=False)
         self._touched(node)
         last, host_hit = node, 0
         while last.value is None:
@@ -285,6 +344,7 @@ class HiRadixCache(RadixCache):
                 child.value = value[pos: pos + matched].clone()  # recomputed KV revives the node
                 self._total += matched
                 self._evictable += matched
+                self._track_duplicate(child)
             else:
                 self._inc_hit_count(child, chunked)
                 device_prefix += matched
@@ -301,6 +361,56 @@ class HiRadixCache(RadixCache):
         self._touched(node)
         return device_prefix
 
+    def insert_unified(self, key: RadixKey, value: torch.Tensor, prev_prefix_len: int = 0,
+                       inserted_len: int = 0, owner: Any = None) -> tuple[int, TreeNode]:
+        """0.5.23's insert walk on the host tier (see `RadixCache.insert_unified`): a node on
+        the path with only a host copy takes the request's slots (`_unevict_node_on_insert`);
+        each node ending past `inserted_len` counts a hit, and reaching the write threshold
+        without a host copy starts its backup (not under write_back)."""
+        prepared = self._insert_input(key, value)
+        if prepared is None:
+            return 0, self.root
+        tokens, value, aligned = prepared
+        tokens = tokens[:aligned]
+        now = self._begin()
+        node, pos = self.root, 0
+        node.last_access_time = self._stamp()
+        while pos < aligned:
+            child = node.children.get(self._child_key(key.extra_key, tokens, pos))
+            if child is None:
+                break
+            child.last_access_time = self._stamp()
+            matched = self._common_len(child.key, tokens[pos: pos + len(child.key)])
+            if matched < len(child.key):
+                child = self._split_unified(child, matched)
+            if child.value is None:
+                child.value = value[pos: pos + matched].to(self.device, torch.int64).clone()
+                self._total += matched
+                self._evictable += matched
+                self._track_duplicate(child)
+            else:
+                start = max(prev_prefix_len, pos)
+                if start < pos + matched:
+                    self._free(value[start: pos + matched], owner, "insert")
+            if pos + matched > inserted_len:
+                self._count_insert_hit(child)
+            node, pos = child, pos + matched
+        if pos < aligned:
+            leaf_value = value[pos:aligned].to(self.device, torch.int64).clone()
+            node = self._add_leaf(node, tokens[pos:aligned].copy(), leaf_value, key.extra_key, now)
+            if aligned > inserted_len:
+                self._count_insert_hit(node)
+        self._touched(node)
+        return pos, node
+
+    def _count_insert_hit(self, node: HiTreeNode) -> None:
+        """0.5.23's `_inc_hit_count_and_check` (none under write_back)."""
+        if self.write_policy == "write_back":
+            return
+        node.hit_count += 1
+        if node.host_value is None and node.hit_count >= self.write_threshold:
+            self.write_backup(node)
+
     def _inc_hit_count(self, node: HiTreeNode, chunked: bool) -> None:
         if self.write_policy == "write_back" or chunked:
             return
@@ -314,8 +424,11 @@ class HiRadixCache(RadixCache):
         """Start copying `node` to the host; returns its tokens, or 0 when the host pool has no
         room even after host eviction. Locks the node until the copy is acknowledged (not for
         a write-back, which the evicting call waits for)."""
+        short = len(node.value) - self.host_pool.available_size()
+        if self.evict_shortfall_first and short > 0 and self.evict_host(short) < short:
+            return 0
         host_indices = self.controller.write(node.value, node.id)
-        if host_indices is None:
+        if host_indices is None and not self.evict_shortfall_first:
             self.evict_host(len(node.value))
             host_indices = self.controller.write(node.value, node.id)
         if host_indices is None:
@@ -341,7 +454,18 @@ class HiRadixCache(RadixCache):
 
     def loading_check(self) -> None:
         for node_id in self.controller.finished_loads():
-            self.dec_lock_ref(self.ongoing_load.pop(node_id))
+            self._finish_load(node_id)
+
+    def _finish_load(self, node_id: int) -> None:
+        """A load-back is acknowledged: its anchor is unlocked, its nodes are settled."""
+        anchor = self.ongoing_load.pop(node_id)
+        self.dec_lock_ref(anchor)
+        node = anchor
+        while node is not self.root and node is not None:  # 0.5.23's finish_load_back
+            if node.load_pending == node_id:
+                node.load_pending = None
+                self._track_duplicate(node)
+            node = node.parent
 
     def check_hicache_events(self) -> None:
         """Acknowledge the copies that are done: their nodes are unlocked."""
@@ -369,7 +493,11 @@ class HiRadixCache(RadixCache):
             parent = node.parent
             if node.host_value is not None:
                 freed += self._evict_backuped(node, now)
-            elif write_back and self.write_backup(node, write_back=True):
+            elif write_back and self.write_backup(node, write_back=True) and self.demote_per_node:
+                self.writing_check(write_back=True)
+                self.written_back_nodes += 1
+                freed += self._evict_backuped(node, now)
+            elif write_back and node.host_value is not None:  # written back, freed after the walk
                 freed += len(node.value)
                 pending.append(node)
                 self._writing_back.add(node)
@@ -391,7 +519,7 @@ class HiRadixCache(RadixCache):
 
     def _evict_backuped(self, node: HiTreeNode, now: float) -> int:
         """The node keeps its host copy and gives up its device slots."""
-        size = self.controller.evict_device(node.value)
+        size = self.controller.evict_device(node.value, **self._segment)
         self._total -= size
         self._evictable -= size
         self.eviction_log.append(EvictionRecord(size, now - node.birth_time, node.hit_count))
@@ -423,7 +551,7 @@ class HiRadixCache(RadixCache):
     def evict_host(self, num_tokens: int) -> int:
         """Free host copies of host-only leaves, lowest priority first, until `num_tokens` are
         freed; their nodes leave the tree. Returns the host slots freed."""
-        freed = 0
+        freed = self._reclaim_duplicates(num_tokens) if self.reclaim_duplicates else 0
         while freed < num_tokens:
             node = self._host_queue.pop()
             if node is None:
@@ -459,8 +587,11 @@ class HiRadixCache(RadixCache):
             return None
         for n in nodes_to_load:  # eviction below may evict host copies: not these
             n.host_ref += 1
+        short = len(host_indices) - self.allocator.available_size()
+        if self.evict_shortfall_first and short > 0:
+            self.evict(short)
         device_indices = self.controller.load(host_indices, last_hit.id)
-        if device_indices is None:
+        if device_indices is None and not self.evict_shortfall_first:
             self.evict(len(host_indices))
             device_indices = self.controller.load(host_indices, last_hit.id)
         for n in nodes_to_load:
@@ -473,6 +604,7 @@ class HiRadixCache(RadixCache):
         for n in nodes_to_load:
             n.value = device_indices[offset: offset + len(n.host_value)]
             offset += len(n.host_value)
+            n.load_pending = last_hit.id
         self._total += len(device_indices)
         self._evictable += len(device_indices)
         self.loaded_back_tokens += len(device_indices)
@@ -520,7 +652,7 @@ class HiRadixCache(RadixCache):
                 self.dec_lock_ref(node)
         for ack in list(self.controller.ack_load_queue):
             for node_id in ack.node_ids:
-                self.dec_lock_ref(self.ongoing_load.pop(node_id))
+                self._finish_load(node_id)
         self.controller.ack_load_queue.clear()
 
     def host_tier(self) -> HostTierCounters:

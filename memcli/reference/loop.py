@@ -18,7 +18,8 @@ object it drives is SGLang's own: `Req`, `ScheduleBatch` (`init_new`, `prepare_f
 What the loop leaves out (none of it is on by default in SGLang, or it needs a model):
 mixed chunked prefill, priority scheduling and preemption, HiCache's storage backends,
 LoRA, grammars, PD disaggregation, DP attention, speculative decoding, logprobs, and
-finishing on EOS or stop strings (a request finishes at its `max_new_tokens`), and the abort
+stop strings (a request finishes at its `max_new_tokens`, or on `EOS_ID` where the trace
+gives a larger `max_new_tokens`), and the abort
 of a prompt of `max_req_input_len` tokens or more (the callers refuse such traces first). The host tier
 itself (`cache.kind hiradix`, --enable-hierarchical-cache) runs SGLang's `HiRadixCache` with
 the scheduler's three hooks (`check_hicache_events` before a prefill is formed, the
@@ -63,6 +64,8 @@ from memcli.mem_cache.clock import LogicalClock
 from memcli.reference.loader import Reference, load_reference
 from memcli.reference.standins import ModelConfig, NoSpeculation
 from memcli.workload.spec import RequestSpec
+
+EOS_ID = ModelConfig.vocab_size - 1  # what a request the trace ends on EOS samples last (its only stop token)
 
 ARRIVALS = ("burst", "timestamp")
 
@@ -236,10 +239,12 @@ class ReferenceLoop:
     def _recv_requests(self) -> None:
         while self.pending and self.pending[0][0] <= self.clock_ms:
             _, spec = self.pending.popleft()
-            sampling_params = self.ref.SamplingParams(max_new_tokens=spec.output_len)
+            sampling_params = self.ref.SamplingParams(max_new_tokens=spec.sampling_limit, ignore_eos=spec.ignore_eos,
+                                                      stop_token_ids=None if spec.eos_len is None else [EOS_ID])
             sampling_params.normalize(None)  # the tokenizer manager's step: no stop strings
             req = self.ref.Req(spec.rid, "", spec.input_ids().tolist(), sampling_params,
                                vocab_size=ModelConfig.vocab_size, extra_key=spec.extra_key)
+            req.memcli_eos_len = spec.eos_len  # its output length when it samples EOS_ID (None: never)
             # init_req_max_new_tokens, then _add_request_to_queue (appends)
             req.sampling_params.max_new_tokens = min(req.sampling_params.max_new_tokens,
                                                      self.max_req_len - len(req.origin_input_ids) - 1)
@@ -388,7 +393,7 @@ class ReferenceLoop:
         if req.is_chunked > 0:
             req.is_chunked -= 1
             return
-        req.output_ids.append(token)
+        req.output_ids.append(EOS_ID if len(req.output_ids) + 1 == req.memcli_eos_len else token)
         req.check_finished()
         if req.finished():
             self._finish(req)
@@ -397,7 +402,7 @@ class ReferenceLoop:
 
     def _decode_token(self, req: Any, token: int) -> None:
         """`process_batch_result_decode` for a request still in the batch."""
-        req.output_ids.append(token)
+        req.output_ids.append(EOS_ID if len(req.output_ids) + 1 == req.memcli_eos_len else token)
         req.check_finished()
         if req.finished():
             self._finish(req)

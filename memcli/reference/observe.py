@@ -29,7 +29,7 @@ from memcli.reference.loop import ReferenceLoop
 from memcli.reference.loop_overlap import reference_loop
 from memcli.sched.scheduler import Scheduler, SchedulerHooks
 from memcli.stack import build_stack
-from memcli.workload.spec import RequestSpec
+from memcli.workload.spec import RequestSpec, apply_sampling
 
 COMPARED = ("kind", "rids", "extend_lens", "prefix_lens", "out_cache_loc", "evicted", "retracted", "finished",
             "available", "evictable", "protected", "host_used")
@@ -130,7 +130,9 @@ class MemcliSide:
                                            SchedulerHooks(output_token_base=output_token_base, record_events=True))
         for spec in requests:
             arrival_ms = 0.0 if arrivals == "burst" else float(spec.arrival_ms or 0.0)
-            sched.add_request(sched.new_req(spec.rid, spec.input_ids(), spec.output_len, spec.extra_key, arrival_ms))
+            req = sched.new_req(spec.rid, spec.input_ids(), spec.output_len, spec.extra_key, arrival_ms)
+            apply_sampling(req, spec)
+            sched.add_request(req)
         self._batch = _NO_BATCH
         self._evicted = 0
         self._wrap_cost(sched, "prefill_cost_ms", prefill=True)

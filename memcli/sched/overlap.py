@@ -193,7 +193,7 @@ class OverlapLoop:
             if token is None:
                 continue  # a chunk: it entered the tree at the start of this iteration
             req.output_ids.append(token)
-            if len(req.output_ids) >= req.max_new_tokens:
+            if len(req.output_ids) >= req.max_new_tokens or len(req.output_ids) == req.eos_len:
                 s.finish(req)
             else:
                 s.memory.cache_unfinished(req)
@@ -216,7 +216,7 @@ class OverlapLoop:
                 continue
             out = req.output_ids
             out.append(token)
-            if len(out) >= req.max_new_tokens:
+            if len(out) >= req.max_new_tokens or len(out) == req.eos_len:
                 done.append(req)
         if skipped:
             gone = set(map(id, skipped))
@@ -233,6 +233,10 @@ class OverlapLoop:
         0)` positions now; a slot beyond them (allocated by a batch still in flight) when that
         batch's result is processed, and only if no freed page holds it."""
         if self.sched.release_committed:  # 0.5.23: the slot in flight goes with the row, now
+            if self.sched.eos_extra_insert and why is Release.FINISHED:
+                # committed at allocation: an EOS finish (decoded once more, in flight) inserts
+                # min(committed, input + output) tokens, one more than 0.5.5 (issue #24590)
+                self.sched.memory.commit(req, min(req.kv_allocated_len, req.input_len + len(req.output_ids)))
             self.sched.memory.release(req, why)
             return
         kv_len = min(req.kv_allocated_len, req.input_len + max(len(req.output_ids) - 1, 0))

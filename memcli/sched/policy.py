@@ -40,7 +40,7 @@ class PrefillAdder:
     def __init__(self, memory: MemoryManager, running_reqs: list, new_token_ratio: float,
                  max_prefill_tokens: int, chunked_prefill_size: int | None, page_size: int, clip: int,
                  align_chunks: bool = True, budget: str = "none", chunk_instead: bool = False,
-                 full_chunk: bool = False):
+                 full_chunk: bool = False, ignore_eos_whole: bool = False):
         self.memory = memory
         self.align_chunks = align_chunks
         # SGLang 0.5.23's PrefillBudget: one page per request (semantics.admission_reserve:
@@ -53,8 +53,12 @@ class PrefillAdder:
         self.clip = clip
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens = chunked_prefill_size
+        # A running request's remaining output times the ratio; under 0.5.23 whole for an
+        # `ignore_eos` request (semantics.ignore_eos_ratio: one).
         self.rem_total_token_offset = sum(
-            min(r.max_new_tokens - len(r.output_ids), clip) * new_token_ratio for r in running_reqs
+            min(r.max_new_tokens - len(r.output_ids), clip) * (1.0 if ignore_eos_whole and r.ignore_eos
+                                                               else new_token_ratio)
+            for r in running_reqs
         )
         self.can_run_list: list = []
         self.new_chunked_req = None
@@ -126,30 +130,47 @@ class PrefillAdder:
         """SGLang 0.5.23's admission (`_select_prefill_admission` over `PrefillBudget`): the
         prefix locked, prompt + expected output + one page must fit; with chunked prefill a
         request longer than the chunk budget is chunked (its end floored to a page), whatever
-        the input budget and whether another request is being chunked."""
+        the input budget and whether another request is being chunked. A host hit (hiradix)
+        counts as cached for the shape; it is then loaded back (all or none, the lock moving
+        to the new last node), and when nothing loads the shape is chosen again without it."""
         max_new = min(max(req.max_new_tokens - len(req.output_ids), 0), self.clip)
-        memory, ps = self.memory, self.page_size
+        memory = self.memory
         memory.lock(req.last_node)
-        extend, prefix = req.extend_input_len, len(req.prefix_indices)
-        if extend + max_new + ps >= self.rem_total_tokens:
+        shape = self._budget_shape(req, max_new, req.host_hit_length, has_chunked)
+        if not isinstance(shape, AddResult) and req.host_hit_length > 0 and memory.load_back(req) == 0:
+            shape = self._budget_shape(req, max_new, 0, has_chunked)
+        if isinstance(shape, AddResult):
             memory.unlock(req.last_node)
-            return AddResult.NO_TOKEN
-        paged = align_up(extend, ps)
-        gate_input = self.rem_chunk_tokens is None or not self.chunk_instead
-        if gate_input and self.can_run_list and paged >= self.rem_input_tokens:
-            memory.unlock(req.last_node)
-            return AddResult.OTHER
-        if self.rem_chunk_tokens is not None and paged > self.rem_chunk_tokens:
-            extend = align_down(prefix + align_down(self.rem_chunk_tokens, ps), ps) - prefix
-            if extend <= 0 or (has_chunked and not self.chunk_instead):
-                memory.unlock(req.last_node)
-                return AddResult.OTHER
-            req.extend_input_len, max_new = extend, 0
+            return shape
+        prefix = len(req.prefix_indices)
+        extend, chunked = shape
+        req.extend_input_len = extend
+        if chunked:
+            max_new = 0
             req.fill_ids = req.fill_ids[: prefix + extend]
             self.new_chunked_req = req
         self.can_run_list.append(req)
         self._update_budget(req.extend_input_len, max_new, prefix)
         return self.budget_state()
+
+    def _budget_shape(self, req, max_new: int, host_hit: int, has_chunked: bool):
+        """0.5.23's `_select_prefill_admission` with `host_hit` tokens counted as cached: the
+        (extend, chunked) shape, or the AddResult that refuses the request."""
+        ps = self.page_size
+        full, prefix = len(req.fill_ids), len(req.prefix_indices) + host_hit
+        if full - len(req.prefix_indices) + max_new + ps >= self.rem_total_tokens:
+            return AddResult.NO_TOKEN
+        extend = full - prefix
+        paged = align_up(extend, ps)
+        gate_input = self.rem_chunk_tokens is None or not self.chunk_instead
+        if gate_input and self.can_run_list and paged >= self.rem_input_tokens:
+            return AddResult.OTHER
+        if self.rem_chunk_tokens is not None and paged > self.rem_chunk_tokens:
+            extend = align_down(prefix + align_down(self.rem_chunk_tokens, ps), ps) - prefix
+            if extend <= 0 or (has_chunked and not self.chunk_instead):
+                return AddResult.OTHER
+            return extend, True
+        return extend, False
 
     def add_one_req(self, req, has_chunked_req: bool) -> AddResult:
         """Admit `req` if the budgets allow, locking its prefix. A match with a host-only part
@@ -235,6 +256,8 @@ class AdmissionGate:
         """Before each waiting request: may one more be admitted?"""
         if self.sglang:
             if num_admitted >= self.max_running - (num_running + self.lagging):
+                if self.relaxed and num_running == 0:
+                    return False  # 0.5.23: the flag of an empty running batch, which this prefill replaces
                 self.full = True
             return not self.full
         return num_running + num_admitted + has_chunked < self.max_running
@@ -244,7 +267,10 @@ class AdmissionGate:
         """The budget refused a request. With a host tier (SGLang's hierarchical cache) the
         pool budget closes the gate only when something was admitted or is running."""
         if self.sglang and result == AddResult.NO_TOKEN:
-            self.full = (num_admitted > 0 or num_running > 0) if hierarchical or self.relaxed else True
+            if self.relaxed:  # set on an empty running batch, the flag goes with it when this prefill replaces it
+                self.full = num_running > 0
+            else:
+                self.full = (num_admitted > 0 or num_running > 0) if hierarchical else True
 
     def shrank(self) -> None:
         """A prefill or decode batch lost requests."""

@@ -29,6 +29,8 @@ class Req:
         self.max_new_tokens = max_new_tokens
         self.extra_key = extra_key
         self.arrival_ms = arrival_ms
+        self.ignore_eos = False  # SGLang's sampling_params.ignore_eos (the trace's; set by the replay)
+        self.eos_len = -1  # the output length whose last token is EOS (-1: never; set by the replay)
         self.device = device
         self.kv = ReqKV(device)
         self.output_ids: list[int] = []

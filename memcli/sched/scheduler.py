@@ -16,6 +16,7 @@ from collections import deque
 from operator import attrgetter
 
 from memcli.config import REQ_INPUT_MARGIN, Config
+from memcli.errors import ConfigError
 from memcli.mem_cache.manager import MemoryManager, Release
 from memcli.mem_cache.pages import output_room
 from memcli.sched.batch import ScheduleBatch
@@ -78,6 +79,8 @@ class Scheduler:
         self.chunk_instead = behaviour.rem_input_gate == "chunk"
         self.full_chunk = behaviour.chunk_progress == "full_chunk"
         self.release_committed = behaviour.overlap_release == "committed"
+        self.ignore_eos_whole = behaviour.ignore_eos_ratio == "one"
+        self.eos_extra_insert = behaviour.eos_extra_insert == "one"
         self.refresh_waiting = (behaviour.waiting_prefix_refresh == "touch" and memory.sharing
                                 and config.cache.eviction_policy == "lru")
         self._refresh_calls = 0
@@ -99,7 +102,12 @@ class Scheduler:
         return Req(rid, input_ids, max_new_tokens, self.device, extra_key, arrival_ms)
 
     def add_request(self, req: Req) -> None:
-        """Queue a request; it arrives when the clock reaches `req.arrival_ms`."""
+        """Queue a request; it arrives when the clock reaches `req.arrival_ms`. An `ignore_eos`
+        request needs a sharing cache: without one SGLang admits it by `add_one_req_ignore_eos`,
+        which is not modelled (ConfigError)."""
+        if req.ignore_eos and not self.memory.sharing:
+            raise ConfigError(f"request {req.rid} is ignore_eos, and cache.kind has no prefix sharing",
+                              hint="use --set cache.kind=radix, or drop ignore_eos from the trace")
         self.pending.append(req)
 
     def active_reqs(self) -> list[Req]:
@@ -272,7 +280,7 @@ class Scheduler:
         adder = PrefillAdder(self.memory, self.running.reqs, self.new_token_ratio,
                              self.cfg.max_prefill_tokens, self.cfg.chunked_prefill_size, self.page_size,
                              self.cfg.max_new_tokens_clip, self.align_chunks, self.admission_reserve,
-                             self.chunk_instead, self.full_chunk)
+                             self.chunk_instead, self.full_chunk, self.ignore_eos_whole)
         chunked_pending = self.chunked_req
         if chunked_pending is not None:
             chunked_pending.init_next_round_input(None)
@@ -388,7 +396,7 @@ class Scheduler:
                     memory.cache_unfinished(req, chunked=True)
                 continue
             req.output_ids.append(self.next_output_token())
-            if len(req.output_ids) >= req.max_new_tokens:
+            if len(req.output_ids) >= req.max_new_tokens or len(req.output_ids) == req.eos_len:
                 self.finish(req)
             else:
                 memory.cache_unfinished(req)
@@ -461,7 +469,7 @@ class Scheduler:
         for token, req in enumerate(reqs, base):
             out = req.output_ids
             out.append(token)
-            if len(out) >= req.max_new_tokens:
+            if len(out) >= req.max_new_tokens or len(out) == req.eos_len:
                 done.append(req)
         with memory.free_group():
             for req in done:

@@ -30,7 +30,8 @@ from memcli.workload import FORMATS
 from memcli.mem_cache.pages import cdiv
 from memcli.workload.spec import SYNTHETIC_TOKEN_BASE, RequestSpec, Trace, TokenRun
 
-MEMCLI_KEYS = ("rid", "input_ids", "input_len", "prefix", "output_len", "arrival_ms", "extra_key", "priority")
+MEMCLI_KEYS = ("rid", "input_ids", "input_len", "prefix", "output_len", "arrival_ms", "extra_key", "priority",
+               "ignore_eos", "max_new_tokens")
 PREFIX_KEYS = ("rid", "len")
 MOONCAKE_REQUIRED = ("input_length", "output_length", "hash_ids")
 # `timestamp` is optional (all lines or none), so is vLLM's `priority`; the Qwen-Bailian fields are accepted and
@@ -211,6 +212,14 @@ class _Line:
             self.fail(f'"priority" must be an integer, got {_describe(value)}',
                       "write priority as a JSON integer (vLLM's request priority: smaller is served first)")
         return value
+
+    def optional_bool(self, key: str) -> bool:
+        """The JSON boolean at `key`; False when absent or null."""
+        value = self.obj.get(key)
+        if value is not None and type(value) is not bool:
+            self.fail(f'"{key}" must be true or false, got {_describe(value)}',
+                      f'write it as a JSON boolean: "{key}": true')
+        return bool(value)
 
     def int_list(self, key: str, upper: int | None = None) -> list[int]:
         value = self.obj[key]
@@ -398,6 +407,8 @@ class _MemcliParser:
             output_len=output_len,
             arrival_ms=line.arrival("arrival_ms"),
             extra_key=line.optional_str("extra_key"),
+            ignore_eos=line.optional_bool("ignore_eos"),
+            max_new_tokens=self._max_new_tokens(line, output_len),
             token_runs=runs,
             block_size=self.block_size,
             line=line.no,
@@ -405,6 +416,19 @@ class _MemcliParser:
         )
         self.by_rid[rid] = (line.no, spec)
         return spec
+
+    @staticmethod
+    def _max_new_tokens(line: _Line, output_len: int) -> int | None:
+        if line.obj.get("max_new_tokens") is None:
+            return None
+        value = line.int_field("max_new_tokens", minimum=0)
+        if value < output_len:
+            line.fail(f'"max_new_tokens" {value} is below output_len {output_len}',
+                      "a request stops at max_new_tokens; give at least output_len (more: it ends on EOS)")
+        if value > output_len and line.obj.get("ignore_eos") is True:
+            line.fail(f'"max_new_tokens" {value} is above output_len {output_len} on an ignore_eos request',
+                      "an ignore_eos request never stops on EOS: drop max_new_tokens or ignore_eos")
+        return value
 
     def _check_keys(self, line: _Line, obj: dict[str, Any]) -> None:
         unknown = sorted(obj.keys() - _MEMCLI_KEY_SET)

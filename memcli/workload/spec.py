@@ -55,6 +55,20 @@ class RequestSpec:
     block_size: int = 512
     line: int | None = None  # line of the trace file it was read from (1-based), if any
     priority: int = 0  # vLLM's request priority (smaller first; read by its priority policy only)
+    ignore_eos: bool = False  # SGLang's sampling_params.ignore_eos (a fixed-length request)
+    # SGLang's sampling_params.max_new_tokens when it exceeds output_len: the request then
+    # finishes on a stop token (EOS) after output_len tokens; None: at output_len, by length.
+    max_new_tokens: int | None = None
+
+    @property
+    def sampling_limit(self) -> int:
+        """The request's max_new_tokens: the trace's, else output_len."""
+        return self.output_len if self.max_new_tokens is None else self.max_new_tokens
+
+    @property
+    def eos_len(self) -> int | None:
+        """The output length at which the request samples EOS, or None (it finishes by length)."""
+        return self.output_len if self.sampling_limit > self.output_len else None
 
     def __post_init__(self) -> None:
         if (self.token_runs is None) == (self.hash_ids is None):
@@ -166,3 +180,14 @@ class Trace:
 def output_token_base(trace: Trace) -> int:
     """First id a replay may give to output tokens: above every input token of the trace."""
     return trace.max_token_id + 1
+
+
+def apply_sampling(req, spec: RequestSpec) -> None:
+    """Give a scheduler request made from `spec` (with max_new_tokens = output_len) the
+    trace's sampling fields: SGLang's requests (`eos_len`, `ignore_eos`) take max_new_tokens,
+    the EOS position and ignore_eos; a request without them (vLLM's) keeps output_len."""
+    if not hasattr(req, "eos_len"):
+        return
+    req.max_new_tokens = spec.sampling_limit
+    req.eos_len = -1 if spec.eos_len is None else spec.eos_len
+    req.ignore_eos = spec.ignore_eos

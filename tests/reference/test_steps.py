@@ -141,3 +141,15 @@ def test_memcli_matches_the_reference_with_a_host_tier(ref, monkeypatch, event_l
     assert result.divergence is None, result.divergence
     assert sum(loads) > 0  # prefixes came back from the host tier
     assert result.notes and "synchronous" in result.notes[0]
+
+
+@pytest.mark.parametrize("event_loop", LOOPS)
+def test_requests_finishing_on_eos(ref, event_loop):
+    """Every other request stops on EOS, 40 tokens before its max_new_tokens: memcli's 0.5.5
+    profile follows SGLang 0.5.5 step by step (its admission reserves the larger limit)."""
+    case = CASES[5]
+    config, plain, base = _load(case, event_loop)
+    requests = [dataclasses.replace(r, max_new_tokens=r.output_len + 40) if i % 2 == 0 else r
+                for i, r in enumerate(plain)]
+    result = run_side_by_side(config, requests, case.arrivals, base, ref=ref)
+    assert result.divergence is None, result.divergence

@@ -4,6 +4,8 @@ vs memcli's scheduler under the sglang-0.5.23 engine, on the bundled traces (the
 0.5.5 step tests): every step's batch, prefixes, slots, evictions, retractions, finishes and
 pool sizes are equal, and 0.5.23's own loop finishes every request and conserves the pool."""
 
+import dataclasses
+
 import pytest
 
 from memcli.config import replace
@@ -62,3 +64,52 @@ def test_overlap_skips_the_decode_of_requests_finishing_in_flight(worker0523):
     old = replace(config, semantics={**ENGINE, "event_loop": "overlap", "skip_finishing_decode": "decode",
                                      "overlap_release": "lagging"})
     assert compare_steps(steps, old, requests, case.arrivals, base).divergence is not None
+
+
+@pytest.mark.parametrize("event_loop", ["overlap", "normal"])
+def test_ignore_eos_requests_are_reserved_whole(worker0523, event_loop):
+    """Every other request `ignore_eos`: 0.5.23 reserves their remaining output whole in
+    admission, which changes its steps; memcli follows it step by step, and the 0.5.5 reserve
+    (times the new-token ratio, `ignore_eos_ratio: ratio`) is caught."""
+    case = CASES[1]
+    config, plain, base = _case(case, event_loop)
+    requests = [dataclasses.replace(r, ignore_eos=i % 2 == 0) for i, r in enumerate(plain)]
+    steps = reference_steps(worker0523, config, requests, case.arrivals, base)
+    assert [s.obs for s in steps] != [s.obs for s in reference_steps(worker0523, config, plain, case.arrivals, base)]
+    diff = compare_steps(steps, config, requests, case.arrivals, base)
+    assert diff.failure is None and diff.divergence is None and diff.steps == len(steps)
+    ratio = replace(config, semantics={**ENGINE, "event_loop": event_loop, "ignore_eos_ratio": "ratio"})
+    assert compare_steps(steps, ratio, requests, case.arrivals, base).divergence is not None
+
+
+def _eos(requests):
+    """Every other request ends on EOS: max_new_tokens 40 over the tokens it generates."""
+    return [dataclasses.replace(r, max_new_tokens=r.output_len + 40) if i % 2 == 0 else r
+            for i, r in enumerate(requests)]
+
+
+@pytest.mark.parametrize("event_loop", ["overlap", "normal"])
+def test_requests_finishing_on_eos(worker0523, event_loop):
+    """Requests that stop on EOS before max_new_tokens (retractions included, page size 16):
+    memcli follows 0.5.23 step by step."""
+    case = CASES[5]
+    config, plain, base = _case(case, event_loop)
+    requests = _eos(plain)
+    steps = reference_steps(worker0523, config, requests, case.arrivals, base)
+    assert sorted(rid for step, _ in steps for rid in step.finished) == sorted(r.rid for r in requests)
+    diff = compare_steps(steps, config, requests, case.arrivals, base)
+    assert diff.failure is None and diff.divergence is None and diff.steps == len(steps)
+
+
+def test_an_eos_finish_under_overlap_inserts_the_token_in_flight(worker0523):
+    """Under overlap an EOS finish was decoded once more; 0.5.23 inserts that token too (page
+    size 1, so every token counts): leaving it out (`eos_extra_insert: none`) is caught."""
+    case = CASES[1]
+    config, plain, base = _case(case, "overlap")
+    requests = _eos(plain)
+    steps = reference_steps(worker0523, config, requests, case.arrivals, base)
+    diff = compare_steps(steps, config, requests, case.arrivals, base)
+    assert diff.failure is None and diff.divergence is None and diff.steps == len(steps)
+    none = replace(config, semantics={**ENGINE, "event_loop": "overlap", "eos_extra_insert": "none"})
+    sglang, memcli = compare_steps(steps, none, requests, case.arrivals, base).divergence
+    assert sglang.evictable == memcli.evictable + 1  # the first EOS finish: one token fewer in the tree

@@ -124,6 +124,9 @@ BAD = {
     "mem extra_key type": (GOOD_MEM, {"input_len": 3, "output_len": 1, "extra_key": 3}, '"extra_key" must be a string'),
     "mem priority type": (GOOD_MEM, {"input_len": 3, "output_len": 1, "priority": "high"}, '"priority" must be an integer'),
     "moon priority type": (GOOD_MOON, moon(1, 5, [0, 1], priority=1.5), '"priority" must be an integer'),
+    "mem max_new_tokens short": (GOOD_MEM, {"input_len": 3, "output_len": 5, "max_new_tokens": 4}, '"max_new_tokens" 4 is below output_len 5'),
+    "mem eos and ignore_eos": (GOOD_MEM, {"input_len": 3, "output_len": 5, "max_new_tokens": 6, "ignore_eos": True}, "on an ignore_eos request"),
+    "mem ignore_eos type": (GOOD_MEM, {"input_len": 3, "output_len": 1, "ignore_eos": 1}, '"ignore_eos" must be true or false'),
     "mem prefix unknown rid": (GOOD_MEM, {"input_len": 5, "output_len": 1, "prefix": {"rid": "zz", "len": 2}}, 'prefix rid "zz" is not an earlier request'),
     "mem prefix too long": (GOOD_MEM, {"input_len": 5, "output_len": 1, "prefix": {"rid": "a", "len": 4}}, "prefix len 4 is longer"),
     "mem prefix over input": (GOOD_MEM, {"input_len": 1, "output_len": 1, "prefix": {"rid": "a", "len": 2}}, "prefix len 2 is longer"),
@@ -274,6 +277,20 @@ def test_memcli_fields_are_kept(tmp_path):
     path = write(tmp_path, {"rid": "q", "input_ids": [1, 2], "output_len": 0, "arrival_ms": 2, "extra_key": "lora-a"})
     (spec,) = read_trace(path, block_size=16).requests
     assert (spec.rid, spec.output_len, spec.arrival_ms, spec.extra_key, spec.block_size) == ("q", 0, 2.0, "lora-a", 16)
+    assert not spec.ignore_eos
+
+
+def test_ignore_eos_is_read(tmp_path):
+    path = write(tmp_path, {"input_len": 2, "output_len": 1, "ignore_eos": True},
+                 {"input_len": 2, "output_len": 1, "ignore_eos": None})
+    assert [spec.ignore_eos for spec in read_trace(path).requests] == [True, False]
+
+
+def test_max_new_tokens_sets_the_eos_position(tmp_path):
+    path = write(tmp_path, {"input_len": 2, "output_len": 3, "max_new_tokens": 9},
+                 {"input_len": 2, "output_len": 3, "max_new_tokens": 3}, {"input_len": 2, "output_len": 3})
+    specs = read_trace(path).requests
+    assert [(s.sampling_limit, s.eos_len) for s in specs] == [(9, 3), (3, None), (3, None)]
 
 
 def test_priority_is_read_and_defaults_to_zero(tmp_path):

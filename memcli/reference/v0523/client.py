@@ -69,5 +69,9 @@ class Worker0523:
         if self.proc is not None:
             if self.proc.stdin:
                 self.proc.stdin.close()
-            self.proc.wait(timeout=30)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # its answers are all in; a slow teardown is not waited for
+                self.proc.kill()
+                self.proc.wait()
             self.proc = None

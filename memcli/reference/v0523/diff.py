@@ -20,7 +20,8 @@ CORE = "rust"  # SGLang's default tree core
 
 
 def _wire(spec: RequestSpec) -> list:
-    return [spec.rid, [int(t) for t in spec.input_ids()], spec.output_len, spec.extra_key, spec.arrival_ms]
+    return [spec.rid, [int(t) for t in spec.input_ids()], spec.output_len, spec.extra_key, spec.arrival_ms,
+            spec.ignore_eos, spec.sampling_limit, spec.eos_len]
 
 
 class ReferenceStep(NamedTuple):
@@ -84,11 +85,13 @@ def compare_steps(reference: list[ReferenceStep], config: Config, requests: Sequ
 def run_side_by_side_0523(config: Config, requests: Sequence[RequestSpec], arrivals: str, output_token_base: int,
                           max_steps: Optional[int] = None, worker: Any = None) -> StepDiff:
     from memcli.reference.v0523.client import Worker0523, unavailable_reason_0523
+    from memcli.reference.v0523.loop import host_tier
 
-    if config.cache.kind not in ("radix", "none") or config.cache.eviction_policy == "belady":
+    if config.cache.kind == "chunk" or config.cache.eviction_policy == "belady":
         raise MemcliError(f"cache.kind {config.cache.kind} / eviction_policy {config.cache.eviction_policy}: the"
-                          " SGLang 0.5.23 reference runs the unified radix tree (lru, lfu) only",
-                          "use --set cache.kind=radix and cache.eviction_policy=lru or lfu")
+                          " SGLang 0.5.23 reference runs the unified radix tree (lru, lfu; host tier optional) only",
+                          "use --set cache.kind=radix or hiradix and cache.eviction_policy=lru or lfu")
+    host_tier(config)  # refuses host-tier settings SGLang's side cannot share, before the worker starts
     reason = unavailable_reason_0523()
     if reason is not None:
         raise MemcliError(f"the SGLang 0.5.23 reference cannot run here: {reason}")

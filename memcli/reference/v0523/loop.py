@@ -16,7 +16,7 @@ finishes by length (`_reqs_finishing_inflight`), and skips the step instead of r
 when memory is short while such requests exist.
 
 Left out, as in the 0.5.5 loop: mixed chunks, priorities, LoRA, grammars, PD, DP attention,
-speculative decoding, EOS (a request finishes at its `max_new_tokens`), and the host tier. Settings come from a memcli `Config` as for 0.5.5
+speculative decoding, stop strings (a request finishes at its `max_new_tokens`, or on `EOS_ID` where the trace gives a larger `max_new_tokens`), and the host tier. Settings come from a memcli `Config` as for 0.5.5
 (`memcli.reference.loop`); `run_reference_replay` returns one observation per step, in the
 terms of `memcli.reference.observe.StepObservation` (JSON).
 """
@@ -32,9 +32,29 @@ from typing import Any, Optional
 import torch
 
 from memcli.config import Config, config_from_dict
-from memcli.reference.v0523.stack import build_stack_0523, publish_server_args
+from memcli.errors import MemcliError
+from memcli.reference.v0523.stack import HostTier, build_stack_0523, publish_server_args
 
 VOCAB_SIZE = 1 << 62  # sampled ids are fresh large integers; none is a stop token
+LOAD_BACK_THRESHOLD = 10  # UnifiedRadixCache.init_hicache sets it (not an argument)
+EOS_ID = VOCAB_SIZE - 1  # what a request the trace ends on EOS samples last (its only stop token)
+
+
+def host_tier(config: Config) -> Optional[HostTier]:
+    """`--enable-hierarchical-cache` with `--hicache-ratio` and `--hicache-write-policy` for
+    `cache.kind hiradix`; None otherwise."""
+    cache = config.cache
+    if cache.kind != "hiradix":
+        return None
+    if cache.host_size_gib is not None:
+        raise MemcliError("cache.host_size_gib sizes the host pool by the model's bytes per token, which SGLang's"
+                          " side of the diff (a one-layer pool) does not share",
+                          "size the host tier with cache.host_ratio (--set cache.host_size_gib=null)")
+    if cache.load_back_threshold != LOAD_BACK_THRESHOLD:
+        raise MemcliError(f"cache.load_back_threshold is {cache.load_back_threshold}; SGLang 0.5.23's"
+                          f" init_hicache fixes it at {LOAD_BACK_THRESHOLD}",
+                          f"use --set cache.load_back_threshold={LOAD_BACK_THRESHOLD}")
+    return HostTier(cache.write_policy, cache.host_ratio)
 
 
 class ReferenceLoop0523:
@@ -49,7 +69,8 @@ class ReferenceLoop0523:
         ref.schedule_policy.CLIP_MAX_NEW_TOKENS = sched.max_new_tokens_clip
         stack = build_stack_0523(ref, config.pool_size, ps, core, config.cache.eviction_policy,
                                  rows=mem.max_running_requests, context_len=mem.max_context_len + 4,
-                                 disable=config.cache.kind == "none")
+                                 disable=config.cache.kind == "none", host=host_tier(config))
+        self.hierarchical = stack.tree.cache_controller is not None
         self.tree, self.allocator, self.req_to_token_pool = stack.tree, stack.allocator, stack.req_to_token_pool
         self._count_evictions()
         self.policy = ref.schedule_policy.SchedulePolicy(sched.policy, self.tree, False, False, False)
@@ -120,11 +141,12 @@ class ReferenceLoop0523:
     def _recv_requests(self) -> None:
         ref = self.ref
         while self.pending and self.pending[0][0] <= self.clock_ms:
-            _, (rid, input_ids, output_len, extra_key, _arrival) = self.pending.popleft()
+            _, (rid, input_ids, _output, extra_key, _arrival, ignore_eos, max_new, eos_len) = self.pending.popleft()
             params = importlib.import_module("sglang.srt.sampling.sampling_params").SamplingParams(
-                max_new_tokens=output_len)
+                max_new_tokens=max_new, ignore_eos=ignore_eos, stop_token_ids=None if eos_len is None else [EOS_ID])
             params.normalize(None)
             req = ref.Req(rid, "", array("q", input_ids), params, vocab_size=VOCAB_SIZE, extra_key=extra_key)
+            req.memcli_eos_len = eos_len  # its output length when it samples EOS_ID (None: never)
             self._init_max_new_tokens(req)
             self.waiting.append(req)
 
@@ -138,6 +160,8 @@ class ReferenceLoop0523:
         req.sampling_params.max_new_tokens = max(0, max_new if max_new is not None else 0)
 
     def get_next_batch_to_run(self) -> Optional[Any]:
+        if self.hierarchical:  # Scheduler._process_hicache_events, first thing every step
+            self.tree.check_hicache_events()
         exclude = set()
         common = self.ref.common
         if self.chunked_req is not None:
@@ -221,6 +245,8 @@ class ReferenceLoop0523:
         batch = self.ref.ScheduleBatch.init_new(can_run, self.req_to_token_pool, self.allocator, self.tree,
                                                 self.model_config, self.enable_overlap, self.spec,
                                                 chunked_req=self.chunked_req)
+        if self.hierarchical:
+            batch.hicache_consumer_index = self.tree.ready_to_load_host_cache()
         batch.prepare_for_extend()
         batch.decoding_reqs = None
         return batch
@@ -283,6 +309,8 @@ class ReferenceLoop0523:
             if prefill and req.inflight_middle_chunks > 0:
                 req.inflight_middle_chunks -= 1
                 continue
+            if len(req.output_ids) + 1 == req.memcli_eos_len:
+                token = EOS_ID
             req.output_ids.append(token)
             req.update_finish_state()
             if req.finished():
@@ -292,6 +320,8 @@ class ReferenceLoop0523:
             elif prefill:
                 common.checkpoint_kv_cache(req, self.tree)
         self.allocator.free_group_end()
+        if self.hierarchical:  # run_batch's end: this batch's queued host backups are submitted
+            self.tree.flush_pending_backups()
 
     def on_idle(self) -> None:
         available, evictable = self.allocator.available_size(), self.tree.evictable_size()
@@ -304,6 +334,12 @@ class ReferenceLoop0523:
             self.clock_ms = max(self.clock_ms, self.pending[0][0])
 
     # -- observations -------------------------------------------------------------------------
+    def _host_used(self) -> int:
+        if not self.hierarchical:
+            return 0
+        host = self.tree.cache_controller.mem_pool_host.anchor_entry.host_pool  # the KV host pool
+        return host.size - host.available_size()
+
     def observe(self) -> dict:
         batch = self.step_batch if self.step_kind != "idle" else None
         rids, extend, prefix, loc = (), (), (), ()
@@ -319,7 +355,7 @@ class ReferenceLoop0523:
                 "prefix_lens": list(prefix), "out_cache_loc": list(loc), "evicted": self.step_evicted,
                 "retracted": self.step_retracted, "finished": self.step_finished,
                 "available": self.allocator.available_size(), "evictable": self.tree.evictable_size(),
-                "protected": self.tree.protected_size(), "host_used": 0, "clock_ms": self.clock_ms,
+                "protected": self.tree.protected_size(), "host_used": self._host_used(), "clock_ms": self.clock_ms,
                 "waiting": [r.rid for r in self.waiting], "running": [r.rid for r in self.running.reqs],
                 "chunked": self.chunked_req.rid if self.chunked_req is not None else None,
                 "new_token_ratio": self.new_token_ratio}

@@ -38,7 +38,15 @@ def _replay(ref: Any, **args: Any) -> Any:
     return run_reference_replay(ref, **args)
 
 
-TASKS: dict[str, Callable[..., Any]] = {"info": _info, "ops": _ops, "replay": _replay}
+def _host_pool(ref: Any, size: int, page_size: int, ratio: float, **_: Any) -> int:
+    """Slots of the host pool `init_hicache` builds beside a `size`-token device pool."""
+    from memcli.reference.v0523.stack import HostTier, build_stack_0523
+
+    stack = build_stack_0523(ref, size, page_size, "rust", host=HostTier("write_through", ratio))
+    return int(stack.tree.cache_controller.mem_pool_host.anchor_entry.host_pool.size)
+
+
+TASKS: dict[str, Callable[..., Any]] = {"info": _info, "ops": _ops, "replay": _replay, "host_pool": _host_pool}
 
 
 def serve(stdin=sys.stdin, stdout=sys.stdout) -> None:

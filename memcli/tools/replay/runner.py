@@ -46,7 +46,7 @@ from memcli.devices import resolve_device
 from memcli.steps import SchedulerHooks
 from memcli.timing import torch_threads
 from memcli.workload.future import FutureTooLarge, FutureUses, build_future, check_future_fits
-from memcli.workload.spec import Trace, output_token_base
+from memcli.workload.spec import Trace, apply_sampling, output_token_base
 
 RECORDS_KEPT = 4096  # the scheduler's own step records are trimmed to this many (we keep our own)
 
@@ -274,7 +274,9 @@ class _Run:
         sched = self.scheduler
         # A priority only when the trace gives one: an engine without vLLM's priority policy may not take it.
         extra = {"priority": spec.priority} if spec.priority else {}
-        sched.add_request(sched.new_req(spec.rid, spec.input_ids(), spec.output_len, spec.extra_key, arrival_ms, **extra))
+        req = sched.new_req(spec.rid, spec.input_ids(), spec.output_len, spec.extra_key, arrival_ms, **extra)
+        apply_sampling(req, spec)
+        sched.add_request(req)
         if self.instruments is not None:
             self.instruments.arrived(spec.rid, arrival_ms)
         self.next += 1

@@ -336,3 +336,14 @@ def test_synthetic_head_replays(tmp_path):
     doc = run_json(SYNTHETIC, "--limit", 12, "--set", "memory.max_total_tokens=400000",
                    "--set", "memory.max_context_len=200000", "--set", "memory.max_running_requests=16")
     assert doc["summary"]["finished"] == 12 and doc["integrity"]["ok"]
+
+
+def test_ignore_eos_requests_need_a_sharing_cache(tmp_path):
+    """Requests marked ignore_eos replay on the radix tree; without prefix sharing SGLang
+    admits them by a path memcli does not model, so the replay is refused (exit 2)."""
+    path = tmp_path / "eos.jsonl"
+    path.write_text('{"input_len": 40, "output_len": 5, "ignore_eos": true}\n{"input_len": 30, "output_len": 3}\n')
+    ok = invoke(path, *SMALL, "--engine", "sglang-0.5.23", "--json")
+    assert ok.exit_code == 0, ok.stderr
+    refused = invoke(path, *SMALL, "--engine", "sglang-0.5.23", "--set", "cache.kind=chunk")
+    assert refused.exit_code == 2 and "ignore_eos" in refused.stderr and "hint:" in refused.stderr
