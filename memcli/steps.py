@@ -10,6 +10,7 @@ fills both gets the log and the timeline unchanged.
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -56,6 +57,56 @@ class StepRecord(NamedTuple):
     batch: Optional[StepBatch] = None  # the batch computed, when hooks.record_batches (else None)
 
 
+VLLM_WINDOW_REQUESTS = 1000  # CachingMetrics(max_recent_requests=1000), vLLM's logged hit rate
+
+
+class VllmReported(NamedTuple):
+    """vLLM's `PrefixCacheStats` summed over the run, and the hit rate its logger logs last."""
+
+    requests: int
+    queries: int
+    hits: int
+    preempted_requests: int
+    preempted_queries: int
+    preempted_hits: int
+    window_requests: int
+    window_queries: int
+    window_hits: int
+
+    @classmethod
+    def of_steps(cls, steps: list, max_recent: int = VLLM_WINDOW_REQUESTS) -> "VllmReported | None":
+        """From the per-step stats (`SchedulerStats.prefix_cache_steps`); None without any.
+        The window is `CachingMetrics.observe` applied step by step: a step that admitted no
+        fresh request is not observed, and while more than one step is held and they hold
+        more than `max_recent` requests (1,000 in vLLM's loggers), the oldest step goes."""
+        if not steps:
+            return None
+        totals = [sum(col) for col in zip(*steps)]
+        held: deque = deque()
+        n = q = h = 0
+        for requests, queries, hits, *_ in steps:
+            if requests == 0:
+                continue
+            held.append((requests, queries, hits))
+            n, q, h = n + requests, q + queries, h + hits
+            while len(held) > 1 and n > max_recent:
+                r0, q0, h0 = held.popleft()
+                n, q, h = n - r0, q - q0, h - h0
+        return cls(*totals, n, q, h)
+
+    @property
+    def per_run_hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def window_hit_rate(self) -> float:
+        return self.window_hits / self.window_queries if self.window_queries else 0.0
+
+    @property
+    def preempted_hit_rate(self) -> float:
+        return self.preempted_hits / self.preempted_queries if self.preempted_queries else 0.0
+
+
 @dataclass
 class SchedulerStats:
     prefill_batches: int = 0
@@ -79,6 +130,9 @@ class SchedulerStats:
     # Per prefill batch, SGLang's logged #cached-token and #new-token (`PrefillAdder.log_*`).
     batch_cached_tokens: array = field(default_factory=lambda: array("q"))
     batch_new_tokens: array = field(default_factory=lambda: array("q"))
+    # vLLM only: per step with an admission, its `PrefixCacheStats` (requests, queries, hits,
+    # preempted requests, preempted queries, preempted hits), as the scheduler hands them out.
+    prefix_cache_steps: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
 

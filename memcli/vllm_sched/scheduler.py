@@ -88,6 +88,7 @@ class VllmScheduler:
         self.finished: list = []
         self.records: list[StepRecord] = []
         self.stats = SchedulerStats()
+        self._prefix_cache_seen = (0, 0, 0, 0, 0, 0)  # the block manager's counters at the last step
         self.next_token = hooks.output_token_base
         self.in_flight: deque = deque()  # async: scheduled steps whose output is not processed
         self.plans: list[StepPlan] = []  # kept only when `keep_plans` (differential tests)
@@ -201,6 +202,7 @@ class VllmScheduler:
         """Schedule a step, advance the requests by it (vLLM's `_update_after_schedule`),
         and run it on the simulated clock."""
         plan = self.schedule()
+        self._hand_out_prefix_cache_stats()
         if self.keep_plans:
             plan.block_ids = {r.request_id: self.memory.block_ids(r) for r in plan.reqs}
             self.plans.append(plan)
@@ -235,6 +237,15 @@ class VllmScheduler:
             else:
                 self.stats.decode_steps += 1
         return plan
+
+    def _hand_out_prefix_cache_stats(self) -> None:
+        """The step's `PrefixCacheStats` (vLLM's `make_stats` hands them out every step and
+        resets them), kept when the step admitted a request, fresh or preempted."""
+        st = self.memory.stats
+        now = (st.requests, st.queries, st.hits, st.preempted_requests, st.preempted_queries, st.preempted_hits)
+        last, self._prefix_cache_seen = self._prefix_cache_seen, now
+        if now[0] != last[0] or now[3] != last[3]:
+            self.stats.prefix_cache_steps.append(tuple(a - b for a, b in zip(now, last)))
 
     # -- scheduling -----------------------------------------------------------------------
     def schedule(self) -> StepPlan:

@@ -38,11 +38,13 @@ def test_no_step_diverges(vllm_ref, case):
     trace = read_trace(case.trace, limit=case.limit)
     settings = VllmSchedulerConfig(case.budget, 128, 131072, long_prefill_token_threshold=case.threshold,
                                    async_scheduling=case.loop == "async")
+    # a logged window of 8 requests, so that it drops steps on these short runs
     run = SideBySide(trace.requests, settings, 16, case.pool_tokens // 16, case.arrivals,
-                     token_base=output_token_base(trace)).run()
+                     token_base=output_token_base(trace), window_requests=8).run()
     assert run.divergence is None, run.divergence
     assert run.finished == case.limit and run.steps > case.limit
     assert run.real_stats == run.mem_stats and run.mem_stats[1] > 0
+    assert run.real_window == run.mem_window and 0 < run.mem_window[0] <= 8 + 8
     assert run.preemptions >= case.min_preemptions
 
 

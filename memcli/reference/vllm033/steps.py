@@ -19,7 +19,7 @@ from memcli.config import SimConfig
 from memcli.mem_cache.block_manager import BlockManager
 from memcli.reference.vllm033.loader import VllmReference, load_vllm
 from memcli.reference.vllm033.ops import real_request
-from memcli.steps import SchedulerHooks
+from memcli.steps import VLLM_WINDOW_REQUESTS, SchedulerHooks, VllmReported
 from memcli.vllm_sched.scheduler import VllmScheduler, VllmSchedulerConfig
 
 
@@ -123,6 +123,10 @@ class VllmStepDiff(NamedTuple):
     preemptions: int = 0
     finished: int = 0
     reference: str = "vllm"  # what reports call the reference side
+    # The hit rate each side's logger would log last (requests, queries, hits): vLLM's own
+    # `CachingMetrics` over its steps' stats, memcli's `VllmReported` over its own.
+    real_window: tuple = ()
+    mem_window: tuple = ()
 
 
 @dataclass
@@ -139,6 +143,7 @@ class SideBySide:
     sim: SimConfig = field(default_factory=SimConfig)
     token_base: int = 1 << 40
     ref: VllmReference = field(default_factory=lambda: load_vllm(scheduler=True))
+    window_requests: int = VLLM_WINDOW_REQUESTS  # the loggers' max_recent_requests
 
     def __post_init__(self):
         self.real = real_scheduler(self.ref, self.settings, self.block_size, self.num_blocks)
@@ -150,6 +155,7 @@ class SideBySide:
         self.pending: list = []  # added to memcli, not yet arrived for vLLM
         self.queue: deque = deque()  # vLLM's batch queue (async)
         self.real_stats = [0, 0, 0, 0]
+        self.real_window = self.ref.stats.CachingMetrics(max_recent_requests=self.window_requests)
 
     def _add(self, spec, arrival_ms: float) -> None:
         tokens = [int(t) for t in spec.input_ids()]
@@ -201,9 +207,14 @@ class SideBySide:
     def _result(self, steps: int, divergence, times) -> VllmStepDiff:
         m = self.mem.memory.stats
         loop = "async" if self.settings.async_scheduling else "sync"
+        w = self.real_window
+        mine = VllmReported.of_steps(self.mem.stats.prefix_cache_steps, self.window_requests)
         return VllmStepDiff(steps, divergence, times[0], times[1], loop, (), None, tuple(self.real_stats),
                             (m.queries, m.hits, m.preempted_queries, m.preempted_hits),
-                            self.mem.stats.retractions, self.mem.stats.finished)
+                            self.mem.stats.retractions, self.mem.stats.finished,
+                            real_window=(w.aggregated_requests, w.aggregated_query_total, w.aggregated_query_hit),
+                            mem_window=(0, 0, 0) if mine is None else
+                            (mine.window_requests, mine.window_queries, mine.window_hits))
 
     def _real_step(self, step: int) -> StepObservation:
         """One engine-core step of vLLM: `step()` (sync) or `step_with_batch_queue()` (async)."""
@@ -262,6 +273,7 @@ class SideBySide:
             finished.extend(o.request_id for o in eco.outputs if o.finish_reason is not None)
             stats = eco.scheduler_stats.prefix_cache_stats if eco.scheduler_stats else None
             if stats is not None:
+                self.real_window.observe(stats)  # as vLLM's logger does with every step's stats
                 for i, name in enumerate(("queries", "hits", "preempted_queries", "preempted_hits")):
                     self.real_stats[i] += getattr(stats, name)
         return finished

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from memcli.mem_cache.pages import align_down, num_pages, whole_pages
+from memcli.steps import VLLM_WINDOW_REQUESTS, VllmReported
 
 WARMUP_FRACTION = 0.5
 WINDOW_REQUESTS = 1000
@@ -37,6 +38,11 @@ DEFINITIONS = {
                          " (sum #new-token + sum #cached-token)",
     "vllm": "vLLM's prefix-cache hit rate: hits / queries in tokens, counted at every admission (again after a"
             " retraction): queries the request's tokens at that time (prompt and output so far), hits those matched",
+    "vllm_reported": "vLLM's own PrefixCacheStats (vllm-0.33 only): queries and hits of fresh admissions"
+                     " (queries all of the request's tokens at admission), re-admissions of preempted"
+                     " requests apart; per_run = hits / queries over the whole run; logged_window = what"
+                     " vLLM's logger logs last (CachingMetrics: the steps' stats aggregated over the most"
+                     " recent 1,000 fresh requests, whole steps dropped oldest first, the latest kept)",
     "belady": "hit_rate of a second replay with cache.eviction_policy belady (offline: the evictable leaf whose"
               " first page is next used furthest in the future goes first), everything else equal",
     "ceiling": "what a cache that never evicts gives when requests run one after another: per request the longest"
@@ -168,6 +174,7 @@ class PrefixStats:
     last_batch_hit_rate: float = 0.0
     vllm_queries: int = 0
     vllm_hits: int = 0
+    vllm_reported: "VllmReported | None" = None
 
     @property
     def hit_rate(self) -> float:
@@ -261,6 +268,7 @@ class EngineCounters:
     batch_new: np.ndarray
     vllm_queries: int
     vllm_hits: int
+    prefix_cache_steps: tuple = ()  # vLLM's per-step PrefixCacheStats (`SchedulerStats`)
 
     @classmethod
     def empty(cls) -> "EngineCounters":
@@ -275,6 +283,7 @@ class EngineCounters:
             "batch_mean_hit_rate": float(rates.mean()) if len(rates) else 0.0,
             "last_batch_hit_rate": float(rates[-1]) if len(rates) else 0.0,
             "vllm_queries": self.vllm_queries, "vllm_hits": self.vllm_hits,
+            "vllm_reported": VllmReported.of_steps(list(self.prefix_cache_steps)),
         }
 
 

@@ -10,7 +10,8 @@ from rich.table import Table
 
 from memcli.mem_cache.integrity import page_label, story
 from memcli.tools.replay.host_tier import TIER_DEFINITION, tier_rows
-from memcli.tools.replay.metrics import DEFINITIONS, EVICTION_DEFINITIONS, WINDOW_REQUESTS, downsample
+from memcli.tools.replay.metrics import (DEFINITIONS, EVICTION_DEFINITIONS, VLLM_WINDOW_REQUESTS, WINDOW_REQUESTS,
+                                         downsample)
 from memcli.tools.replay.results import ReplayOutcome, ReplayResult
 from memcli.report.envelope import envelope
 from memcli.report.tables import fmt, kv_table
@@ -65,6 +66,33 @@ def replay_document(result: ReplayResult, series_points: int = SERIES_POINTS,
     }, result.config)
 
 
+def _vllm_reported_section(v) -> dict[str, Any]:
+    """vLLM's own counters (`memcli.steps.VllmReported`): the per-run rate and the logged window."""
+    return {
+        "per_run": {"requests": v.requests, "queries": v.queries, "hits": v.hits,
+                    "hit_rate": _round(v.per_run_hit_rate)},
+        "preempted": {"requests": v.preempted_requests, "queries": v.preempted_queries,
+                      "hits": v.preempted_hits, "hit_rate": _round(v.preempted_hit_rate)},
+        "logged_window": {"max_recent_requests": VLLM_WINDOW_REQUESTS, "requests": v.window_requests,
+                          "queries": v.window_queries, "hits": v.window_hits,
+                          "hit_rate": _round(v.window_hit_rate)},
+        "definition": DEFINITIONS["vllm_reported"],
+    }
+
+
+def _vllm_reported_rows(v) -> list:
+    if v is None:
+        return []
+    return [
+        ("vLLM's counters, per run (memcli)", f"{_pct(v.per_run_hit_rate)} ({v.hits:,} / {v.queries:,},"
+                                               f" {v.requests:,} requests)"),
+        ("vLLM's counters, preempted apart", f"{_pct(v.preempted_hit_rate)} ({v.preempted_hits:,} /"
+                                              f" {v.preempted_queries:,}, {v.preempted_requests:,} requests)"),
+        (f"vLLM's logged hit rate (last {VLLM_WINDOW_REQUESTS:,} requests)",
+         f"{_pct(v.window_hit_rate)} ({v.window_hits:,} / {v.window_queries:,}, {v.window_requests:,} requests)"),
+    ]
+
+
 def _prefix_section(p, bound: Optional[ReplayResult]) -> dict[str, Any]:
     """The prefix cache's hit rates, each with its definition (`metrics.DEFINITIONS`)."""
     return {
@@ -92,6 +120,7 @@ def _prefix_section(p, bound: Optional[ReplayResult]) -> dict[str, Any]:
                               "definition": DEFINITIONS["sglang_cumulative"]},
         "vllm": {"queries": p.vllm_queries, "hits": p.vllm_hits, "hit_rate": _round(p.vllm_hit_rate),
                  "definition": DEFINITIONS["vllm"]},
+        **({"vllm_reported": _vllm_reported_section(p.vllm_reported)} if p.vllm_reported is not None else {}),
         "belady": None if bound is None else {
             "cached_tokens": bound.prefix.cached_tokens, "hit_rate": _round(bound.prefix.hit_rate),
             "evictions": bound.eviction.evictions, "wall_time_s": _round(bound.summary.wall_s, 3),
@@ -214,7 +243,9 @@ def footnotes(result: ReplayResult, bound: Optional[ReplayResult] = None) -> lis
     paged = result.prefix.page_size > 1
     return [("hit rate", "hit_rate"), ("per-request mean", "per_request_mean"), ("page hit rate", "page_hit_rate"),
             ("block ratio", "block_ratio"), ("SGLang per batch", "sglang_batch"),
-            ("SGLang cumulative", "sglang_cumulative"), ("vLLM", "vllm"), ("first 50% excluded", "warmup_excluded"),
+            ("SGLang cumulative", "sglang_cumulative"), ("vLLM", "vllm"),
+            *([("vLLM's counters", "vllm_reported")] if result.prefix.vllm_reported is not None else []),
+            ("first 50% excluded", "warmup_excluded"),
             *([(f"last {WINDOW_REQUESTS:,} requests", "last_1000")] if result.trace.requests > WINDOW_REQUESTS else []),
             ("ceiling", "ceiling"), *([("Belady bound", "belady")] if bound is not None else []),
             ("lost to capacity and timing", "lost_to_capacity_and_timing"),
@@ -288,6 +319,7 @@ def _prefix_table(result: ReplayResult, bound: Optional[ReplayResult]) -> Table:
                                           f" ({p.batches:,} batches)"),
         ("SGLang cumulative", _pct(p.sglang_cumulative_hit_rate)),
         ("vLLM (hits / queries)", f"{_pct(p.vllm_hit_rate)} ({p.vllm_hits:,} / {p.vllm_queries:,})"),
+        *_vllm_reported_rows(p.vllm_reported),
         ("hit rate, first 50% excluded", _pct(p.warmup_excluded_hit_rate)),
         # over a trace of at most WINDOW_REQUESTS the window is the whole trace: the hit rate above
         *([(f"hit rate, last {WINDOW_REQUESTS:,} requests", _pct(p.last_1000_hit_rate))]

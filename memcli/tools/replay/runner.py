@@ -348,7 +348,8 @@ class _Run:
             ),
             prefix=prefix_stats(input_lens, self.log.cached_tokens, shared, ps, trace.block_size, EngineCounters(
                 np.frombuffer(stats.batch_cached_tokens, dtype=np.int64),
-                np.frombuffer(stats.batch_new_tokens, dtype=np.int64), stats.admission_queries, stats.admission_hits)),
+                np.frombuffer(stats.batch_new_tokens, dtype=np.int64), stats.admission_queries, stats.admission_hits,
+                tuple(stats.prefix_cache_steps))),
             occupancy=occupancy_stats(series, pool, ps),
             allocation=AllocationStats(
                 allocations=stats.allocations, allocated_tokens=stats.allocated_tokens, frees=frees,
