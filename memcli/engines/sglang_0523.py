@@ -20,10 +20,10 @@ from memcli.stack import build_stack
 NAME = "sglang-0.5.23"
 
 
-def _reference(config, requests: list, arrivals: str, output_token_base: int, max_steps=None):
+def _reference(config, requests: list, arrivals: str, output_token_base: int, max_steps=None, on_step=None):
     from memcli.reference.v0523.diff import run_side_by_side_0523
 
-    return run_side_by_side_0523(config, requests, arrivals, output_token_base, max_steps)
+    return run_side_by_side_0523(config, requests, arrivals, output_token_base, max_steps, on_step=on_step)
 
 
 ENGINE = register(Engine(
@@ -36,6 +36,7 @@ ENGINE = register(Engine(
     make_req=Req,
     make_batch=_batch,
     reference=_reference,
+    reference_steps=True,
     limits=max_req_len_cuts,  # SGLang's request limits, with 0.5.23's memory clip
     baseline="sglang-0.5.5",
 ))

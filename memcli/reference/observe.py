@@ -15,16 +15,14 @@ requests come from the scheduler's own event log.
 from __future__ import annotations
 
 import math
-import os
 import time
-import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
 from memcli.config import Config
+from memcli.reference.failure import RAISED, debugging, raised_at, what_raised
 from memcli.reference.loop import ReferenceLoop
 from memcli.reference.loop_overlap import reference_loop
 from memcli.sched.scheduler import Scheduler, SchedulerHooks
@@ -222,14 +220,10 @@ def run_side_by_side(config: Config, requests: Sequence[RequestSpec], arrivals: 
                 middle = time.perf_counter()
                 side = "memcli's scheduler"
                 mem_obs = _idle_observation(mem.scheduler.step_count, None) if mem.is_done() else mem.step()
-            except (AssertionError, RuntimeError, ValueError, IndexError, KeyError, TypeError) as exc:
-                # Either side's own checks (SGLang's leak check, its assertions, memcli's
-                # integrity and progress guards) end the comparison: a finding, not a crash.
-                if os.environ.get("MEMCLI_DEBUG") == "1":
+            except RAISED as exc:  # a side's own check: a finding, not a crash (memcli.reference.failure)
+                if debugging():
                     raise
-                where = traceback.extract_tb(exc.__traceback__)[-1]
-                failure = (f"{side} raised at step {steps}: {type(exc).__name__}: {exc}"
-                           f" ({Path(where.filename).name}:{where.lineno}, in {where.name})")
+                failure = raised_at(side, steps, what_raised(exc))
                 return StepDiff(steps, None, ref_s, mem_s, config.behaviour.event_loop, notes, failure)
             ref_s, mem_s = ref_s + middle - start, mem_s + time.perf_counter() - middle
             steps += 1

@@ -194,3 +194,97 @@ def test_reference_diff_writes_both_step_logs_and_they_match_the_replays(ref, tm
     assert logs["equal"] is True and logs["first_divergence"] is None
     assert logs["steps_a"] == logs["steps_b"] == len(mine.read_text().splitlines())
     assert logs["cached_tokens"]["a"] == logs["cached_tokens"]["b"] > 0
+
+
+# SGLang 0.5.23's reference runs whole in its worker process; memcli steps beside its steps.
+V0523 = ["--engine", "sglang-0.5.23"]
+
+
+def test_reference_diff_0523_writes_both_step_logs_and_they_match_the_replay(worker0523, tmp_path):
+    mine, theirs, replayed = tmp_path / "memcli.jsonl", tmp_path / "sglang.jsonl", tmp_path / "replay.jsonl"
+    result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "8", "--steps-out", str(mine),
+                                      "--reference-steps-out", str(theirs), "--json", *V0523])
+    assert result.exit_code == 0, result.output
+    replay = CliRunner().invoke(app, ["replay", TRACE, "--limit", "8", "--arrivals", "burst",
+                                      "--steps-out", str(replayed), *V0523])
+    assert replay.exit_code == 0, replay.output
+    # memcli's side of the harness writes the replay's log; SGLang 0.5.23's side, built from
+    # the worker's observations, equals it too.
+    assert mine.read_text() == replayed.read_text() and len(mine.read_text().splitlines()) > 10
+    assert CliRunner().invoke(app, ["diff", str(theirs), str(mine)]).exit_code == 0
+    logs = json.loads(result.stdout)["step_logs"]
+    assert logs["a"] == "the engine's own code" and logs["b"] == "memcli"
+    assert logs["equal"] is True and logs["first_divergence"] is None
+    assert logs["steps_a"] == logs["steps_b"] == len(theirs.read_text().splitlines())
+    assert logs["cached_tokens"]["a"] == logs["cached_tokens"]["b"] > 0
+
+
+def test_reference_diff_0523_step_logs_show_the_divergence(worker0523, tmp_path):
+    """Under the memcli profile the sides diverge; the two logs written differ too."""
+    mine, theirs = tmp_path / "memcli.jsonl", tmp_path / "sglang.jsonl"
+    result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "6", "--set", "memory.max_total_tokens=90000",
+                                      "--set", "memory.max_context_len=88000", "--set", "scheduler.chunked_prefill_size=1024",
+                                      "--set", "semantics.profile=memcli", "--steps-out", str(mine),
+                                      "--reference-steps-out", str(theirs), *V0523])
+    assert result.exit_code == 1, result.output
+    assert "first divergent step:" in result.stdout and "step logs (A: the engine's own code, B: memcli):" in result.stdout
+    assert mine.read_text() != theirs.read_text()
+    assert CliRunner().invoke(app, ["diff", str(theirs), str(mine)]).exit_code == 1
+
+
+class _BadTokenWorker:
+    """The real 0.5.23 worker, sent request 10 (arriving at 3 s) with a token SGLang's loop
+    cannot take: its loop raises in the step that request arrives in, mid-run (memcli's side
+    runs the trace as is)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def call(self, task, **args):
+        if task == "replay":
+            args["requests"][10][1][-1] = "not a token"
+        return self.worker.call(task, **args)
+
+    def close(self):  # the fixture's worker, closed by the fixture
+        pass
+
+
+def test_diff_0523_reports_sglang_raising_as_a_failure_not_a_traceback(worker0523, monkeypatch):
+    from memcli.reference.v0523 import client
+
+    monkeypatch.setattr(client, "Worker0523", lambda: _BadTokenWorker(worker0523))
+    monkeypatch.delenv("MEMCLI_DEBUG", raising=False)
+    args = ["reference", "diff", TRACE, "--limit", "12", "--arrivals", "timestamp", *V0523]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    line = next(line for line in result.stdout.splitlines() if line.startswith("failed: "))
+    assert line.startswith("failed: SGLang's loop raised at step ") and "TypeError" in line and "(loop.py:" in line
+    step = int(line.split("raised at step ")[1].split(":")[0])
+    assert step > 10 and f"{step} steps compared before it" in result.stdout
+    doc = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
+    assert doc["failure"] == line.removeprefix("failed: ") and doc["divergent"] is False and doc["steps"] == step
+    monkeypatch.setenv("MEMCLI_DEBUG", "1")  # the worker's error, raised here
+    result = CliRunner().invoke(app, args)
+    assert result.exception is not None and "TypeError" in str(result.exception)
+
+
+def test_diff_0523_names_memcli_when_its_scheduler_raises(worker0523, monkeypatch):
+    from memcli.reference import observe
+
+    real_step = observe.MemcliSide.step
+
+    def failing(self):
+        if self.scheduler.step_count == 2:
+            raise IndexError("a bug of memcli's")
+        return real_step(self)
+
+    monkeypatch.setattr(observe.MemcliSide, "step", failing)
+    monkeypatch.delenv("MEMCLI_DEBUG", raising=False)
+    args = ["reference", "diff", TRACE, "--limit", "6", *V0523]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert "failed: memcli's scheduler raised at step 2: IndexError: a bug of memcli's (test_cli.py:" in result.stdout
+    assert "2 steps compared before it" in result.stdout
+    monkeypatch.setenv("MEMCLI_DEBUG", "1")
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, IndexError)

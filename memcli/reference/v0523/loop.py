@@ -33,6 +33,7 @@ import torch
 
 from memcli.config import Config, config_from_dict
 from memcli.errors import MemcliError
+from memcli.reference.failure import RAISED, what_raised
 from memcli.reference.v0523.stack import HostTier, build_stack_0523, publish_server_args
 
 VOCAB_SIZE = 1 << 62  # sampled ids are fresh large integers; none is a stop token
@@ -394,14 +395,23 @@ class OverlapReferenceLoop0523(ReferenceLoop0523):
 
 def run_reference_replay(ref: Any, config: dict, requests: list, arrivals: str = "burst",
                          output_token_base: int = 1 << 40, core: str = "rust",
-                         max_steps: Optional[int] = None) -> list[dict]:
+                         max_steps: Optional[int] = None, debug: bool = False) -> list[dict]:
     """Every step's observation until all requests finished (or `max_steps`), in the loop
-    `semantics.event_loop` names."""
+    `semantics.event_loop` names. A step that raises (SGLang's own checks, the leak check;
+    `memcli.reference.failure.RAISED`) ends the list with `{"raised": WHAT, "step": N}`
+    instead of its observation; with `debug` (the client's `MEMCLI_DEBUG=1`) it is raised
+    (the task's error, with its traceback)."""
     config = config_from_dict(config)
     cls = OverlapReferenceLoop0523 if config.behaviour.event_loop == "overlap" else ReferenceLoop0523
     loop = cls(ref, config, requests, arrivals, output_token_base, core)
     out = []
     while not loop.is_done() and (max_steps is None or loop.step_count < max_steps):
-        loop.step()
+        try:
+            loop.step()
+        except RAISED as exc:
+            if debug:
+                raise
+            out.append({"raised": what_raised(exc), "step": loop.step_count})
+            break
         out.append(loop.observe())
     return out

@@ -1,1 +1,1 @@
-"""`memcli reference diff`: memcli's scheduler against SGLang 0.5.5's own loop, step by step."""
+"""`memcli reference diff`: memcli's scheduler against the engine's own loop (SGLang 0.5.5's, 0.5.23's), step by step."""
