@@ -1,4 +1,5 @@
-"""Step-level differential run: memcli's scheduler against SGLang 0.5.5's loop, step by step.
+"""Step-level differential run: memcli's scheduler against the engine's own code (SGLang 0.5.5's
+or 0.5.23's loop, vLLM's scheduler), step by step.
 
     result = run_reference_diff(load_config(None, [], builtin="replay"), "trace.jsonl", limit=20)
     result.exit_code   # 0 equal, 1 divergent or failed
