@@ -38,10 +38,11 @@ def test_the_host_pool_counts_in_host_memory_and_its_hint_fits(available):
     settings = ["memory.kv_pool=indices", "cache.kind=hiradix", "cache.host_ratio=1000"]
     cfg = load_config(None, settings)
     need = estimate_stack_bytes(cfg)
-    assert need.host_pool == 16384 * 1000 * 17 and need.on_device == need.total - need.host_pool
+    # 1,000 device pools and 0.5.23's padding page (the default engine; page size 1)
+    assert need.host_pool == (16384 * 1000 + 1) * 17 and need.on_device == need.total - need.host_pool
     assert estimate_stack_bytes(cfg, device_type="cuda").host_pool == need.host_pool  # indices: no K/V on the host
     materialized = load_config(None, ["cache.kind=hiradix"])
-    assert estimate_stack_bytes(materialized, device_type="cuda").host_pool == 16384 * 2 * (17 + 2048)
+    assert estimate_stack_bytes(materialized, device_type="cuda").host_pool == (16384 * 2 + 1) * (17 + 2048)
     available(GIB // 8)
     with pytest.raises(CapacityError) as info:
         check_footprint(cfg, CPU)
@@ -104,4 +105,4 @@ def test_a_gpu_stacks_host_pool_is_checked_against_host_memory(monkeypatch):
     assert info.value.message.startswith("memory: the hiradix host pool needs 2.0 GiB but the host has 1.0 GiB")
     assert "--set cache.host_ratio=" in info.value.hint
     room["cpu"] = 8 * GIB
-    assert check_footprint(cfg, torch.device("cuda")).host_pool == 16384 * 64 * (17 + 2048)
+    assert check_footprint(cfg, torch.device("cuda")).host_pool == (16384 * 64 + 1) * (17 + 2048)  # + padding page
