@@ -206,6 +206,19 @@ class BlockPhase:
         return rows
 
 
+    def coverage(self) -> dict[str, int]:
+        """What the run exercised, in vLLM's terms (the counts an SGLang run has and vLLM has
+        not, such as chunk-cache or abort counts, are left out: their rows are not shown)."""
+        stats = self.sched.stats
+        hits = [r.first_cached_tokens for r in self.reqs if r.first_cached_tokens]
+        return {"requests": len(self.reqs), "finished": sum(1 for r in self.reqs if r.finished),
+                "prefill_batches": stats.prefill_batches, "decode_steps": stats.decode_steps,
+                "radix_hits": len(hits), "cached_tokens": stats.admission_hits, "kv_events": self.events,
+                "evicted_blocks": self.memory.evicted_tokens_total // self.memory.block_size,
+                "evicted_tokens": self.memory.evicted_tokens_total,
+                "preemptions": stats.retractions, "retracted_requests": stats.retracted_requests}
+
+
 def run_block_page_size(config: Config, injections: dict, trace: Optional[Workload], steps: int) -> PageSizeRun:
     """Everything checked at `config`'s block size (`injections`: holders given another)."""
     config, _ = with_changes(config, {"cache.kv_events": (True, "the events' block size is checked")})
@@ -223,8 +236,7 @@ def run_block_page_size(config: Config, injections: dict, trace: Optional[Worklo
         phases.append(PhaseResult(
             f"workload (block manager, {loop} loop)", "BlockManager",
             workload.description, phase.memory.size, bs, phase.sched.step_count, time.perf_counter() - start,
-            phase.rows(), {"requests": len(phase.reqs), "finished": sum(1 for r in phase.reqs if r.finished),
-                           "kv_events": phase.events, "cached_tokens": phase.sched.stats.admission_hits},
+            phase.rows(), phase.coverage(),
             violation, [], loop))
     notes = [f"injected (debugging only): {', '.join(f'{k}.page_size={v}' for k, v in injections.items())}"] \
         if injections else []

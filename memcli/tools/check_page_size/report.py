@@ -25,9 +25,11 @@ COVERAGE_LABELS = {
     "prefill_chunks": "non-final prefill chunks",
     "page_boundary_decodes": "decode steps opening a new page (per request)",
     "evictions": "evictions (tree nodes)",
+    "evicted_blocks": "evictions (cached blocks reused)",
     "evicted_tokens": "evicted tokens",
     "pressure_retractions": "retractions under memory pressure",
     "forced_retractions": "forced retractions (retract_every)",
+    "preemptions": "preemptions (by recompute)",
     "retracted_requests": "retracted requests",
     "aborts_waiting": "aborted while waiting (workload)",
     "aborts_running": "aborted while running (workload)",
@@ -111,8 +113,8 @@ def checks_table(title: str, checks) -> Table:
 def render_cost(run, console: Console) -> None:
     cost = run.cost
     measured = ""
-    if run.phases:
-        measured = f"; measured {run.phases[0].coverage.get('mean_partial_page_waste', 0):g} in the dynamic run"
+    if run.phases and "mean_partial_page_waste" in run.phases[0].coverage:  # sampled by SGLang's phases
+        measured = f"; measured {run.phases[0].coverage['mean_partial_page_waste']:g} in the dynamic run"
     console.print(f"cost of page size {cost.page_size}:")
     console.print(f"  partial-page waste: ({cost.page_size} - 1) / 2 = {cost.waste_per_request:g} tokens per running"
                   f" request on average; {cost.waste_at_max_running:,.0f} tokens at {cost.max_running_requests}"
@@ -130,7 +132,8 @@ def coverage_table(phases) -> Table:
     for phase in phases:
         table.add_column(phase.name, justify="right")
     for key, label in COVERAGE_LABELS.items():
-        table.add_row(label, *(fmt(phase.coverage.get(key)) for phase in phases))
+        if any(key in phase.coverage for phase in phases):  # a count no phase's engine keeps is not shown
+            table.add_row(label, *(fmt(phase.coverage.get(key)) for phase in phases))
     return table
 
 

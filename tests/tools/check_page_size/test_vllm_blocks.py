@@ -55,3 +55,22 @@ def test_an_injected_block_size_is_caught_by_the_check_it_breaks(holder, caught)
 def test_what_vllm_does_not_have_exits_2(args, message):
     result = check(*args)
     assert result.exit_code == 2 and message in result.stderr and "hint:" in result.stderr
+
+
+def test_the_coverage_table_shows_vllms_counts_only():
+    """Under vLLM the table lists what the block manager's run counted (no SGLang-only rows of
+    dashes), and its counts are the run's own."""
+    from typer.testing import CliRunner
+
+    from memcli.cli.app import app
+
+    out = CliRunner().invoke(app, ["check-page-size", "--engine", "vllm-0.33", "--page-size", "16", "--json"])
+    assert out.exit_code == 0, out.output
+    import json
+    cov = json.loads(out.stdout)["runs"][0]["phases"][0]["coverage"]
+    assert cov["requests"] == cov["finished"] == 30
+    assert cov["prefill_batches"] > 0 and cov["decode_steps"] > 0 and cov["radix_hits"] > 0
+    assert cov["evicted_tokens"] == cov["evicted_blocks"] * 16
+    assert "chunked_requests" not in cov and "mean_partial_page_waste" not in cov
+    table = CliRunner().invoke(app, ["check-page-size", "--engine", "vllm-0.33", "--page-size", "16"]).output
+    assert "preemptions (by recompute)" in table and "non-final prefill chunks" not in table
