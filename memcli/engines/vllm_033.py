@@ -72,6 +72,9 @@ def settings(config: Config) -> VllmSchedulerConfig:
         policy=config.scheduler.policy, async_scheduling=config.semantics.event_loop != "sync")
 
 
+GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.33's CacheConfig default
+
+
 def describe(config: Config) -> tuple[dict, dict]:
     """show-config: vLLM's settings in force, and its block counts and KV-cache size."""
     check_config(config)
@@ -84,7 +87,14 @@ def describe(config: Config) -> tuple[dict, dict]:
     sizes = {"block_size": bs, "num_gpu_blocks": num_blocks, "usable_blocks": num_blocks - 1,
              "pool_size": (num_blocks - 1) * bs, "kv_cache_tokens": num_blocks * bs,
              "bytes_per_token": config.model.bytes_per_token,
+             # vLLM's sizing (kv_cache_planning.py): num_blocks = available_memory // bytes_per_block,
+             # the available memory being `--kv-cache-memory-bytes` when given, else the GPU's
+             # memory x gpu_memory_utilization less the weights and the profiled activations
+             "bytes_per_block": bs * config.model.bytes_per_token,
              "kv_cache_bytes": num_blocks * bs * config.model.bytes_per_token,
+             "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
+             "gpu_gib_for_this_kv_cache": round(num_blocks * bs * config.model.bytes_per_token
+                                                / GPU_MEMORY_UTILIZATION / 2**30, 3),
              "max_num_batched_tokens": s.max_num_batched_tokens, "max_num_seqs": s.max_num_seqs,
              "max_model_len": s.max_model_len, "long_prefill_token_threshold": s.long_prefill_token_threshold}
     return behaviours, sizes

@@ -175,3 +175,24 @@ def test_replay_reads_the_traces_priorities(tmp_path):
     assert result.exit_code == 0, result.output
     admitted = {r["rid"]: r["admission_ms"] for r in map(json.loads, out.read_text().splitlines())}
     assert sorted(admitted, key=admitted.get) == ["c", "b", "a"]
+
+
+def test_show_config_sizes_the_pool_as_vllm_does():
+    """num_gpu_blocks = available_memory // bytes_per_block (vLLM's kv_cache_planning), with
+    memory.kv_budget_gib as --kv-cache-memory-bytes; the GPU share at gpu_memory_utilization."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from memcli.cli.app import app
+
+    out = CliRunner().invoke(app, ["show-config", "--engine", "vllm-0.33", "--json", "--set", "memory.kv_budget_gib=1.3",
+                                   "--set", "memory.max_total_tokens=null"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    sizes = next(v for k, v in doc.items() if isinstance(v, dict) and "bytes_per_block" in v)
+    assert sizes["bytes_per_block"] == sizes["block_size"] * sizes["bytes_per_token"]
+    assert sizes["num_gpu_blocks"] == int(1.3 * 2**30) // sizes["bytes_per_block"]
+    assert sizes["kv_cache_bytes"] == sizes["num_gpu_blocks"] * sizes["bytes_per_block"]
+    assert sizes["gpu_memory_utilization"] == 0.92
+    assert abs(sizes["gpu_gib_for_this_kv_cache"] * 0.92 * 2**30 - sizes["kv_cache_bytes"]) < 2**30 / 1000
