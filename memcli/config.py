@@ -239,6 +239,11 @@ class SemanticsConfig:
     # decode in flight (one: 0.5.23 commits a slot when it is allocated; with
     # overlap_release: committed only).
     eos_extra_insert: Optional[Literal["none", "one"]] = None
+    # A prefill batch's result: its frees (duplicate prefix pages an insert gives back) go to
+    # the allocator one by one (none: 0.5.5), or gathered and freed once at its end (grouped:
+    # 0.5.23's process_batch_result_prefill, free_group_begin/end). Paged, the free list's
+    # order differs, so which pages the next allocation takes.
+    prefill_free_group: Optional[Literal["none", "grouped"]] = None
     # Host tier, a copy short of room (a load-back on the device, a backup on the host): evict
     # the whole copy's size after a failed allocation (full_need: 0.5.5's HiRadixCache), or the
     # shortfall first, failing when that does not free it (shortfall: 0.5.23's
@@ -306,6 +311,7 @@ PROFILE_CHOICES: dict[str, dict[str, str]] = {
     "overlap_release": {"sglang-0.5.5": "lagging", "memcli": "lagging"},
     "ignore_eos_ratio": {"sglang-0.5.5": "ratio", "memcli": "ratio"},
     "eos_extra_insert": {"sglang-0.5.5": "none", "memcli": "none"},
+    "prefill_free_group": {"sglang-0.5.5": "none", "memcli": "none"},
     "hicache_evict": {"sglang-0.5.5": "full_need", "memcli": "full_need"},
     "host_pool_padding": {"sglang-0.5.5": "none", "memcli": "none"},
     "write_back_demote": {"sglang-0.5.5": "batched", "memcli": "batched"},
@@ -341,6 +347,7 @@ SGLANG_0523_CHOICES: dict[str, str] = {
     "skip_finishing_decode": "skip",  # _reqs_finishing_inflight [2.9]
     "overlap_release": "committed",  # release_kv_cache, kv_committed_len [2.6, 2.9]
     "ignore_eos_ratio": "one",  # PrefillAdder._get_running_request_total_token_offset [2.8]
+    "prefill_free_group": "grouped",  # batch_result_processor.py: process_batch_result_prefill
     "eos_extra_insert": "one",  # release_kv_cache: owned_kv_len = min(committed, input + output) [2.9]
     "hicache_evict": "shortfall",  # _load_back_transfers, _execute_kv_backup [2.5]
     "host_pool_padding": "page",  # HostKVCache.__init__: page_num = size // ps + 1 [2.5]
@@ -354,7 +361,7 @@ ENGINE_KEYS: dict[str, tuple[str, ...]] = {
     key: ("sglang-0.5.23",) for key in ("prompt_split", "waiting_prefix_refresh", "admission_reserve",
                                          "rem_input_gate", "chunk_progress", "row_order", "free_order",
                                          "tree_stamps", "skip_finishing_decode", "overlap_release",
-                                         "ignore_eos_ratio", "eos_extra_insert",
+                                         "ignore_eos_ratio", "eos_extra_insert", "prefill_free_group",
                                          "hicache_evict", "host_pool_padding",
                                          "write_back_demote", "write_back_host_reclaim")
 }

@@ -170,7 +170,11 @@ class OverlapLoop:
     # -- results ------------------------------------------------------------------------------
     def _process(self, flight: InFlight) -> None:
         if flight.kind == "prefill":
-            self._process_prefill(flight)
+            if self.sched.prefill_free_group:  # 0.5.23: the result's frees gathered into one
+                with self.sched.memory.free_group():
+                    self._process_prefill(flight)
+            else:
+                self._process_prefill(flight)
         else:
             with self.sched.memory.free_group():
                 self._process_decode(flight)

@@ -81,6 +81,7 @@ class Scheduler:
         self.release_committed = behaviour.overlap_release == "committed"
         self.ignore_eos_whole = behaviour.ignore_eos_ratio == "one"
         self.eos_extra_insert = behaviour.eos_extra_insert == "one"
+        self.prefill_free_group = behaviour.prefill_free_group == "grouped"
         self.refresh_waiting = (behaviour.waiting_prefix_refresh == "touch" and memory.sharing
                                 and config.cache.eviction_policy == "lru")
         self._refresh_calls = 0
@@ -385,6 +386,13 @@ class Scheduler:
         self._unstick()
 
     def process_prefill_result(self, batch: ScheduleBatch) -> None:
+        if self.prefill_free_group:  # 0.5.23: the result's frees gathered into one
+            with self.memory.free_group():
+                self._process_prefill_result(batch)
+        else:
+            self._process_prefill_result(batch)
+
+    def _process_prefill_result(self, batch: ScheduleBatch) -> None:
         keep = []
         memory = self.memory
         for i, req in enumerate(batch.reqs):

@@ -113,3 +113,30 @@ def test_an_eos_finish_under_overlap_inserts_the_token_in_flight(worker0523):
     none = replace(config, semantics={**ENGINE, "event_loop": "overlap", "eos_extra_insert": "none"})
     sglang, memcli = compare_steps(steps, none, requests, case.arrivals, base).divergence
     assert sglang.evictable == memcli.evictable + 1  # the first EOS finish: one token fewer in the tree
+
+
+def test_a_prefill_results_frees_are_one_group(worker0523):
+    """0.5.23 frees what a prefill result gives back in one group: under the overlap loop at
+    page size 16 two requests' duplicate prefix pages (both matching a chunk that entered the
+    tree first) go back together, so the next prefill takes the first request's pages first.
+    Freeing them one by one (0.5.5) hands out other pages at step 2."""
+    from pathlib import Path
+
+    from memcli.config import load_config
+    from memcli.workload.readers import read_trace
+    from memcli.workload.spec import output_token_base
+
+    repo = Path(__file__).resolve().parents[2]
+    config = load_config(str(repo / "configs" / "replay.yaml"), [
+        "semantics.engine=sglang-0.5.23", "semantics.event_loop=overlap", "memory.page_size=16",
+        "memory.max_total_tokens=200000"])
+    trace = read_trace(str(repo / "tests" / "data" / "conversation_head300.jsonl"), limit=8)
+    base = output_token_base(trace)
+    steps = reference_steps(worker0523, config, trace.requests, "burst", base, 12)
+    diff = compare_steps(steps, config, trace.requests, "burst", base)
+    # the reference was cut at 12 steps: memcli agrees on all of them and has steps left
+    assert len(steps) == 12 and diff.steps == 13 and diff.failure.startswith("memcli's scheduler has steps left")
+    one_by_one = replace(config, semantics={"prefill_free_group": "none"})
+    diff = compare_steps(steps, one_by_one, trace.requests, "burst", base)
+    assert diff.failure is None and diff.divergence is not None and diff.divergence[0].step == 2
+    assert diff.divergence[0].differing(diff.divergence[1]) == ["out_cache_loc"]
