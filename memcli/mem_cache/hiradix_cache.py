@@ -361,50 +361,22 @@ class HiRadixCache(RadixCache):
         self._touched(node)
         return device_prefix
 
-    def insert_unified(self, key: RadixKey, value: torch.Tensor, prev_prefix_len: int = 0,
-                       inserted_len: int = 0, owner: Any = None) -> tuple[int, TreeNode]:
-        """0.5.23's insert walk on the host tier (see `RadixCache.insert_unified`): a node on
-        the path with only a host copy takes the request's slots (`_unevict_node_on_insert`);
-        each node ending past `inserted_len` counts a hit, and reaching the write threshold
-        without a host copy starts its backup (not under write_back)."""
-        prepared = self._insert_input(key, value)
-        if prepared is None:
-            return 0, self.root
-        tokens, value, aligned = prepared
-        tokens = tokens[:aligned]
-        now = self._begin()
-        node, pos = self.root, 0
-        node.last_access_time = self._stamp()
-        while pos < aligned:
-            child = node.children.get(self._child_key(key.extra_key, tokens, pos))
-            if child is None:
-                break
-            child.last_access_time = self._stamp()
-            matched = self._common_len(child.key, tokens[pos: pos + len(child.key)])
-            if matched < len(child.key):
-                child = self._split_unified(child, matched)
-            if child.value is None:
-                child.value = value[pos: pos + matched].to(self.device, torch.int64).clone()
-                self._total += matched
-                self._evictable += matched
-                self._track_duplicate(child)
-            else:
-                start = max(prev_prefix_len, pos)
-                if start < pos + matched:
-                    self._free(value[start: pos + matched], owner, "insert")
-            if pos + matched > inserted_len:
-                self._count_insert_hit(child)
-            node, pos = child, pos + matched
-        if pos < aligned:
-            leaf_value = value[pos:aligned].to(self.device, torch.int64).clone()
-            node = self._add_leaf(node, tokens[pos:aligned].copy(), leaf_value, key.extra_key, now)
-            if aligned > inserted_len:
-                self._count_insert_hit(node)
-        self._touched(node)
-        return pos, node
+    def _insert_walked(self, child: HiTreeNode, value: torch.Tensor, pos: int, matched: int,
+                       prev_prefix_len: int, owner: Any) -> None:
+        """0.5.23's insert walk on the host tier (`RadixCache.insert_unified`): a node on the
+        path with only a host copy takes the request's slots (`_unevict_node_on_insert`); one
+        on the device frees the request's duplicates as without a host tier."""
+        if child.value is not None:
+            super()._insert_walked(child, value, pos, matched, prev_prefix_len, owner)
+            return
+        child.value = value[pos: pos + matched].to(self.device, torch.int64).clone()
+        self._total += matched
+        self._evictable += matched
+        self._track_duplicate(child)
 
     def _count_insert_hit(self, node: HiTreeNode) -> None:
-        """0.5.23's `_inc_hit_count_and_check` (none under write_back)."""
+        """0.5.23's `_inc_hit_count_and_check` (none under write_back): reaching the write
+        threshold without a host copy starts the node's backup."""
         if self.write_policy == "write_back":
             return
         node.hit_count += 1

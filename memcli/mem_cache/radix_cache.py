@@ -344,19 +344,30 @@ class RadixCache(BasePrefixCache):
             matched = self._common_len(child.key, tokens[pos : pos + len(child.key)])
             if matched < len(child.key):
                 child = self._split_unified(child, matched)
-            start = max(prev_prefix_len, pos)
-            if start < pos + matched:
-                self._free(value[start : pos + matched], owner, "insert")
-            if self.insert_hits and pos + matched > inserted_len:
-                child.hit_count += 1
+            self._insert_walked(child, value, pos, matched, prev_prefix_len, owner)
+            if pos + matched > inserted_len:
+                self._count_insert_hit(child)
             node, pos = child, pos + matched
         if pos < aligned:
             leaf_value = value[pos:aligned].to(self.device, torch.int64).clone()
             node = self._add_leaf(node, tokens[pos:aligned].copy(), leaf_value, key.extra_key, now)
-            if self.insert_hits and aligned > inserted_len:
-                node.hit_count += 1
+            if aligned > inserted_len:
+                self._count_insert_hit(node)
         self._touched(node)
         return pos, node
+
+    def _insert_walked(self, child: TreeNode, value: torch.Tensor, pos: int, matched: int,
+                       prev_prefix_len: int, owner: Any) -> None:
+        """The insert walk reached `child`, which already holds `value[pos : pos + matched]`'s
+        tokens: the request's duplicate slots past `prev_prefix_len` are freed."""
+        start = max(prev_prefix_len, pos)
+        if start < pos + matched:
+            self._free(value[start : pos + matched], owner, "insert")
+
+    def _count_insert_hit(self, node: TreeNode) -> None:
+        """A hit counted on insert (0.5.23's `lfu_hits: insert`)."""
+        if self.insert_hits:
+            node.hit_count += 1
 
     def _child_key(self, extra_key: Optional[str], tokens: np.ndarray, pos: int) -> Any:
         if self.page_size == 1:
