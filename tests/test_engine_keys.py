@@ -29,6 +29,7 @@ import pytest
 
 from memcli.config import PROFILE_CHOICES, SGLANG_0523_CHOICES, load_config
 from memcli.reference.observe import MemcliSide
+from memcli.reference.v0523.diff import watch_rows
 from memcli.workload.readers import read_trace
 from memcli.workload.spec import output_token_base
 
@@ -94,7 +95,7 @@ def replay(case: Case, engine: str, switched: tuple[tuple[str, str], ...] = ()) 
     # Values quoted: YAML would read `off` as false.
     sets = (*case.settings, f"semantics.engine={engine}", *(f"semantics.{k}='{v}'" for k, v in switched))
     mem = MemcliSide(load_config(None, sets), requests, case.arrivals, base)
-    rows = _watch_rows(mem)
+    rows = watch_rows(mem)
     steps = []
     while not mem.is_done():
         rows[0] = ()
@@ -102,18 +103,6 @@ def replay(case: Case, engine: str, switched: tuple[tuple[str, str], ...] = ()) 
         assert len(steps) < 20000, "the replay does not finish"
     return _fields(steps)
 
-
-def _watch_rows(mem: MemcliSide) -> list:
-    seen: list = [()]
-    for name in ("prefill_cost_ms", "decode_cost_ms"):
-        real = getattr(mem.scheduler, name)
-
-        def cost(batch, _real=real):
-            seen[0] = tuple(int(r.req_pool_idx) for r in batch.reqs)
-            return _real(batch)
-
-        setattr(mem.scheduler, name, cost)
-    return seen
 
 
 def _fields(steps: list) -> dict[str, tuple]:

@@ -66,7 +66,7 @@ def reference_steps(worker: Any, config: Config, requests: Sequence[RequestSpec]
     return run.steps
 
 
-def _watch_rows(mem: MemcliSide) -> list:
+def watch_rows(mem: MemcliSide) -> list:
     """The rows of each batch memcli runs (read where its cost model sees the batch)."""
     seen: list = [()]
     for name in ("prefill_cost_ms", "decode_cost_ms"):
@@ -89,7 +89,7 @@ def compare_steps(reference: list[ReferenceStep], config: Config, requests: Sequ
     `reference_failure` (the step the reference raised at). `on_step(sglang, memcli)` sees
     both observations of every step compared, the divergent one included."""
     mem = MemcliSide(config, requests, arrivals, output_token_base)
-    rows = _watch_rows(mem)
+    rows = watch_rows(mem)
     start = time.perf_counter()
     loop = config.behaviour.event_loop
     for index, (ref_obs, ref_rows) in enumerate(reference):
@@ -151,4 +151,4 @@ def run_side_by_side_0523(config: Config, requests: Sequence[RequestSpec], arriv
 
 
 __all__ = ["COMPARED", "ReferenceRun", "ReferenceStep", "compare_steps", "reference_run", "reference_steps",
-           "run_side_by_side_0523"]
+           "run_side_by_side_0523", "watch_rows"]
