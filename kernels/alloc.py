@@ -689,25 +689,13 @@ _EXTEND_WRITE_RUNTIME = ["plan_address", "req_to_token_ptr", "free_pages_ptr", "
                          "free_cap", "num_free_pages", "row_stride", "out_numel"]
 
 
-@triton.jit(do_not_specialize=_EXTEND_WRITE_RUNTIME, do_not_specialize_on_alignment=_EXTEND_WRITE_RUNTIME)
-def _alloc_extend_write_kernel(
-    plan_address,
-    req_to_token_ptr,
-    free_pages_ptr,
-    out_ptr,
-    bs: tl.int64,
-    free_start: tl.int64,
-    free_cap: tl.int64,
-    num_free_pages: tl.int64,
-    row_stride: tl.int64,
-    out_numel: tl.int64,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # Plan rows (see _PLAN_*), read from host memory: prefix length, sequence length, request
-    # row, prefix address, and the new tokens and new pages of the requests before this one.
-    pid = tl.program_id(0)
-    plan_ptr = plan_address.to(tl.pointer_type(tl.int64))
+@triton.jit
+def _extend_write_request(plan_ptr, pid, bs, req_to_token_ptr, free_pages_ptr, out_ptr, free_start, free_cap,
+                          num_free_pages, row_stride, out_numel, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """Request `pid` of an extend batch: its plan rows (see _PLAN_*, read from host memory:
+    prefix length, sequence length, request row, prefix address, and the new tokens and new
+    pages of the requests before it), its lengths and row beside the new slots in `out`, its
+    prefix and new slots in its `req_to_token` row."""
     pre = tl.load(plan_ptr + pid)
     seq = tl.load(plan_ptr + bs + pid)
     row = tl.load(plan_ptr + 2 * bs + pid)
@@ -746,7 +734,115 @@ def _alloc_extend_write_kernel(
         tl.store(row_ptr + pos, slot.to(tl.int32), mask=mask)
 
 
+@triton.jit(do_not_specialize=_EXTEND_WRITE_RUNTIME, do_not_specialize_on_alignment=_EXTEND_WRITE_RUNTIME)
+def _alloc_extend_write_kernel(
+    plan_address,
+    req_to_token_ptr,
+    free_pages_ptr,
+    out_ptr,
+    bs: tl.int64,
+    free_start: tl.int64,
+    free_cap: tl.int64,
+    num_free_pages: tl.int64,
+    row_stride: tl.int64,
+    out_numel: tl.int64,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program per request.
+    _extend_write_request(plan_address.to(tl.pointer_type(tl.int64)), tl.program_id(0), bs, req_to_token_ptr,
+                          free_pages_ptr, out_ptr, free_start, free_cap, num_free_pages, row_stride, out_numel,
+                          PAGE_SIZE, BLOCK)
+
+
 _alloc_extend_write_launch = Launcher(_alloc_extend_write_kernel)
+
+# An extend from an argument block in host memory (what a captured graph replays): a header
+# of EXTEND_ARGS_HEADER int64 (the batch size, the free list's head and length, the output's
+# address and length, the call's number), then the plan (_PLAN_* rows of the batch size).
+EXTEND_ARG_BS, EXTEND_ARG_FREE_START, EXTEND_ARG_NUM_FREE, EXTEND_ARG_OUT, EXTEND_ARG_OUT_NUMEL, EXTEND_ARG_CALL = \
+    range(6)
+EXTEND_ARGS_HEADER = 8
+
+_EXTEND_PLANNED_RUNTIME = ["args_address", "started_address", "req_to_token_ptr", "free_pages_ptr", "free_cap",
+                           "row_stride"]
+
+
+@triton.jit(do_not_specialize=_EXTEND_PLANNED_RUNTIME, do_not_specialize_on_alignment=_EXTEND_PLANNED_RUNTIME)
+def _alloc_extend_write_planned_kernel(
+    args_address,
+    started_address,
+    req_to_token_ptr,
+    free_pages_ptr,
+    free_cap: tl.int64,
+    row_stride: tl.int64,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # A grid of at least the block's batch size: programs past it do nothing. Program 0 writes
+    # the call's number to `started`: once it shows, every earlier launch on the stream is done.
+    pid = tl.program_id(0)
+    args = args_address.to(tl.pointer_type(tl.int64))
+    bs = tl.load(args + 0)
+    if pid == 0:
+        tl.store(started_address.to(tl.pointer_type(tl.int64)), tl.load(args + 5))
+    if pid < bs:
+        # The plan follows the header (EXTEND_ARGS_HEADER entries: a jitted function reads no global).
+        _extend_write_request(args + 8, pid, bs, req_to_token_ptr, free_pages_ptr,
+                              tl.load(args + 3).to(tl.pointer_type(tl.int64)), tl.load(args + 1), free_cap,
+                              tl.load(args + 2), row_stride, tl.load(args + 4), PAGE_SIZE, BLOCK)
+
+
+_alloc_extend_write_planned_launch = Launcher(_alloc_extend_write_planned_kernel)
+
+
+def fill_extend_args(block: np.ndarray, rows, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, prefixes,
+                     page_size: int, out: torch.Tensor, free_start: int, num_free: int, call: int,
+                     host_plan: np.ndarray | None = None) -> None:
+    """Write the argument block of :func:`alloc_extend_write_planned` (header, then the plan;
+    ``host_plan`` as in :func:`alloc_extend_write_triton`) for a batch whose lengths, rows and
+    new slots go to ``out`` (``3 * bs + new tokens`` int64 on the device). ``block`` must hold
+    ``EXTEND_ARGS_HEADER + 6 * bs`` entries."""
+    bs = len(rows)
+    block[:6] = (bs, free_start, num_free, out.data_ptr(), out.shape[0] - _DEVICE_ROWS * bs, call)
+    _write_plan(block[EXTEND_ARGS_HEADER : EXTEND_ARGS_HEADER + _PLAN_ROWS * bs], rows, prefix_lens_cpu,
+                seq_lens_cpu, prefixes, page_size, host_plan)
+
+
+def _write_plan(plan: np.ndarray, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, page_size: int,
+                host_plan: np.ndarray | None) -> None:
+    """The plan of a batch into ``plan``: computed, or ``host_plan`` copied and the rows set."""
+    if host_plan is None:
+        _fill_plan(plan, prefix_lens_cpu.numpy(), seq_lens_cpu.numpy(), rows, prefixes, page_size)
+        return
+    plan[:] = host_plan
+    if len(rows) == 1:
+        plan[2] = rows[0]
+    else:
+        plan[2 * len(rows) : 3 * len(rows)] = rows
+
+
+def alloc_extend_write_planned(args_address: int, started_address: int, req_to_token: torch.Tensor,
+                               free_pages: torch.Tensor, page_size: int, grid: int) -> None:
+    """``alloc_extend_write_triton`` with every per-call value read from the argument block at
+    ``args_address`` (``fill_extend_args``; pinned host memory on CUDA, any host memory under
+    the interpreter), so that a graph captured once replays any batch of at most ``grid``
+    requests. The call's number goes to the int64 at ``started_address`` when the launch
+    starts. Nothing is validated (the allocator's path)."""
+    _alloc_extend_write_planned_launch((grid,), args_address, started_address, req_to_token, free_pages,
+                                       free_pages.shape[0], req_to_token.stride(0), page_size, _EXTEND_BLOCK)
+
+
+def extend_output(bs: int, extend_num_tokens: int, device: torch.device) -> torch.Tensor:
+    """The device allocation an extend fills: lengths and rows, then the new slots."""
+    return torch.empty(_DEVICE_ROWS * bs + extend_num_tokens, dtype=torch.int64, device=device)
+
+
+def extend_views(buffer: torch.Tensor, bs: int) -> ExtendWrite:
+    """The views of an extend's output: the new slots, rows, prefix and sequence lengths."""
+    # (split_with_sizes: one call for every view, where Tensor.split goes through Python.)
+    pre_d, seq_d, rows_d, out = buffer.split_with_sizes((bs, bs, bs, buffer.shape[0] - _DEVICE_ROWS * bs))
+    return ExtendWrite(out, rows_d, pre_d, seq_d)
 
 
 def _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
@@ -843,24 +939,15 @@ def alloc_extend_write_triton(
     # Lengths, rows and new slots share one device allocation, which the kernel fills; it is
     # cut into views after the launch, while the device runs the kernel.
     device = req_to_token.device
-    buffer = torch.empty(_DEVICE_ROWS * bs + extend_num_tokens, dtype=torch.int64, device=device)
+    buffer = extend_output(bs, extend_num_tokens, device)
     if bs:
         plan, address = _plan_arena.take(_PLAN_ROWS * bs, device)
-        if host_plan is None:
-            _fill_plan(plan, prefix_lens_cpu.numpy(), seq_lens_cpu.numpy(), rows, prefixes, page_size)
-        else:
-            plan[:] = host_plan
-            if bs == 1:
-                plan[2] = rows[0]
-            else:
-                plan[2 * bs : 3 * bs] = rows
+        _write_plan(plan, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, page_size, host_plan)
         _alloc_extend_write_launch(
             (bs,), address, req_to_token, free_pages, buffer, bs, free_start, cap, num_free, req_to_token.stride(0),
             extend_num_tokens, page_size, _EXTEND_BLOCK,
         )
-    # (split_with_sizes: one call for every view, where Tensor.split goes through Python.)
-    pre_d, seq_d, rows_d, out = buffer.split_with_sizes((bs, bs, bs, extend_num_tokens))
-    return ExtendWrite(out, rows_d, pre_d, seq_d)
+    return extend_views(buffer, bs)
 
 
 def _check_host_plan(host_plan, prefix_lens_cpu, seq_lens_cpu, prefixes, page_size) -> None:

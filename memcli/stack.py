@@ -21,6 +21,7 @@ from memcli.mem_cache.base_prefix_cache import BasePrefixCache, EvictRule
 from memcli.mem_cache.cache_controller import CacheController
 from memcli.mem_cache.chunk_cache import ChunkCache
 from memcli.mem_cache.decode_graph import DecodeGraphs
+from memcli.mem_cache.extend_graph import ExtendGraphs
 from memcli.mem_cache.free_graph import FreeRowsGraphs
 from memcli.mem_cache.hiradix_cache import HiRadixCache
 from memcli.mem_cache.host_pool import HostKVPool
@@ -125,6 +126,7 @@ def build_stack(config: Config, cache_kind: str | None = None,
         allocator.decode_graphs = DecodeGraphs(allocator._buf, req_to_token_pool.req_to_token, alloc_ps,
                                                ring=alloc_ps == 1)
         allocator.free_graphs = FreeRowsGraphs(allocator._buf, req_to_token_pool.req_to_token, alloc_ps)
+        allocator.extend_graphs = ExtendGraphs(allocator._buf, req_to_token_pool.req_to_token, alloc_ps)
     if kind == "none" and "tree_cache" in overrides:
         raise ConfigError("cannot inject tree_cache.page_size: the tree cache is the bench null cache here",
                           hint="inject null_cache.page_size instead, or use cache.kind radix or chunk")

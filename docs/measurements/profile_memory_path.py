@@ -105,7 +105,8 @@ def prefill_parts(runner: CaseRunner) -> dict:
         got = pool.alloc(bs)
         pool.free(got)
 
-    return {
+    parts = graph_parts(alloc, plan, table, rows) if alloc.extend_graphs is not None else {}
+    return parts | {
         "torch_empty": tight_us(lambda: torch.empty(3 * bs + n, dtype=torch.int64, device=device)),
         "arena_take": tight_us(lambda: arena.take(6 * bs, device)),
         "plan_copy_and_rows": tight_us(plan_copy),
@@ -113,6 +114,29 @@ def prefill_parts(runner: CaseRunner) -> dict:
         "split_with_sizes": tight_us(lambda: buf.split_with_sizes((bs, bs, bs, n))),
         "row_alloc_and_free": tight_us(row_take),
         "available_size": tight_us(alloc.available_size),
+    }
+
+
+def graph_parts(alloc, plan, table, rows) -> dict:
+    """The extend as a graph replay (`ExtendGraphs`), whole and in parts; the free list is
+    read, never advanced, so the calls can repeat."""
+    graphs = alloc.extend_graphs
+    args = (table, rows, plan.prefix_lens_cpu, plan.seq_lens_cpu, plan.prefix_tensors, alloc._head,
+            plan.num_pages, plan.extend_num_tokens, plan.host_plan)
+    graphs.write(*args)
+    torch.cuda.synchronize()
+    graph = next(iter(graphs._graphs.values()))
+    bs, n = len(rows), plan.extend_num_tokens
+    out = kernels.extend_output(bs, n, table.device)
+    block = graphs._args[: graphs._stride]
+    return {
+        "extend_graph_write (whole)": tight_us(lambda: graphs.write(*args)),
+        "extend_graph_fill_args": tight_us(lambda: kernels.fill_extend_args(
+            block, rows, plan.prefix_lens_cpu, plan.seq_lens_cpu, plan.prefix_tensors, alloc.page_size, out,
+            alloc._head, plan.num_pages, 0, plan.host_plan)),
+        "extend_graph_views": tight_us(lambda: kernels.extend_views(out, bs)),
+        "graph_replay_alone": tight_us(graph.replay),
+        "extend_graph_waits_so_far": graphs.waits,
     }
 
 

@@ -83,6 +83,8 @@ class BaseAllocator:
     decode_graphs = None
     # The free of rows as a CUDA-graph replay (`free_graph.FreeRowsGraphs`), when enabled.
     free_graphs = None
+    # The extend's slots and rows as a CUDA-graph replay (`extend_graph.ExtendGraphs`), when enabled.
+    extend_graphs = None
 
     def __init__(self, size: int, page_size: int, device: torch.device, backend: str = "torch",
                  need_sort: bool = False, debug: bool = False):
@@ -343,10 +345,14 @@ class BaseAllocator:
         """
         if num_pages > self._num_free and not self._ensure(num_pages):  # the check inline: a steady batch has the pages
             return None
-        # The backend's function itself, its arguments in order (one call layer less on the memory path).
-        write = kernels.alloc_extend_write_triton if self.backend == "triton" else kernels.alloc_extend_write_torch
-        written = write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, self._buf, self.page_size,
-                        extend_num_tokens, self.debug, self._head, num_pages, host_plan)
+        graphs = self.extend_graphs
+        written = None if graphs is None else graphs.write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes,
+                                                           self._head, num_pages, extend_num_tokens, host_plan)
+        if written is None:
+            # The backend's function itself, its arguments in order (one call layer less on the memory path).
+            write = kernels.alloc_extend_write_triton if self.backend == "triton" else kernels.alloc_extend_write_torch
+            written = write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, self._buf, self.page_size,
+                            extend_num_tokens, self.debug, self._head, num_pages, host_plan)
         self._advance(num_pages, claimed)
         self._commit_alloc(num_pages)
         return written

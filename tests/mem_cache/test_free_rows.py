@@ -152,3 +152,44 @@ def test_free_graphs_give_the_launch_free_list(page_size):
             assert allocator.free_graphs.captures == SLOTS and allocator.free_graphs.waits >= 1
         states.append(_state(allocator))
     assert states[0] == states[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_extend_graphs_give_the_launchs_slots_and_rows(page_size):
+    """Extends through `ExtendGraphs` (batch sizes of three grids, with and without prefixes,
+    several queued behind a spin so blocks are reused while earlier replays wait) leave the
+    slots, rows, free list and counters of the plain launch."""
+    from memcli.mem_cache.extend_graph import SLOTS, ExtendGraphs
+    runs = []
+    for graphs in (False, True):
+        allocator, pool = _stack("triton", page_size, size=4000 * page_size, rows=40, cols=page_size * 40)
+        if graphs:
+            allocator.extend_graphs = ExtendGraphs(allocator._buf, pool.req_to_token, page_size)
+        seen = []
+        for spin in (False, True):
+            if spin:
+                torch.cuda._sleep(50_000_000)
+            # Eight extends a pass: the second pass meets the first's (grid, block) pairs, so it
+            # captures nothing and its replays reuse blocks that earlier replays still wait to read.
+            for i, bs in enumerate((1, 3, 8, 1, 5, 2, 7, 3)):
+                seen.append(_extend(allocator, pool, bs, first_row=i * 4 % 32, prefix=i % 2 == 1))
+            torch.cuda.synchronize()
+        if graphs:
+            assert allocator.extend_graphs.captures >= SLOTS and allocator.extend_graphs.waits >= 1
+        runs.append(([[t.tolist() for t in s] for s in seen], pool.req_to_token.tolist(), _state(allocator)))
+    assert runs[0] == runs[1]
+
+
+def _extend(allocator, pool, bs: int, first_row: int, prefix: bool):
+    """One extend of `bs` requests into rows from `first_row`; with `prefix`, each request's
+    first slots are an earlier allocation of its own (whole pages, plus one token)."""
+    ps = allocator.page_size
+    rows = list(range(first_row, first_row + bs))
+    prefixes = [allocator.alloc(ps)[: ps - 1 if ps > 1 else 1] if prefix else pool.req_to_token.new_empty(0)
+                .long() for _ in rows]
+    pre = torch.tensor([p.numel() for p in prefixes], dtype=torch.int64)
+    seq = pre + torch.arange(1, bs + 1, dtype=torch.int64) * (ps + 3)
+    need = int(((seq + ps - 1) // ps - (pre + ps - 1) // ps).sum())
+    written = allocator.alloc_extend_write(pool.req_to_token, rows, pre, seq, prefixes, need)
+    return written.out_cache_loc.clone(), written.req_pool_indices.clone(), written.seq_lens.clone()

@@ -1,0 +1,99 @@
+"""The extend (prefill) memory path as a CUDA-graph replay.
+
+`allocator.alloc_extend_write` writes a batch's new slots and `req_to_token` rows with one
+Triton launch, whose host work (Triton's launcher and the driver call: 13.5 to 24 µs on the
+H200 host of docs/PERFORMANCE.md, against about 5 µs for a graph replay) was the largest part
+of the prefill's memory path. `ExtendGraphs` captures `kernels.alloc_extend_write_planned`
+once per grid (the batch size's power of two) and argument block, and replays it:
+
+* arguments: everything that changes from one extend to the next (batch size, the free
+  list's head and length, the output's address and length, the plan of lengths, rows,
+  prefix addresses and offsets) is written into one of `SLOTS` blocks of pinned host memory,
+  which the kernel reads; programs past the batch size do nothing;
+* output: a fresh device allocation per call, as on the launch path, so the slots and rows a
+  batch keeps stay valid for as long as the batch holds them (the replay reads its address);
+* reuse: the kernel's first program writes its call's number to one `started` word; a block
+  is written again only once a later call has started (every launch before it on the stream
+  is then done), and after a wait on the device otherwise, never with a wrong read;
+* the same slots and rows as the launch (tested on a GPU; the kernel behind it is tested
+  against the torch reference under the interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memcli import kernels
+from memcli.kernels._common import next_power_of_2
+
+# Argument blocks in turn: a block is reused after SLOTS - 1 other extends.
+SLOTS = 4
+
+
+class ExtendGraphs:
+    """The captured extends of one allocator over one `req_to_token` table."""
+
+    def __init__(self, free_pages: torch.Tensor, req_to_token: torch.Tensor, page_size: int):
+        self.free_pages = free_pages
+        self.req_to_token = req_to_token
+        self.page_size = page_size
+        self.device = free_pages.device
+        # Every batch the table's rows allow fits a block.
+        self.max_bs = next_power_of_2(max(1, req_to_token.shape[0]))
+        self._stride = kernels.EXTEND_ARGS_HEADER + 6 * self.max_bs
+        self._args_tensor = torch.zeros(SLOTS * self._stride + 1, dtype=torch.int64, pin_memory=True)
+        self._args = self._args_tensor.numpy()
+        self._address = self._args_tensor.data_ptr()
+        self._started = SLOTS * self._stride  # index of the `started` word
+        self._last_call = [-1] * SLOTS  # the call each block last carried
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._slot = 0
+        self._calls = 0
+        self.captures = 0
+        self.waits = 0
+
+    def write(self, req_to_token: torch.Tensor, rows, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor,
+              prefixes, free_start: int, num_free: int, extend_num_tokens: int | None,
+              host_plan=None) -> kernels.ExtendWrite | None:
+        """`kernels.alloc_extend_write_triton` of the same arguments (unvalidated), as a replay;
+        None (nothing done) for an empty batch, one larger than the table's rows, or another table."""
+        bs = len(rows)
+        if not bs or bs > self.max_bs or req_to_token is not self.req_to_token:
+            return None
+        if extend_num_tokens is None:
+            extend_num_tokens = int(seq_lens_cpu.numpy().sum() - prefix_lens_cpu.numpy().sum())
+        slot = self._slot
+        self._slot = (slot + 1) % SLOTS
+        if self._args[self._started] <= self._last_call[slot]:
+            self.waits += 1  # no later call has started: the block may not have been read yet
+            torch.cuda.synchronize(self.device)
+        self._calls += 1
+        self._last_call[slot] = self._calls
+        grid = next_power_of_2(bs)
+        graph = self._graphs.get((grid, slot)) or self._capture(grid, slot)
+        buffer = kernels.extend_output(bs, extend_num_tokens, self.device)
+        base = slot * self._stride
+        kernels.fill_extend_args(self._args[base : base + self._stride], rows, prefix_lens_cpu, seq_lens_cpu,
+                                 prefixes, self.page_size, buffer, free_start, num_free, self._calls, host_plan)
+        graph.replay()
+        return kernels.extend_views(buffer, bs)
+
+    def _launch(self, slot: int, grid: int) -> None:
+        kernels.alloc_extend_write_planned(self._address + 8 * slot * self._stride, self._address + 8 * self._started,
+                                           self.req_to_token, self.free_pages, self.page_size, grid)
+
+    def _capture(self, grid: int, slot: int) -> torch.cuda.CUDAGraph:
+        # Compile (and load) the kernel first, on a block of no requests: it only writes
+        # `started`, with the last call's number (every call is done after the sync).
+        torch.cuda.synchronize(self.device)
+        base = slot * self._stride
+        self._args[base : base + kernels.EXTEND_ARGS_HEADER] = 0
+        self._args[base + kernels.EXTEND_ARG_CALL] = self._calls - 1
+        self._launch(slot, grid)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._launch(slot, grid)
+        self._graphs[(grid, slot)] = graph
+        self.captures += 1
+        return graph
