@@ -54,10 +54,10 @@ if [ "${QUICK:-0}" != 1 ]; then
   )
 fi
 
-# One job per line: name <TAB> trace file <TAB> memcli arguments.
-jobs_file=$OUT/jobs.tsv
-: > "$jobs_file"
-add() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$jobs_file"; }
+# One job per line of $OUT/jobs.tsv (docs/fidelity/replay_jobs.sh), every one from sglang-0.5.5.
+source "$ROOT/docs/fidelity/replay_jobs.sh"
+: > "$OUT/jobs.tsv"
+add() { add_job "$1" "$2" "--engine sglang-0.5.5 $3"; }
 for entry in "${TRACES[@]}"; do
   IFS='|' read -r label file pool sets <<< "$entry"
   base="${label}__${pool}"
@@ -84,28 +84,7 @@ for entry in "${TRACES[@]}"; do
   add "${base}__ps16__lru__chunk_alignment" "$file" "$ps16 $PIN --sweep semantics.chunk_alignment=page"
 done
 
-run_line() {  # the job on line $1 of jobs.tsv
-  local name file args out t0 try
-  IFS=$'\t' read -r name file args < <(sed -n "${1}p" "$OUT/jobs.tsv")
-  out=$OUT/json/$name.json
-  [ -s "$out" ] && return 0
-  for try in 1 2 3; do  # retried: a replay can fail while the code is being edited
-    t0=$(date +%s.%N)
-    # shellcheck disable=SC2086
-    if $MEMCLI replay "$file" --engine sglang-0.5.5 $args --jobs 1 --json > "$out.tmp" 2> "$OUT/json/$name.err"; then
-      mv "$out.tmp" "$out"
-      printf '%s\t%s\n' "$name" "$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')" \
-        | tee -a "$OUT/times.tsv" >&2
-      return 0
-    fi
-    echo "failed $name (try $try): $(head -c 300 "$OUT/json/$name.err")" >&2
-    sleep 5
-  done
-  rm -f "$out.tmp"
-}
-export -f run_line
-export OUT MEMCLI
-seq "$(wc -l < "$jobs_file")" | xargs -P "$JOBS" -I{} bash -c 'run_line {}'
+run_jobs
 
 python3 - "$OUT/json" "$CSV" <<'EOF'
 import csv, json, pathlib, sys
