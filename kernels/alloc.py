@@ -690,24 +690,26 @@ _EXTEND_WRITE_RUNTIME = ["plan_address", "req_to_token_ptr", "free_pages_ptr", "
 
 
 @triton.jit
-def _extend_write_request(plan_ptr, pid, bs, req_to_token_ptr, free_pages_ptr, out_ptr, free_start, free_cap,
-                          num_free_pages, row_stride, out_numel, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """Request `pid` of an extend batch: its plan rows (see _PLAN_*, read from host memory:
-    prefix length, sequence length, request row, prefix address, and the new tokens and new
-    pages of the requests before it), its lengths and row beside the new slots in `out`, its
-    prefix and new slots in its `req_to_token` row."""
-    pre = tl.load(plan_ptr + pid)
-    seq = tl.load(plan_ptr + bs + pid)
-    row = tl.load(plan_ptr + 2 * bs + pid)
-    prefix_ptr = tl.load(plan_ptr + 3 * bs + pid).to(tl.pointer_type(tl.int64))
-    out_start = tl.load(plan_ptr + 4 * bs + pid)
-    page_start = tl.load(plan_ptr + 5 * bs + pid)
+def _extend_write_request(plan_ptr, plan_stride, pid, active, bs, req_to_token_ptr, free_pages_ptr, out_ptr,
+                          free_start, free_cap, num_free_pages, row_stride, out_numel, PAGE_SIZE: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """Request `pid` of an extend batch of `bs`: its plan entries (see _PLAN_*, one row of
+    `plan_stride` entries each, read from host memory: prefix length, sequence length, request
+    row, prefix address, and the new tokens and new pages of the requests before it), its
+    lengths and row beside the new slots in `out`, its prefix and new slots in its
+    `req_to_token` row. An inactive program (past the batch) reads its entries and writes nothing."""
+    pre = tl.where(active, tl.load(plan_ptr + pid), 0)
+    seq = tl.where(active, tl.load(plan_ptr + plan_stride + pid), 0)
+    row = tl.load(plan_ptr + 2 * plan_stride + pid)
+    prefix_ptr = tl.load(plan_ptr + 3 * plan_stride + pid).to(tl.pointer_type(tl.int64))
+    out_start = tl.load(plan_ptr + 4 * plan_stride + pid)
+    page_start = tl.load(plan_ptr + 5 * plan_stride + pid)
     row_ptr = req_to_token_ptr + row * row_stride
 
     # The batch's lengths and rows on the device, before the new slots: [pre | seq | rows | out].
-    tl.store(out_ptr + pid, pre)
-    tl.store(out_ptr + bs + pid, seq)
-    tl.store(out_ptr + 2 * bs + pid, row)
+    tl.store(out_ptr + pid, pre, mask=active)
+    tl.store(out_ptr + bs + pid, seq, mask=active)
+    tl.store(out_ptr + 2 * bs + pid, row, mask=active)
     slots_ptr = out_ptr + 3 * bs
 
     # Columns [0, pre): the prefix slots, narrowed to int32.
@@ -750,7 +752,8 @@ def _alloc_extend_write_kernel(
     BLOCK: tl.constexpr,
 ):
     # One program per request.
-    _extend_write_request(plan_address.to(tl.pointer_type(tl.int64)), tl.program_id(0), bs, req_to_token_ptr,
+    pid = tl.program_id(0)
+    _extend_write_request(plan_address.to(tl.pointer_type(tl.int64)), bs, pid, pid < bs, bs, req_to_token_ptr,
                           free_pages_ptr, out_ptr, free_start, free_cap, num_free_pages, row_stride, out_numel,
                           PAGE_SIZE, BLOCK)
 
@@ -765,7 +768,7 @@ EXTEND_ARG_BS, EXTEND_ARG_FREE_START, EXTEND_ARG_NUM_FREE, EXTEND_ARG_OUT, EXTEN
 EXTEND_ARGS_HEADER = 8
 
 _EXTEND_PLANNED_RUNTIME = ["args_address", "started_address", "req_to_token_ptr", "free_pages_ptr", "free_cap",
-                           "row_stride"]
+                           "row_stride", "plan_stride"]
 
 
 @triton.jit(do_not_specialize=_EXTEND_PLANNED_RUNTIME, do_not_specialize_on_alignment=_EXTEND_PLANNED_RUNTIME)
@@ -776,61 +779,64 @@ def _alloc_extend_write_planned_kernel(
     free_pages_ptr,
     free_cap: tl.int64,
     row_stride: tl.int64,
+    plan_stride: tl.int64,
     PAGE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # A grid of at least the block's batch size: programs past it do nothing. Program 0 writes
-    # the call's number to `started`: once it shows, every earlier launch on the stream is done.
+    # A grid of `plan_stride` programs, at least the block's batch size: programs past it do
+    # nothing. The header and the plan (rows of `plan_stride` entries, after the header's
+    # EXTEND_ARGS_HEADER entries: a jitted function reads no global) are read at once, none
+    # waiting on another. Program 0 writes the call's number to `started`: once it shows,
+    # every earlier launch on the stream is done.
     pid = tl.program_id(0)
     args = args_address.to(tl.pointer_type(tl.int64))
     bs = tl.load(args + 0)
-    if pid == 0:
-        tl.store(started_address.to(tl.pointer_type(tl.int64)), tl.load(args + 5))
-    if pid < bs:
-        # The plan follows the header (EXTEND_ARGS_HEADER entries: a jitted function reads no global).
-        _extend_write_request(args + 8, pid, bs, req_to_token_ptr, free_pages_ptr,
-                              tl.load(args + 3).to(tl.pointer_type(tl.int64)), tl.load(args + 1), free_cap,
-                              tl.load(args + 2), row_stride, tl.load(args + 4), PAGE_SIZE, BLOCK)
+    tl.store(started_address.to(tl.pointer_type(tl.int64)), tl.load(args + 5), mask=pid == 0)
+    _extend_write_request(args + 8, plan_stride, pid, pid < bs, bs, req_to_token_ptr, free_pages_ptr,
+                          tl.load(args + 3).to(tl.pointer_type(tl.int64)), tl.load(args + 1), free_cap,
+                          tl.load(args + 2), row_stride, tl.load(args + 4), PAGE_SIZE, BLOCK)
 
 
 _alloc_extend_write_planned_launch = Launcher(_alloc_extend_write_planned_kernel)
 
 
-def fill_extend_args(block: np.ndarray, rows, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, prefixes,
-                     page_size: int, out: torch.Tensor, free_start: int, num_free: int, call: int,
-                     host_plan: np.ndarray | None = None) -> None:
-    """Write the argument block of :func:`alloc_extend_write_planned` (header, then the plan;
-    ``host_plan`` as in :func:`alloc_extend_write_triton`) for a batch whose lengths, rows and
-    new slots go to ``out`` (``3 * bs + new tokens`` int64 on the device). ``block`` must hold
-    ``EXTEND_ARGS_HEADER + 6 * bs`` entries."""
-    bs = len(rows)
-    block[:6] = (bs, free_start, num_free, out.data_ptr(), out.shape[0] - _DEVICE_ROWS * bs, call)
-    _write_plan(block[EXTEND_ARGS_HEADER : EXTEND_ARGS_HEADER + _PLAN_ROWS * bs], rows, prefix_lens_cpu,
-                seq_lens_cpu, prefixes, page_size, host_plan)
+def fill_extend_args(block: np.ndarray, stride: int, rows, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor,
+                     prefixes, page_size: int, out: torch.Tensor, extend_num_tokens: int, free_start: int,
+                     num_free: int, call: int, host_plan: np.ndarray | None = None) -> None:
+    """Write the argument block of :func:`alloc_extend_write_planned` (header, then the plan in
+    rows of ``stride`` entries, ``stride`` at least the batch size; ``host_plan`` as in
+    :func:`alloc_extend_write_triton`) for a batch whose lengths, rows and
+    ``extend_num_tokens`` new slots go to ``out`` (at least ``3 * bs + extend_num_tokens`` int64
+    on the device). ``block`` must hold ``EXTEND_ARGS_HEADER + 6 * stride`` entries."""
+    block[:6] = (len(rows), free_start, num_free, out.data_ptr(), extend_num_tokens, call)
+    plan = block[EXTEND_ARGS_HEADER : EXTEND_ARGS_HEADER + _PLAN_ROWS * stride].reshape(_PLAN_ROWS, stride)
+    _write_plan(plan, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, page_size, host_plan)
 
 
 def _write_plan(plan: np.ndarray, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, page_size: int,
                 host_plan: np.ndarray | None) -> None:
-    """The plan of a batch into ``plan``: computed, or ``host_plan`` copied and the rows set."""
+    """The plan of a batch into the first ``bs`` columns of ``plan`` (``_PLAN_ROWS`` rows):
+    computed, or ``host_plan`` copied and the rows set."""
+    bs = len(rows)
     if host_plan is None:
         _fill_plan(plan, prefix_lens_cpu.numpy(), seq_lens_cpu.numpy(), rows, prefixes, page_size)
-        return
-    plan[:] = host_plan
-    if len(rows) == 1:
-        plan[2] = rows[0]
+    elif bs == 1:
+        plan[:, 0] = host_plan
+        plan[_PLAN_ROW, 0] = rows[0]
     else:
-        plan[2 * len(rows) : 3 * len(rows)] = rows
+        plan[:, :bs] = host_plan.reshape(_PLAN_ROWS, bs)
+        plan[_PLAN_ROW, :bs] = rows
 
 
 def alloc_extend_write_planned(args_address: int, started_address: int, req_to_token: torch.Tensor,
                                free_pages: torch.Tensor, page_size: int, grid: int) -> None:
     """``alloc_extend_write_triton`` with every per-call value read from the argument block at
-    ``args_address`` (``fill_extend_args``; pinned host memory on CUDA, any host memory under
-    the interpreter), so that a graph captured once replays any batch of at most ``grid``
-    requests. The call's number goes to the int64 at ``started_address`` when the launch
-    starts. Nothing is validated (the allocator's path)."""
+    ``args_address`` (``fill_extend_args`` with ``stride`` = ``grid``; pinned host memory on
+    CUDA, any host memory under the interpreter), so that a graph captured once replays any
+    batch of at most ``grid`` requests. The call's number goes to the int64 at
+    ``started_address`` when the launch starts. Nothing is validated (the allocator's path)."""
     _alloc_extend_write_planned_launch((grid,), args_address, started_address, req_to_token, free_pages,
-                                       free_pages.shape[0], req_to_token.stride(0), page_size, _EXTEND_BLOCK)
+                                       free_pages.shape[0], req_to_token.stride(0), grid, page_size, _EXTEND_BLOCK)
 
 
 def extend_output(bs: int, extend_num_tokens: int, device: torch.device) -> torch.Tensor:
@@ -838,10 +844,15 @@ def extend_output(bs: int, extend_num_tokens: int, device: torch.device) -> torc
     return torch.empty(_DEVICE_ROWS * bs + extend_num_tokens, dtype=torch.int64, device=device)
 
 
-def extend_views(buffer: torch.Tensor, bs: int) -> ExtendWrite:
-    """The views of an extend's output: the new slots, rows, prefix and sequence lengths."""
+def extend_views(buffer: torch.Tensor, bs: int, extend_num_tokens: int) -> ExtendWrite:
+    """The views of an extend's output (of at least ``3 * bs + extend_num_tokens`` entries):
+    the new slots, rows, prefix and sequence lengths."""
     # (split_with_sizes: one call for every view, where Tensor.split goes through Python.)
-    pre_d, seq_d, rows_d, out = buffer.split_with_sizes((bs, bs, bs, buffer.shape[0] - _DEVICE_ROWS * bs))
+    rest = buffer.shape[0] - _DEVICE_ROWS * bs - extend_num_tokens
+    if rest:
+        pre_d, seq_d, rows_d, out, _ = buffer.split_with_sizes((bs, bs, bs, extend_num_tokens, rest))
+    else:
+        pre_d, seq_d, rows_d, out = buffer.split_with_sizes((bs, bs, bs, extend_num_tokens))
     return ExtendWrite(out, rows_d, pre_d, seq_d)
 
 
@@ -870,22 +881,23 @@ def _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu,
 
 
 def _fill_plan(plan: np.ndarray, pre: np.ndarray, seq: np.ndarray, rows, prefixes, page_size: int) -> None:
-    """The six plan rows of ``_PLAN_*``: lengths, rows, prefix addresses (0 for an empty
-    prefix, never read), and the exclusive prefix sums of new tokens and new pages."""
+    """The six plan rows of ``_PLAN_*`` (the first ``bs`` columns of ``plan``, six rows):
+    lengths, rows, prefix addresses (0 for an empty prefix, never read), and the exclusive
+    prefix sums of new tokens and new pages."""
     bs = pre.shape[0]
     if bs == 1:  # one request: six host values, no array arithmetic
         p = int(pre[0])
-        plan[:] = (p, int(seq[0]), rows[0], prefixes[0].data_ptr() if p else 0, 0, 0)
+        plan[:, 0] = (p, int(seq[0]), rows[0], prefixes[0].data_ptr() if p else 0, 0, 0)
         return
-    plan[:bs], plan[bs : 2 * bs], plan[2 * bs : 3 * bs] = pre, seq, rows
+    plan[_PLAN_PRE, :bs], plan[_PLAN_SEQ, :bs], plan[_PLAN_ROW, :bs] = pre, seq, rows
     if np.count_nonzero(pre):
-        plan[3 * bs : 4 * bs] = [p.data_ptr() for p in prefixes]
+        plan[_PLAN_PREFIX_PTR, :bs] = [p.data_ptr() for p in prefixes]
     else:
-        plan[3 * bs : 4 * bs] = 0
-    out_start = plan[4 * bs : 5 * bs]
+        plan[_PLAN_PREFIX_PTR, :bs] = 0
+    out_start = plan[_PLAN_OUT_START, :bs]
     out_start[0] = 0
     np.cumsum((seq - pre)[:-1], out=out_start[1:])
-    page_start = plan[5 * bs :]
+    page_start = plan[_PLAN_PAGE_START, :bs]
     if page_size == 1:
         page_start[:] = out_start
     else:
@@ -903,7 +915,8 @@ def extend_host_plan(prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, 
     bs = prefix_lens_cpu.shape[0]
     plan = np.zeros(_PLAN_ROWS * bs, dtype=np.int64)
     if bs:
-        _fill_plan(plan, prefix_lens_cpu.numpy(), seq_lens_cpu.numpy(), [0] * bs, prefixes, page_size)
+        _fill_plan(plan.reshape(_PLAN_ROWS, bs), prefix_lens_cpu.numpy(), seq_lens_cpu.numpy(), [0] * bs, prefixes,
+                   page_size)
     return plan
 
 
@@ -942,12 +955,12 @@ def alloc_extend_write_triton(
     buffer = extend_output(bs, extend_num_tokens, device)
     if bs:
         plan, address = _plan_arena.take(_PLAN_ROWS * bs, device)
-        _write_plan(plan, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, page_size, host_plan)
+        _write_plan(plan.reshape(_PLAN_ROWS, bs), rows, prefix_lens_cpu, seq_lens_cpu, prefixes, page_size, host_plan)
         _alloc_extend_write_launch(
             (bs,), address, req_to_token, free_pages, buffer, bs, free_start, cap, num_free, req_to_token.stride(0),
             extend_num_tokens, page_size, _EXTEND_BLOCK,
         )
-    return extend_views(buffer, bs)
+    return extend_views(buffer, bs, extend_num_tokens)
 
 
 def _check_host_plan(host_plan, prefix_lens_cpu, seq_lens_cpu, prefixes, page_size) -> None:

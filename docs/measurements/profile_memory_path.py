@@ -129,12 +129,13 @@ def graph_parts(alloc, plan, table, rows) -> dict:
     bs, n = len(rows), plan.extend_num_tokens
     out = kernels.extend_output(bs, n, table.device)
     block = graphs._args[: graphs._stride]
+    grid = kernels.alloc.next_power_of_2(bs)
     return {
         "extend_graph_write (whole)": tight_us(lambda: graphs.write(*args)),
         "extend_graph_fill_args": tight_us(lambda: kernels.fill_extend_args(
-            block, rows, plan.prefix_lens_cpu, plan.seq_lens_cpu, plan.prefix_tensors, alloc.page_size, out,
-            alloc._head, plan.num_pages, 0, plan.host_plan)),
-        "extend_graph_views": tight_us(lambda: kernels.extend_views(out, bs)),
+            block, grid, rows, plan.prefix_lens_cpu, plan.seq_lens_cpu, plan.prefix_tensors, alloc.page_size, out,
+            n, alloc._head, plan.num_pages, 0, plan.host_plan)),
+        "extend_graph_views": tight_us(lambda: kernels.extend_views(out, bs, n)),
         "graph_replay_alone": tight_us(graph.replay),
         "extend_graph_waits_so_far": graphs.waits,
     }

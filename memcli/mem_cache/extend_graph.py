@@ -10,8 +10,11 @@ once per grid (the batch size's power of two) and argument block, and replays it
   list's head and length, the output's address and length, the plan of lengths, rows,
   prefix addresses and offsets) is written into one of `SLOTS` blocks of pinned host memory,
   which the kernel reads; programs past the batch size do nothing;
-* output: a fresh device allocation per call, as on the launch path, so the slots and rows a
-  batch keeps stay valid for as long as the batch holds them (the replay reads its address);
+* output: a device allocation of the caller's own per call, as on the launch path, so the
+  slots and rows a batch keeps stay valid for as long as the batch holds them (the replay
+  reads its address). The next call's allocation is made after the replay, while the device
+  runs it, at the next power of two of this call's size; a call that needs more, or less than
+  a quarter of it, allocates its own before the replay;
 * reuse: the kernel's first program writes its call's number to one `started` word; a block
   is written again only once a later call has started (every launch before it on the stream
   is then done), and after a wait on the device otherwise, never with a wrong read;
@@ -47,6 +50,7 @@ class ExtendGraphs:
         self._started = SLOTS * self._stride  # index of the `started` word
         self._last_call = [-1] * SLOTS  # the call each block last carried
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._spare: torch.Tensor | None = None  # the next call's output, allocated ahead
         self._slot = 0
         self._calls = 0
         self.captures = 0
@@ -71,12 +75,17 @@ class ExtendGraphs:
         self._last_call[slot] = self._calls
         grid = next_power_of_2(bs)
         graph = self._graphs.get((grid, slot)) or self._capture(grid, slot)
-        buffer = kernels.extend_output(bs, extend_num_tokens, self.device)
+        size = 3 * bs + extend_num_tokens
+        buffer, self._spare = self._spare, None
+        if buffer is None or not size <= buffer.shape[0] < 4 * size:
+            buffer = torch.empty(size, dtype=torch.int64, device=self.device)
         base = slot * self._stride
-        kernels.fill_extend_args(self._args[base : base + self._stride], rows, prefix_lens_cpu, seq_lens_cpu,
-                                 prefixes, self.page_size, buffer, free_start, num_free, self._calls, host_plan)
+        kernels.fill_extend_args(self._args[base : base + self._stride], grid, rows, prefix_lens_cpu, seq_lens_cpu,
+                                 prefixes, self.page_size, buffer, extend_num_tokens, free_start, num_free,
+                                 self._calls, host_plan)
         graph.replay()
-        return kernels.extend_views(buffer, bs)
+        self._spare = torch.empty(next_power_of_2(size), dtype=torch.int64, device=self.device)
+        return kernels.extend_views(buffer, bs, extend_num_tokens)
 
     def _launch(self, slot: int, grid: int) -> None:
         kernels.alloc_extend_write_planned(self._address + 8 * slot * self._stride, self._address + 8 * self._started,

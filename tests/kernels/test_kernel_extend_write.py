@@ -360,8 +360,7 @@ def test_extend_from_an_argument_block_gives_the_launchs_slots_and_rows(page_siz
     """`alloc_extend_write_planned` (every per-call value read from a host block, a grid of
     the batch's power of two or more, as a captured graph replays it) against the torch
     reference; programs past the batch size write nothing, and program 0 marks the call."""
-    from memcli.kernels import EXTEND_ARGS_HEADER, alloc_extend_write_planned, extend_output, extend_views, \
-        fill_extend_args
+    from memcli.kernels import EXTEND_ARGS_HEADER, alloc_extend_write_planned, extend_views, fill_extend_args
     gen = torch.Generator().manual_seed(page_size)
     pinned = DEVICE.type == "cuda"
     for bs, grid in ((1, 1), (3, 4), (5, 16)):
@@ -369,16 +368,18 @@ def test_extend_from_an_argument_block_gives_the_launchs_slots_and_rows(page_siz
         rows = torch.randperm(bs + 2, generator=gen)[:bs].tolist()
         block = torch.full((EXTEND_ARGS_HEADER + 6 * grid + 1,), -9, dtype=torch.int64, pin_memory=pinned)
         t_got = table(max(rows) + 3, int(case.seq_lens.max()) + 3)  # the shape `write_case` makes
-        out = extend_output(bs, case.extend_num_tokens, DEVICE)
+        n = case.extend_num_tokens
+        out = torch.full((3 * bs + n + 5,), -3, dtype=torch.int64, device=DEVICE)  # more than it needs
         plan = extend_host_plan(case.prefix_lens.cpu(), case.seq_lens.cpu(), case.prefix_slots, page_size) \
             if bs == 3 else None  # a plan built ahead, or computed
-        fill_extend_args(block.numpy(), rows, case.prefix_lens.cpu(), case.seq_lens.cpu(), case.prefix_slots,
-                         page_size, out, 0, case.free_pages.shape[0], 41, plan)
+        fill_extend_args(block.numpy(), grid, rows, case.prefix_lens.cpu(), case.seq_lens.cpu(), case.prefix_slots,
+                         page_size, out, n, 0, case.free_pages.shape[0], 41, plan)
         alloc_extend_write_planned(block.data_ptr(), block.data_ptr() + 8 * (block.shape[0] - 1), t_got,
                                    case.free_pages, page_size, grid)
         if pinned:
             torch.cuda.synchronize()
-        got = extend_views(out, bs)
+        assert out[3 * bs + n :].tolist() == [-3] * 5  # nothing written past the batch's entries
+        got = extend_views(out, bs, n)
         ref, t_ref = write_case(case, rows, alloc_extend_write_torch, spare_rows=2)
         assert torch.equal(got.out_cache_loc, ref.out_cache_loc) and torch.equal(t_got, t_ref)
         assert got.req_pool_indices.tolist() == rows
