@@ -92,17 +92,19 @@ class ExtendGraphs:
                                            self.req_to_token, self.free_pages, self.page_size, grid)
 
     def _capture(self, grid: int, slot: int) -> torch.cuda.CUDAGraph:
-        # Compile (and load) the kernel first, on a block of no requests: it only writes
-        # `started`, with the last call's number (every call is done after the sync).
+        """The graphs of `grid` for every block at once (a warm-up meets each grid once), each
+        compiled (and loaded) first on a block of no requests: that launch only writes
+        `started`, with the last call's number (every call is done after the sync)."""
         torch.cuda.synchronize(self.device)
-        base = slot * self._stride
-        self._args[base : base + kernels.EXTEND_ARGS_HEADER] = 0
-        self._args[base + kernels.EXTEND_ARG_CALL] = self._calls - 1
-        self._launch(slot, grid)
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._launch(slot, grid)
-        self._graphs[(grid, slot)] = graph
-        self.captures += 1
-        return graph
+        for each in range(SLOTS):
+            base = each * self._stride
+            self._args[base : base + kernels.EXTEND_ARGS_HEADER] = 0
+            self._args[base + kernels.EXTEND_ARG_CALL] = self._calls - 1
+            self._launch(each, grid)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._launch(each, grid)
+            self._graphs[(grid, each)] = graph
+            self.captures += 1
+        return self._graphs[(grid, slot)]

@@ -104,6 +104,26 @@ def test_offsets_sum_over_more_requests_than_one_block():
     assert torch.equal(kernel.out_cache_loc, ref.out_cache_loc) and torch.equal(t_kernel, t_ref)
 
 
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_request_longer_than_every_part_takes_loops_in_each(page_size):
+    """Each of a request's _EXTEND_SPLIT programs takes every _EXTEND_SPLIT-th block of its
+    prefix and new tokens: requests of more blocks than programs (one of them more than two
+    blocks a program) give the reference's slots and rows."""
+    from memcli.kernels.alloc import _EXTEND_BLOCK, _EXTEND_SPLIT
+
+    span = _EXTEND_BLOCK * _EXTEND_SPLIT
+    prefixes = [torch.arange(5000, 5000 + span + 37, device=DEVICE), torch.empty(0, dtype=torch.int64, device=DEVICE)]
+    pre = [span + 37, 0]
+    seq = [pre[0] + 2 * span + 5, span + 1]
+    pages = sum((q + page_size - 1) // page_size - (p + page_size - 1) // page_size for p, q in zip(pre, seq))
+    free = torch.randperm(pages + 9, generator=torch.Generator().manual_seed(3)).to(DEVICE) + 20000 // page_size
+    t_kernel, t_ref = table(3, seq[0] + 2), table(3, seq[0] + 2)
+    kernel = alloc_extend_write_triton(t_kernel, [2, 0], cpu(pre), cpu(seq), prefixes, free, page_size)
+    ref = alloc_extend_write_torch(t_ref, [2, 0], cpu(pre), cpu(seq), prefixes, free, page_size)
+    assert torch.equal(kernel.out_cache_loc, ref.out_cache_loc) and torch.equal(t_kernel, t_ref)
+    assert t_kernel[2, : pre[0]].tolist() == prefixes[0].tolist()
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_input_is_rejected(backend):
     t = table(2, 8)
