@@ -45,8 +45,11 @@ from ._common import (
 # Tokens per loop step in alloc_extend_write, and the most requests per loop step in the decode kernels.
 _EXTEND_BLOCK = 256
 # Programs per request in alloc_extend_write, each taking every _EXTEND_SPLIT-th block of its
-# tokens: a 1,536-token request is then one loop step per program, not six in a row.
-_EXTEND_SPLIT = 8
+# tokens. One: on an H200, eight programs per request (a 1,536-token request one loop step per
+# program, not six in a row) left the device time at batch size 1 as it was (7.5 against 7.1
+# µs) and tripled it at 32 and 256 (25 and 38 µs against 10), every program reading its plan
+# from host memory (docs/PERFORMANCE.md).
+_EXTEND_SPLIT = 1
 _DECODE_BLOCK = 1024
 
 

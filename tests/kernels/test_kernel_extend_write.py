@@ -105,14 +105,16 @@ def test_offsets_sum_over_more_requests_than_one_block():
 
 
 
+@pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_a_request_longer_than_every_part_takes_loops_in_each(page_size):
+def test_a_request_longer_than_every_part_takes_loops_in_each(page_size, split, monkeypatch):
     """Each of a request's _EXTEND_SPLIT programs takes every _EXTEND_SPLIT-th block of its
     prefix and new tokens: requests of more blocks than programs (one of them more than two
     blocks a program) give the reference's slots and rows."""
-    from memcli.kernels.alloc import _EXTEND_BLOCK, _EXTEND_SPLIT
+    from memcli.kernels import alloc
 
-    span = _EXTEND_BLOCK * _EXTEND_SPLIT
+    monkeypatch.setattr(alloc, "_EXTEND_SPLIT", split)
+    span = alloc._EXTEND_BLOCK * split
     prefixes = [torch.arange(5000, 5000 + span + 37, device=DEVICE), torch.empty(0, dtype=torch.int64, device=DEVICE)]
     pre = [span + 37, 0]
     seq = [pre[0] + 2 * span + 5, span + 1]
