@@ -45,10 +45,10 @@ from ._common import (
 # Tokens per loop step in alloc_extend_write, and the most requests per loop step in the decode kernels.
 _EXTEND_BLOCK = 256
 # Programs per request in alloc_extend_write, each taking every _EXTEND_SPLIT-th block of its
-# tokens. One: on an H200, eight programs per request (a 1,536-token request one loop step per
-# program, not six in a row) left the device time at batch size 1 as it was (7.5 against 7.1
-# µs) and tripled it at 32 and 256 (25 and 38 µs against 10), every program reading its plan
-# from host memory (docs/PERFORMANCE.md).
+# tokens. One: on an H200, alternated in one device call, eight programs per request (a
+# 1,536-token request one loop step per program, not six in a row) gave a device time of
+# 6.3-7.2 µs against 6.9-7.2 at batch size 1, but 14.5-23.7 against 8.5-12.1 at 32 and 27-39
+# against 15-28 at 256: every program reads its plan from host memory (docs/PERFORMANCE.md).
 _EXTEND_SPLIT = 1
 _DECODE_BLOCK = 1024
 

@@ -121,8 +121,9 @@ class RuntimeConfig:
 
     device: Literal["auto", "cuda", "cpu"] = "auto"
     kernel_backend: Literal["auto", "triton", "torch"] = "auto"
-    # The decode memory path as one CUDA-graph replay per step (`mem_cache.decode_graph`):
-    # auto (with CUDA and the triton backend), true (needs both) or false (one launch per step).
+    # The memory path's CUDA-graph replays: the decode step (`mem_cache.decode_graph`), the
+    # extend (`mem_cache.extend_graph`) and the free of rows (`mem_cache.free_graph`); auto
+    # (with CUDA and the triton backend), true (needs both) or false (one launch each).
     decode_graph: Union[Literal["auto"], bool] = "auto"
     seed: int = 0
 

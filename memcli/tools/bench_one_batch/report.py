@@ -296,8 +296,9 @@ def render(result: BenchResult, console) -> None:
         console.print(line)
     graphs = result.config.runtime.decode_graph is not False
     if result.cases and result.cases[0].backend == "triton" and result.timing_method == "cuda-events":
-        console.print("decode memory path: " + ("one CUDA-graph replay per step (runtime.decode_graph)" if graphs
-                                                else "one kernel launch per step (runtime.decode_graph false)"))
+        console.print("memory paths: " + ("the decode step, the extend and the free of rows as CUDA-graph replays"
+                                          " (runtime.decode_graph)" if graphs
+                                          else "one kernel launch each (runtime.decode_graph false)"))
     for case in result.cases:
         console.print(case_table(case))
     if len(result.page_sizes) > 1:
