@@ -37,7 +37,8 @@ NOT_REPLAYED = {
 LFU_ONLY = ("lfu_hits",)
 # Keys that act together, switched together as well as alone.
 PAIRS = {
-    "lru": (("rem_input_gate", "admission_reserve"),),  # the chunking gate lives in the page-reserve admission
+    "lru": (("rem_input_gate", "admission_reserve"),  # the chunking gate lives in the page-reserve admission
+            ("prompt_split", "tree_stamps")),  # the prompt split is a step of 0.5.23's insert walk only
     "lfu": (("lfu_hits", "tree_stamps"),),  # a 0.5.23 split keeps the upper node's hit count
 }
 TRACE_ORDER = ("conv300", "syn200", "conversation", "synthetic")

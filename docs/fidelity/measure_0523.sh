@@ -12,7 +12,7 @@
 # Env: MEMCLI       command that runs memcli (default: memcli)
 #      PYTHON       a python that imports memcli (default: python3); it lists the keys
 #      JOBS         replays run at once (default 2)
-#      QUICK=1      the bundled traces only (100 replays, about 11 min on 2 shared cores, JOBS=1)
+#      QUICK=1      the bundled traces only (104 replays, about 11 min on 2 shared cores, JOBS=1)
 #      REAL_TRACES  folder of conversation_trace.jsonl and synthetic_trace.jsonl (default /work/shared/traces)
 #      CSV_ONLY=1   no replays: rebuild the CSV from OUT_DIR/json
 # One JSON document per replay goes to OUT_DIR/json (default /tmp/memcli-0523; a document
