@@ -32,8 +32,6 @@ __all__ = ["Event", "Scheduler", "SchedulerHooks", "SchedulerStats", "StepRecord
 WAITING_PREFIX_REFRESH_INTERVAL = 32
 WAITING_PREFIX_REFRESH_MAX = 128
 _kv = attrgetter("kv")
-_kv_freed, _allocated, _matched = attrgetter("kv_freed"), attrgetter("kv_allocated_len"), attrgetter("last_matched_prefix_len")
-_finished = attrgetter("finished")
 
 
 class Scheduler:
@@ -257,15 +255,11 @@ class Scheduler:
         """Slots the requests holding memory own (`active_reqs()`, not yet freed) plus, under
         overlap, the decode slots in flight of released requests. One pass over the records."""
         running, chunked, held = self.running.reqs, self.chunked_req, 0
-        kvs = list(map(_kv, running))
-        if not any(map(_kv_freed, kvs)) and (self.overlap is None or not any(map(_finished, running))):
-            held = sum(map(_allocated, kvs)) - sum(map(_matched, kvs))  # the steady case: C-level passes
-        elif self.overlap is None:
-            held = sum(kv.kv_allocated_len - kv.last_matched_prefix_len for kv in kvs if not kv.kv_freed)
+        if self.overlap is None:
+            held = sum(kv.kv_allocated_len - kv.last_matched_prefix_len for kv in map(_kv, running) if not kv.kv_freed)
         else:
-            held = sum(kv.kv_allocated_len - kv.last_matched_prefix_len for r, kv in zip(running, kvs)
-                       if not r.finished and not kv.kv_freed)
-        if self.overlap is not None:
+            held = sum(kv.kv_allocated_len - kv.last_matched_prefix_len for r in running
+                       if not r.finished and not (kv := r.kv).kv_freed)
             held += sum(kv.kv_allocated_len - kv.last_matched_prefix_len for r in self.overlap.unmerged_reqs()
                         if r is not chunked and not r.finished and not (kv := r.kv).kv_freed)
             held += self.overlap.in_flight_count()
