@@ -668,7 +668,8 @@ class RadixCache(BasePrefixCache):
         tree's slots, and the lock moves to the node the first insert ended on."""
         ps, row_id = self.page_size, req.req_pool_idx
         row = self.req_to_token_pool.req_to_token[row_id]
-        protected = len(req.prefix_indices) - len(req.prefix_indices) % ps
+        held = req.prefix_indices.shape[0]
+        protected = held - held % ps
         # Never below the prefix the request holds from the tree (a request released before
         # its first chunk committed anything keeps its matched prefix, and frees only its own slots).
         aligned = max(align_down(up_to, ps), protected)
