@@ -131,11 +131,6 @@ class ScheduleBatch:
     def merge_batch(self, other: "ScheduleBatch") -> None:
         self.reqs.extend(other.reqs)
         self.out_cache_loc = None
-        if self.device.type == "cpu":
-            self.seq_lens_cpu = _cat_cpu(self.seq_lens_cpu, other.seq_lens_cpu)
-            self.seq_lens = _cat_cpu(self.seq_lens, other.seq_lens)
-            self.req_pool_indices = _cat_cpu(self.req_pool_indices, other.req_pool_indices)
-            return
         self.seq_lens_cpu = torch.cat([self.seq_lens_cpu, other.seq_lens_cpu])
         self.seq_lens = torch.cat([self.seq_lens, other.seq_lens])
         self.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
@@ -200,13 +195,6 @@ class ScheduleBatch:
         total_max = sum(r.max_new_tokens for r in self.reqs)
         ratio = min(1.0, (total_out + retract_decode_steps * len(self.reqs)) / (total_max + 1))
         return retracted, ratio
-
-
-def _cat_cpu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`torch.cat([a, b])` of two CPU tensors of one dtype, in numpy (a new tensor)."""
-    if a.dtype != b.dtype:
-        return torch.cat([a, b])
-    return torch.from_numpy(np.concatenate([a.numpy(), b.numpy()]))
 
 
 class _PageHistogram:
