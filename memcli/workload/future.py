@@ -228,12 +228,6 @@ class _BlockFuture(FutureUses):
         return self.flat[self.starts[node]:self.starts[node + 1]], pos
 
 
-def _constant_runs(ids: np.ndarray, firsts: np.ndarray, n: int) -> bool:
-    """Every token of each run [firsts[i], firsts[i+1]) has the id of the run's first token."""
-    run_id = np.repeat(ids[firsts], np.diff(np.append(firsts, n)))
-    return bool(np.array_equal(ids[firsts[0]:], run_id))
-
-
 class _PageFuture(FutureUses):
     """memcli traces: every page end of every prompt, by the hash of the prompt up to it."""
 
