@@ -433,6 +433,12 @@ class RadixCache(BasePrefixCache):
     def _cat(self, values: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(values) if values else self.empty_indices()
 
+    def _row_slots(self, row: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """`row[start:end].to(torch.int64)`: a request row's slots as a new int64 tensor."""
+        if row.is_cpu:
+            return torch.from_numpy(row.numpy()[start:end].astype(np.int64))
+        return row[start:end].to(torch.int64)
+
     # -- eviction -----------------------------------------------------------------------
 
     def evict(self, num_tokens: int) -> int:
@@ -586,7 +592,7 @@ class RadixCache(BasePrefixCache):
             return self._release_unified(req, is_insert)
         ps, row, op = self.page_size, req.req_pool_idx, "cache_finished_req"
         allocated = req.kv_allocated_len
-        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :allocated].to(torch.int64)
+        kv = self._row_slots(self.req_to_token_pool.req_to_token[req.req_pool_idx], 0, allocated)
         start = align_down(len(req.prefix_indices), ps)
         if self.disable:
             start = 0
@@ -621,7 +627,7 @@ class RadixCache(BasePrefixCache):
         ps = self.page_size
         fill_len = len(req.fill_ids)
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        kv = row[:fill_len].to(torch.int64)
+        kv = self._row_slots(row, 0, fill_len)
         if self.disable:
             req.kv.prefix_indices = kv
             return
@@ -662,11 +668,12 @@ class RadixCache(BasePrefixCache):
         tree's slots, and the lock moves to the node the first insert ended on."""
         ps, row_id = self.page_size, req.req_pool_idx
         row = self.req_to_token_pool.req_to_token[row_id]
-        protected = len(req.prefix_indices) - len(req.prefix_indices) % ps
+        held = req.prefix_indices.shape[0]
+        protected = held - held % ps
         # Never below the prefix the request holds from the tree (a request released before
         # its first chunk committed anything keeps its matched prefix, and frees only its own slots).
         aligned = max(align_down(up_to, ps), protected)
-        kv = row[:aligned].to(torch.int64)
+        kv = self._row_slots(row, 0, aligned)
         key = RadixKey(req.token_ids(aligned), req.extra_key)
         ledger = getattr(self.allocator, "ledger", None)
         _, node = self.insert_unified(key, kv, protected, req.kv.cache_inserted_len, owner=row_id)
@@ -674,26 +681,32 @@ class RadixCache(BasePrefixCache):
         prompt = align_down(req.input_len, ps)
         if self.split_prompt and 0 < prompt < aligned:
             self.insert_unified(RadixKey(req.token_ids(prompt), req.extra_key), kv[:prompt], prompt, prompt)
-        new_indices = self._path_values(node)
+        # The next round's prefix: the tree's slots of the path, then the row's own tail (one join).
+        prefix = torch.cat([*self._path_value_list(node), self._row_slots(row, aligned, up_to)])
+        new_indices = prefix[:aligned]
         if protected < aligned:
             if ledger is not None:
                 ledger.move(kv[protected:aligned][new_indices[protected:] == kv[protected:aligned]], row_id, TREE,
                             "checkpoint")
-            row[protected:aligned] = new_indices[protected:].to(row.dtype)
+            if row.is_cpu:  # one cast-copy in numpy
+                row.numpy()[protected:aligned] = new_indices.numpy()[protected:]
+            else:
+                row[protected:aligned] = new_indices[protected:].to(row.dtype)
             if ledger is not None:
                 ledger.wrote(row_id, protected, aligned)
         self.inc_lock_ref(node)
         self.dec_lock_ref(req.last_node)
-        req.kv.prefix_indices = torch.cat([new_indices, row[aligned:up_to].to(torch.int64)])
+        req.kv.prefix_indices = prefix
         req.kv.last_node = node
         req.kv.last_matched_prefix_len = aligned
 
-    def _path_values(self, node: TreeNode) -> torch.Tensor:
+    def _path_value_list(self, node: TreeNode) -> list[torch.Tensor]:
+        """The values of the nodes from the root down to `node`."""
         values = []
         while node is not self.root:
             values.append(node.value)
             node = node.parent
-        return self._cat(values[::-1])
+        return values[::-1]
 
     def _release_unified(self, req: Any, checkpoint: bool) -> None:
         """0.5.23's `release_kv_cache`: with `checkpoint`, the row's committed tokens go into
@@ -702,7 +715,7 @@ class RadixCache(BasePrefixCache):
         if checkpoint:
             self._checkpoint_unified(req, committed)
         start = req.kv.last_matched_prefix_len
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_allocated_len].to(torch.int64)
+        row = self._row_slots(self.req_to_token_pool.req_to_token[req.req_pool_idx], 0, req.kv_allocated_len)
         self._free(row[start:], req.req_pool_idx, "release_kv_cache")
         self.req_to_token_pool.free(req.req_pool_idx)
         self.dec_lock_ref(req.last_node)

@@ -115,19 +115,25 @@ class ScheduleBatch:
         if not self.reqs:
             self._set_lengths([], [])
             return
+        self.out_cache_loc = None
+        if self.device.type == "cpu":  # numpy over the tensors' memory: about half the cost of torch's indexing
+            index_np = np.array(keep_indices, dtype=np.int64)
+            self.seq_lens_cpu = torch.from_numpy(self.seq_lens_cpu.numpy()[index_np])
+            self.seq_lens = torch.from_numpy(self.seq_lens.numpy()[index_np])
+            self.req_pool_indices = torch.from_numpy(self.req_pool_indices.numpy()[index_np])
+            return
         index_cpu = torch.tensor(keep_indices, dtype=torch.int64)
         self.seq_lens_cpu = self.seq_lens_cpu[index_cpu]
         index = index_cpu.to(self.device, non_blocking=True)
         self.seq_lens = self.seq_lens[index]
         self.req_pool_indices = self.req_pool_indices[index]
-        self.out_cache_loc = None
 
     def merge_batch(self, other: "ScheduleBatch") -> None:
         self.reqs.extend(other.reqs)
+        self.out_cache_loc = None
         self.seq_lens_cpu = torch.cat([self.seq_lens_cpu, other.seq_lens_cpu])
         self.seq_lens = torch.cat([self.seq_lens, other.seq_lens])
         self.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
-        self.out_cache_loc = None
 
     def _set_lengths(self, rows: list[int], seq_lens: list[int]) -> None:
         self.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)

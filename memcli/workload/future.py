@@ -174,23 +174,29 @@ class _BlockFuture(FutureUses):
         bs, n = self.block_size, len(tokens)
         if n <= _SHORT:
             return self._advance_short(node, pos, tokens.tolist())
-        where = pos + np.arange(n, dtype=np.int64)
-        ids, offsets = np.divmod(tokens, bs)
-        if not np.array_equal(offsets, where % bs):
+        # The path holds `tokens` when each block's tokens are consecutive from its offset:
+        # token i is `id * bs + (pos + i) % bs`, one id per block. So the first token has the
+        # path's offset, every step inside a block is +1, and each block start (a token at
+        # offset 0) names the trie child; a head that finishes the path's block has its id.
+        first = int(tokens[0])
+        if first % bs != pos % bs:
             return None
-        block_of = where // bs
-        if pos % bs:  # the first tokens finish the block the path is in
-            head = int(np.searchsorted(block_of, block_of[0], side="right"))
-            if not (ids[:head] == self.block_hash[node]).all():
-                return None
+        boundary = (-pos) % bs  # index of the first token opening a block
+        steps = np.subtract(tokens[1:], tokens[:-1])
+        if boundary == 0:
+            steps[bs - 1::bs] = 1  # the steps into block starts bs, 2 bs, ... are not +1
         else:
-            head = 0
-        if head < n:
-            firsts = np.flatnonzero(np.diff(block_of[head:], prepend=block_of[head] - 1)) + head
-            if not _constant_runs(ids, firsts, n):
+            steps[boundary - 1::bs] = 1
+            if first // bs != int(self.block_hash[node]):
+                return None
+        if np.count_nonzero(steps != 1):
+            return None
+        starts = tokens[boundary::bs]
+        if len(starts):
+            if np.count_nonzero(starts % bs):
                 return None
             children = self.children
-            for h in ids[firsts].tolist():
+            for h in (starts // bs).tolist():
                 node = children.get((node, h))
                 if node is None:
                     return None
@@ -220,12 +226,6 @@ class _BlockFuture(FutureUses):
     def users(self, handle: Any) -> Optional[tuple[np.ndarray, int]]:
         node, pos = handle
         return self.flat[self.starts[node]:self.starts[node + 1]], pos
-
-
-def _constant_runs(ids: np.ndarray, firsts: np.ndarray, n: int) -> bool:
-    """Every token of each run [firsts[i], firsts[i+1]) has the id of the run's first token."""
-    run_id = np.repeat(ids[firsts], np.diff(np.append(firsts, n)))
-    return bool(np.array_equal(ids[firsts[0]:], run_id))
 
 
 class _PageFuture(FutureUses):

@@ -105,3 +105,38 @@ def test_mooncake_short_advance_equals_the_numpy_one(tmp_path, monkeypatch):
     monkeypatch.setattr(future_module, "_SHORT", 0)
     assert short == [future.advance(h, t) for h, t in cases]
     assert sum(h is not None for h in short) > len(paths)  # real paths were walked, not only refused
+
+
+def test_mooncake_long_advance_equals_the_token_walk(tmp_path, monkeypatch):
+    """Runs longer than `_SHORT` (the numpy walk) give the token-by-token walk's handle: every
+    slice of paths of several blocks, and the same slices with one token changed anywhere
+    (inside a block, at a block start, at the last token) or two blocks swapped."""
+    from memcli.workload import future as future_module
+
+    rows = [(44, [1, 2, 5, 7, 8, 9, 3, 4, 6, 10, 11]), (40, [1, 2, 5, 7, 8, 12, 13, 14, 15, 16]),
+            (30, [4, 2, 9, 9, 9, 9, 9, 9])]
+    future = build_future(mooncake(tmp_path, rows), page_size=1)
+    paths = [mooncake_token_ids(tuple(h), 4, n) for n, h in rows]
+    cases = []
+    for tokens in paths:
+        for start in range(len(tokens)):
+            handle = future.advance(future.start(None), tokens[:start]) if start else future.start(None)
+            for end in range(start + 1, len(tokens) + 1):
+                piece = tokens[start:end].copy()
+                cases.append((handle, piece))
+                for where in {0, len(piece) // 2, len(piece) - 1, (-start) % 4}:
+                    if where < len(piece):
+                        bad = piece.copy()
+                        bad[where] += 4  # the same offset in another block
+                        cases.append((handle, bad))
+                if len(piece) >= 8 + (-start) % 4:
+                    head = (-start) % 4
+                    swapped = piece.copy()
+                    swapped[head:head + 4], swapped[head + 4:head + 8] = piece[head + 4:head + 8], piece[head:head + 4]
+                    cases.append((handle, swapped))
+    monkeypatch.setattr(future_module, "_SHORT", 10**9)
+    walked = [future.advance(h, t) for h, t in cases]
+    monkeypatch.setattr(future_module, "_SHORT", 0)
+    assert walked == [future.advance(h, t) for h, t in cases]
+    assert sum(h is not None for h in walked) > len(cases) // 8  # real paths were walked, not only refused
+    assert sum(h is None for h in walked) > len(cases) // 4
