@@ -170,10 +170,7 @@ class OverlapLoop:
     # -- results ------------------------------------------------------------------------------
     def _process(self, flight: InFlight) -> None:
         if flight.kind == "prefill":
-            if self.sched.prefill_free_group:  # 0.5.23: the result's frees gathered into one
-                with self.sched.memory.free_group():
-                    self._process_prefill(flight)
-            else:
+            with self.sched.prefill_result_frees():
                 self._process_prefill(flight)
         else:
             with self.sched.memory.free_group():

@@ -13,6 +13,7 @@ of `SimConfig`. Every arrival, admission, allocation, finish, retraction and abo
 from __future__ import annotations
 
 from collections import deque
+from contextlib import nullcontext
 from operator import attrgetter
 
 from memcli.config import REQ_INPUT_MARGIN, Config
@@ -385,11 +386,13 @@ class Scheduler:
         self.waiting[:0] = requeue
         self._unstick()
 
+    def prefill_result_frees(self):
+        """The context of a prefill result's processing: under `prefill_free_group: grouped`
+        (0.5.23) its frees are gathered into one, else each goes to the allocator at once."""
+        return self.memory.free_group() if self.prefill_free_group else nullcontext()
+
     def process_prefill_result(self, batch: ScheduleBatch) -> None:
-        if self.prefill_free_group:  # 0.5.23: the result's frees gathered into one
-            with self.memory.free_group():
-                self._process_prefill_result(batch)
-        else:
+        with self.prefill_result_frees():
             self._process_prefill_result(batch)
 
     def _process_prefill_result(self, batch: ScheduleBatch) -> None:
