@@ -44,12 +44,10 @@ from ._common import (
 
 # Tokens per loop step in alloc_extend_write, and the most requests per loop step in the decode kernels.
 _EXTEND_BLOCK = 256
-# Programs per request in alloc_extend_write, each taking every _EXTEND_SPLIT-th block of its
-# tokens. One: on an H200, alternated in one device call, eight programs per request (a
-# 1,536-token request one loop step per program, not six in a row) gave a device time of
-# 6.3-7.2 µs against 6.9-7.2 at batch size 1, but 14.5-23.7 against 8.5-12.1 at 32 and 27-39
+# alloc_extend_write runs one program per request. On an H200, alternated in one device call,
+# eight programs per request, each taking every eighth block of its tokens, gave a device time
+# of 6.3-7.2 µs against 6.9-7.2 at batch size 1, but 14.5-23.7 against 8.5-12.1 at 32 and 27-39
 # against 15-28 at 256: every program reads its plan from host memory (docs/PERFORMANCE.md).
-_EXTEND_SPLIT = 1
 _DECODE_BLOCK = 1024
 
 
@@ -698,15 +696,12 @@ _EXTEND_WRITE_RUNTIME = ["plan_address", "req_to_token_ptr", "free_pages_ptr", "
 @triton.jit
 def _extend_write_request(plan_ptr, plan_stride, pid, active, bs, req_to_token_ptr, free_pages_ptr, out_ptr,
                           free_start, free_cap, num_free_pages, row_stride, out_numel, PAGE_SIZE: tl.constexpr,
-                          BLOCK: tl.constexpr, SPLIT: tl.constexpr):
-    """Part `tl.program_id(1)` of `SPLIT` of request `pid` of an extend batch of `bs`: its plan
-    entries (see _PLAN_*, one row of `plan_stride` entries each, read from host memory: prefix
-    length, sequence length, request row, prefix address, and the new tokens and new pages of
-    the requests before it), its lengths and row beside the new slots in `out` (part 0), and
-    every SPLIT-th block of its prefix and new slots in its `req_to_token` row, so that the
-    parts of a long request run side by side. An inactive program (past the batch) reads its
-    entries and writes nothing."""
-    part = tl.program_id(1)
+                          BLOCK: tl.constexpr):
+    """Request `pid` of an extend batch of `bs`: its plan entries (see _PLAN_*, one row of
+    `plan_stride` entries each, read from host memory: prefix length, sequence length, request
+    row, prefix address, and the new tokens and new pages of the requests before it), its
+    lengths and row beside the new slots in `out`, its prefix and new slots in its
+    `req_to_token` row. An inactive program (past the batch) reads its entries and writes nothing."""
     pre = tl.where(active, tl.load(plan_ptr + pid), 0)
     seq = tl.where(active, tl.load(plan_ptr + plan_stride + pid), 0)
     row = tl.load(plan_ptr + 2 * plan_stride + pid)
@@ -716,14 +711,13 @@ def _extend_write_request(plan_ptr, plan_stride, pid, active, bs, req_to_token_p
     row_ptr = req_to_token_ptr + row * row_stride
 
     # The batch's lengths and rows on the device, before the new slots: [pre | seq | rows | out].
-    first = active & (part == 0)
-    tl.store(out_ptr + pid, pre, mask=first)
-    tl.store(out_ptr + bs + pid, seq, mask=first)
-    tl.store(out_ptr + 2 * bs + pid, row, mask=first)
+    tl.store(out_ptr + pid, pre, mask=active)
+    tl.store(out_ptr + bs + pid, seq, mask=active)
+    tl.store(out_ptr + 2 * bs + pid, row, mask=active)
     slots_ptr = out_ptr + 3 * bs
 
     # Columns [0, pre): the prefix slots, narrowed to int32.
-    for start in range(part * BLOCK, pre, SPLIT * BLOCK):
+    for start in range(0, pre, BLOCK):
         k = start + tl.arange(0, BLOCK)
         mask = k < pre
         tl.store(row_ptr + k, tl.load(prefix_ptr + k, mask=mask).to(tl.int32), mask=mask)
@@ -733,7 +727,7 @@ def _extend_write_request(plan_ptr, plan_stride, pid, active, bs, req_to_token_p
     first_new_page = (pre + PAGE_SIZE - 1) // PAGE_SIZE
     first_new_pos = first_new_page * PAGE_SIZE
     extend_len = seq - pre
-    for start in range(part * BLOCK, extend_len, SPLIT * BLOCK):
+    for start in range(0, extend_len, BLOCK):
         k = start + tl.arange(0, BLOCK)
         mask = (k < extend_len) & (out_start + k < out_numel)  # never past `out`, whatever the plan says
         pos = pre + k
@@ -760,13 +754,12 @@ def _alloc_extend_write_kernel(
     out_numel: tl.int64,
     PAGE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
-    # SPLIT programs per request.
+    # One program per request.
     pid = tl.program_id(0)
     _extend_write_request(plan_address.to(tl.pointer_type(tl.int64)), bs, pid, pid < bs, bs, req_to_token_ptr,
                           free_pages_ptr, out_ptr, free_start, free_cap, num_free_pages, row_stride, out_numel,
-                          PAGE_SIZE, BLOCK, SPLIT)
+                          PAGE_SIZE, BLOCK)
 
 
 _alloc_extend_write_launch = Launcher(_alloc_extend_write_kernel)
@@ -793,7 +786,6 @@ def _alloc_extend_write_planned_kernel(
     plan_stride: tl.int64,
     PAGE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
     # A grid of `plan_stride` programs, at least the block's batch size: programs past it do
     # nothing. The header and the plan (rows of `plan_stride` entries, after the header's
@@ -804,10 +796,10 @@ def _alloc_extend_write_planned_kernel(
     args = args_address.to(tl.pointer_type(tl.int64))
     bs = tl.load(args + 0)
     started = started_address.to(tl.pointer_type(tl.int64))
-    tl.store(started, tl.load(args + 5), mask=(pid == 0) & (tl.program_id(1) == 0))
+    tl.store(started, tl.load(args + 5), mask=pid == 0)
     _extend_write_request(args + 8, plan_stride, pid, pid < bs, bs, req_to_token_ptr, free_pages_ptr,
                           tl.load(args + 3).to(tl.pointer_type(tl.int64)), tl.load(args + 1), free_cap,
-                          tl.load(args + 2), row_stride, tl.load(args + 4), PAGE_SIZE, BLOCK, SPLIT)
+                          tl.load(args + 2), row_stride, tl.load(args + 4), PAGE_SIZE, BLOCK)
 
 
 _alloc_extend_write_planned_launch = Launcher(_alloc_extend_write_planned_kernel)
@@ -848,9 +840,8 @@ def alloc_extend_write_planned(args_address: int, started_address: int, req_to_t
     CUDA, any host memory under the interpreter), so that a graph captured once replays any
     batch of at most ``grid`` requests. The call's number goes to the int64 at
     ``started_address`` when the launch starts. Nothing is validated (the allocator's path)."""
-    _alloc_extend_write_planned_launch((grid, _EXTEND_SPLIT), args_address, started_address, req_to_token,
-                                       free_pages, free_pages.shape[0], req_to_token.stride(0), grid, page_size,
-                                       _EXTEND_BLOCK, _EXTEND_SPLIT)
+    _alloc_extend_write_planned_launch((grid,), args_address, started_address, req_to_token, free_pages,
+                                       free_pages.shape[0], req_to_token.stride(0), grid, page_size, _EXTEND_BLOCK)
 
 
 def extend_output(bs: int, extend_num_tokens: int, device: torch.device) -> torch.Tensor:
@@ -971,8 +962,8 @@ def alloc_extend_write_triton(
         plan, address = _plan_arena.take(_PLAN_ROWS * bs, device)
         _write_plan(plan.reshape(_PLAN_ROWS, bs), rows, prefix_lens_cpu, seq_lens_cpu, prefixes, page_size, host_plan)
         _alloc_extend_write_launch(
-            (bs, _EXTEND_SPLIT), address, req_to_token, free_pages, buffer, bs, free_start, cap, num_free,
-            req_to_token.stride(0), extend_num_tokens, page_size, _EXTEND_BLOCK, _EXTEND_SPLIT,
+            (bs,), address, req_to_token, free_pages, buffer, bs, free_start, cap, num_free, req_to_token.stride(0),
+            extend_num_tokens, page_size, _EXTEND_BLOCK,
         )
     return extend_views(buffer, bs, extend_num_tokens)
 

@@ -91,9 +91,8 @@ def prefill_parts(runner: CaseRunner) -> dict:
         p[:] = host_plan
         p[2 * bs: 3 * bs] = rows
         kernels.alloc._alloc_extend_write_launch(
-            (bs, kernels.alloc._EXTEND_SPLIT), address, table, alloc._buf, buf, bs, alloc._head, alloc._buf.shape[0],
-            plan.num_pages, table.stride(0), n, alloc.page_size, kernels.alloc._EXTEND_BLOCK,
-            kernels.alloc._EXTEND_SPLIT)
+            (bs,), address, table, alloc._buf, buf, bs, alloc._head, alloc._buf.shape[0], plan.num_pages,
+            table.stride(0), n, alloc.page_size, kernels.alloc._EXTEND_BLOCK)
 
     def plan_copy():
         p, _ = arena.take(6 * bs, device)

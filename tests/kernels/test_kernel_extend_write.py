@@ -105,16 +105,13 @@ def test_offsets_sum_over_more_requests_than_one_block():
 
 
 
-@pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_a_request_longer_than_every_part_takes_loops_in_each(page_size, split, monkeypatch):
-    """Each of a request's _EXTEND_SPLIT programs takes every _EXTEND_SPLIT-th block of its
-    prefix and new tokens: requests of more blocks than programs (one of them more than two
-    blocks a program) give the reference's slots and rows."""
+def test_a_request_of_many_blocks_loops_over_them(page_size):
+    """A request's program loops over its prefix and new tokens block by block: a prefix of
+    more than eight blocks and a request of more than twenty give the reference's slots and rows."""
     from memcli.kernels import alloc
 
-    monkeypatch.setattr(alloc, "_EXTEND_SPLIT", split)
-    span = alloc._EXTEND_BLOCK * split
+    span = alloc._EXTEND_BLOCK * 8
     prefixes = [torch.arange(5000, 5000 + span + 37, device=DEVICE), torch.empty(0, dtype=torch.int64, device=DEVICE)]
     pre = [span + 37, 0]
     seq = [pre[0] + 2 * span + 5, span + 1]
