@@ -812,9 +812,9 @@ def fill_extend_args(block: np.ndarray, stride: int, rows, prefix_lens_cpu: torc
     rows of ``stride`` entries, ``stride`` at least the batch size; ``host_plan`` as in
     :func:`alloc_extend_write_triton`) for a batch whose lengths, rows and
     ``extend_num_tokens`` new slots go to ``out`` (at least ``3 * bs + extend_num_tokens`` int64
-    on the device). ``block`` must hold ``EXTEND_ARGS_HEADER + 6 * stride`` entries."""
+    on the device). ``block`` must hold ``extend_args_entries(stride)`` entries."""
     block[:6] = (len(rows), free_start, num_free, out.data_ptr(), extend_num_tokens, call)
-    plan = block[EXTEND_ARGS_HEADER : EXTEND_ARGS_HEADER + _PLAN_ROWS * stride].reshape(_PLAN_ROWS, stride)
+    plan = block[EXTEND_ARGS_HEADER : extend_args_entries(stride)].reshape(_PLAN_ROWS, stride)
     _write_plan(plan, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, page_size, host_plan)
 
 
@@ -844,16 +844,26 @@ def alloc_extend_write_planned(args_address: int, started_address: int, req_to_t
                                        free_pages.shape[0], req_to_token.stride(0), grid, page_size, _EXTEND_BLOCK)
 
 
+def extend_args_entries(stride: int) -> int:
+    """The int64 entries of an argument block whose plan rows hold ``stride`` requests."""
+    return EXTEND_ARGS_HEADER + _PLAN_ROWS * stride
+
+
+def extend_output_entries(bs: int, extend_num_tokens: int) -> int:
+    """The int64 entries an extend fills: lengths and rows, then the new slots."""
+    return _DEVICE_ROWS * bs + extend_num_tokens
+
+
 def extend_output(bs: int, extend_num_tokens: int, device: torch.device) -> torch.Tensor:
-    """The device allocation an extend fills: lengths and rows, then the new slots."""
-    return torch.empty(_DEVICE_ROWS * bs + extend_num_tokens, dtype=torch.int64, device=device)
+    """The device allocation an extend fills (``extend_output_entries``)."""
+    return torch.empty(extend_output_entries(bs, extend_num_tokens), dtype=torch.int64, device=device)
 
 
 def extend_views(buffer: torch.Tensor, bs: int, extend_num_tokens: int) -> ExtendWrite:
     """The views of an extend's output (of at least ``3 * bs + extend_num_tokens`` entries):
     the new slots, rows, prefix and sequence lengths."""
     # (split_with_sizes: one call for every view, where Tensor.split goes through Python.)
-    rest = buffer.shape[0] - _DEVICE_ROWS * bs - extend_num_tokens
+    rest = buffer.shape[0] - extend_output_entries(bs, extend_num_tokens)
     if rest:
         pre_d, seq_d, rows_d, out, _ = buffer.split_with_sizes((bs, bs, bs, extend_num_tokens, rest))
     else:

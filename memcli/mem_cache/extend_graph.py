@@ -43,7 +43,7 @@ class ExtendGraphs:
         self.device = free_pages.device
         # Every batch the table's rows allow fits a block.
         self.max_bs = next_power_of_2(max(1, req_to_token.shape[0]))
-        self._stride = kernels.EXTEND_ARGS_HEADER + 6 * self.max_bs
+        self._stride = kernels.extend_args_entries(self.max_bs)
         self._args_tensor = torch.zeros(SLOTS * self._stride + 1, dtype=torch.int64, pin_memory=True)
         self._args = self._args_tensor.numpy()
         self._address = self._args_tensor.data_ptr()
@@ -75,7 +75,7 @@ class ExtendGraphs:
         self._last_call[slot] = self._calls
         grid = next_power_of_2(bs)
         graph = self._graphs.get((grid, slot)) or self._capture(grid, slot)
-        size = 3 * bs + extend_num_tokens
+        size = kernels.extend_output_entries(bs, extend_num_tokens)
         buffer, self._spare = self._spare, None
         if buffer is None or not size <= buffer.shape[0] < 4 * size:
             buffer = torch.empty(size, dtype=torch.int64, device=self.device)

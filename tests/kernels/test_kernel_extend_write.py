@@ -379,13 +379,13 @@ def test_extend_from_an_argument_block_gives_the_launchs_slots_and_rows(page_siz
     """`alloc_extend_write_planned` (every per-call value read from a host block, a grid of
     the batch's power of two or more, as a captured graph replays it) against the torch
     reference; programs past the batch size write nothing, and program 0 marks the call."""
-    from memcli.kernels import EXTEND_ARGS_HEADER, alloc_extend_write_planned, extend_views, fill_extend_args
+    from memcli.kernels import alloc_extend_write_planned, extend_args_entries, extend_views, fill_extend_args
     gen = torch.Generator().manual_seed(page_size)
     pinned = DEVICE.type == "cuda"
     for bs, grid in ((1, 1), (3, 4), (5, 16)):
         case = random_extend_case(gen, bs, page_size, max_prefix_len=40, max_extend_len=30, device=DEVICE)
         rows = torch.randperm(bs + 2, generator=gen)[:bs].tolist()
-        block = torch.full((EXTEND_ARGS_HEADER + 6 * grid + 1,), -9, dtype=torch.int64, pin_memory=pinned)
+        block = torch.full((extend_args_entries(grid) + 1,), -9, dtype=torch.int64, pin_memory=pinned)
         t_got = table(max(rows) + 3, int(case.seq_lens.max()) + 3)  # the shape `write_case` makes
         n = case.extend_num_tokens
         out = torch.full((3 * bs + n + 5,), -3, dtype=torch.int64, device=DEVICE)  # more than it needs
