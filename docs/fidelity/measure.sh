@@ -39,12 +39,8 @@ retract_batch_order=original chunked_prefix=immediate admission_gate=every_step"
 ZERO_AT_PS1="page_estimate=exact chunk_alignment=page retract_free=one_call"
 
 # trace label | file | pool label | --set arguments for the pool (and the trace's longest request)
-TRACES=(
-  "conv300|$ROOT/tests/data/conversation_head300.jsonl|4Mi|"
-  "conv300|$ROOT/tests/data/conversation_head300.jsonl|200k|--set memory.max_total_tokens=200000 --set memory.max_running_requests=64"
-  "syn200|$ROOT/tests/data/synthetic_head200.jsonl|4Mi|"
-  "syn200|$ROOT/tests/data/synthetic_head200.jsonl|200k|--set memory.max_total_tokens=200000 --set memory.max_running_requests=64"
-)
+source "$ROOT/docs/fidelity/replay_jobs.sh"
+bundled_traces
 if [ "${QUICK:-0}" != 1 ]; then
   TRACES+=(
     "conversation|$REAL/conversation_trace.jsonl|4Mi|"
@@ -55,7 +51,6 @@ if [ "${QUICK:-0}" != 1 ]; then
 fi
 
 # One job per line of $OUT/jobs.tsv (docs/fidelity/replay_jobs.sh), every one from sglang-0.5.5.
-source "$ROOT/docs/fidelity/replay_jobs.sh"
 : > "$OUT/jobs.tsv"
 add() { add_job "$1" "$2" "--engine sglang-0.5.5 $3"; }
 for entry in "${TRACES[@]}"; do

@@ -37,12 +37,8 @@ if [ "${CSV_ONLY:-0}" != 1 ]; then
   # tokens), as in "From 0.5.5 to 0.5.23 on the conversation trace".
   CTX="--set memory.max_context_len=196608"
   # trace label | file | pool label | --set arguments for the pool
-  TRACES=(
-    "conv300|$ROOT/tests/data/conversation_head300.jsonl|4Mi|"
-    "conv300|$ROOT/tests/data/conversation_head300.jsonl|200k|--set memory.max_total_tokens=200000 --set memory.max_running_requests=64"
-    "syn200|$ROOT/tests/data/synthetic_head200.jsonl|4Mi|"
-    "syn200|$ROOT/tests/data/synthetic_head200.jsonl|200k|--set memory.max_total_tokens=200000 --set memory.max_running_requests=64"
-  )
+  source "$ROOT/docs/fidelity/replay_jobs.sh"
+  bundled_traces
   if [ "${QUICK:-0}" != 1 ]; then
     for f in conversation synthetic; do
       [ -s "$REAL/${f}_trace.jsonl" ] || { echo "error: no $REAL/${f}_trace.jsonl" >&2;
@@ -56,7 +52,6 @@ if [ "${CSV_ONLY:-0}" != 1 ]; then
     )
   fi
 
-  source "$ROOT/docs/fidelity/replay_jobs.sh"
   : > "$OUT/jobs.tsv"
   for entry in "${TRACES[@]}"; do
     IFS='|' read -r label file pool sets <<< "$entry"

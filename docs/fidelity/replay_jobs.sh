@@ -6,7 +6,20 @@
 #                          `$MEMCLI replay FILE ARGS --jobs 1 --json` into $OUT/json/NAME.json; a
 #                          document already there is reused, so a rerun only does what is missing
 #                          or failed; each replay's wall time is appended to $OUT/times.tsv
-# Needs OUT, MEMCLI and JOBS set.
+# bundled_traces           sets TRACES to the bundled traces, each with the built-in replay
+#                          config's 4 Mi-token pool and a 200 k pool of 64 rows where eviction
+#                          matters (trace label | file | pool label | --set arguments for the pool)
+# Needs OUT, MEMCLI and JOBS set (and ROOT for bundled_traces).
+
+bundled_traces() {
+  local small="--set memory.max_total_tokens=200000 --set memory.max_running_requests=64"
+  TRACES=(
+    "conv300|$ROOT/tests/data/conversation_head300.jsonl|4Mi|"
+    "conv300|$ROOT/tests/data/conversation_head300.jsonl|200k|$small"
+    "syn200|$ROOT/tests/data/synthetic_head200.jsonl|4Mi|"
+    "syn200|$ROOT/tests/data/synthetic_head200.jsonl|200k|$small"
+  )
+}
 
 add_job() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$OUT/jobs.tsv"; }
 
