@@ -133,7 +133,8 @@ def test_diff_reports_a_side_that_raises_as_a_failure_not_a_traceback(ref, monke
     assert doc["failure"].startswith("SGLang's loop raised at step 3") and doc["divergent"] is False
 
 
-def test_diff_names_memcli_when_its_scheduler_raises(ref, monkeypatch):
+def _memcli_raises_at_step_2(monkeypatch) -> None:
+    """memcli's side of a side-by-side run raises an IndexError at its step 2."""
     from memcli.reference import observe
 
     real_step = observe.MemcliSide.step
@@ -144,6 +145,10 @@ def test_diff_names_memcli_when_its_scheduler_raises(ref, monkeypatch):
         return real_step(self)
 
     monkeypatch.setattr(observe.MemcliSide, "step", failing)
+
+
+def test_diff_names_memcli_when_its_scheduler_raises(ref, monkeypatch):
+    _memcli_raises_at_step_2(monkeypatch)
     result = CliRunner().invoke(app, ["reference", "diff", TRACE, "--limit", "4", "--set", "memory.max_total_tokens=90000",
                                       "--set", "memory.max_context_len=88000", "--engine", "sglang-0.5.5"])
     assert result.exit_code == 1, result.output
@@ -269,16 +274,7 @@ def test_diff_0523_reports_sglang_raising_as_a_failure_not_a_traceback(worker052
 
 
 def test_diff_0523_names_memcli_when_its_scheduler_raises(worker0523, monkeypatch):
-    from memcli.reference import observe
-
-    real_step = observe.MemcliSide.step
-
-    def failing(self):
-        if self.scheduler.step_count == 2:
-            raise IndexError("a bug of memcli's")
-        return real_step(self)
-
-    monkeypatch.setattr(observe.MemcliSide, "step", failing)
+    _memcli_raises_at_step_2(monkeypatch)
     monkeypatch.delenv("MEMCLI_DEBUG", raising=False)
     args = ["reference", "diff", TRACE, "--limit", "6", *V0523]
     result = CliRunner().invoke(app, args)
