@@ -361,15 +361,15 @@ class HiRadixCache(RadixCache):
         self._touched(node)
         return device_prefix
 
-    def _insert_walked(self, child: HiTreeNode, value: torch.Tensor, pos: int, matched: int,
+    def _insert_walked(self, child: HiTreeNode, slots: Any, pos: int, matched: int,
                        prev_prefix_len: int, owner: Any) -> None:
         """0.5.23's insert walk on the host tier (`RadixCache.insert_unified`): a node on the
         path with only a host copy takes the request's slots (`_unevict_node_on_insert`); one
         on the device frees the request's duplicates as without a host tier."""
         if child.value is not None:
-            super()._insert_walked(child, value, pos, matched, prev_prefix_len, owner)
+            super()._insert_walked(child, slots, pos, matched, prev_prefix_len, owner)
             return
-        child.value = value[pos: pos + matched].to(self.device, torch.int64).clone()
+        child.value = slots.get(pos, pos + matched).to(self.device, torch.int64).clone()
         self._total += matched
         self._evictable += matched
         self._track_duplicate(child)

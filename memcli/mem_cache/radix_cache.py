@@ -49,6 +49,21 @@ class EvictionRecord(NamedTuple):
     next_use: int = -1
 
 
+class _Slots(NamedTuple):
+    """An insert's slots for the tokens [start, start + len(value)) of its key."""
+
+    value: torch.Tensor
+    start: int
+
+    def get(self, begin: int, end: int) -> torch.Tensor:
+        """The slots of the tokens [begin, end); raises IntegrityError before `start` (a
+        request's locked prefix, whose slots the insert was not given)."""
+        if begin < self.start:
+            raise IntegrityError(f"insert: the slots of tokens {begin}..{end} were asked for, but the insert holds"
+                                 f" only those from {self.start} (the request's locked prefix is the tree's)")
+        return self.value[begin - self.start : end - self.start]
+
+
 class TreeNode:
     """One edge of the radix tree: `key` tokens whose KV sits in `value` slots."""
 
@@ -217,17 +232,19 @@ class RadixCache(BasePrefixCache):
         self._touched(node)
         return MatchResult(self._cat(values), node)
 
-    def _insert_input(self, key: RadixKey, value: Optional[torch.Tensor]):
+    def _insert_input(self, key: RadixKey, value: Optional[torch.Tensor], value_start: int = 0):
         """(tokens, slots, page-aligned length) of an insert, or None when nothing is inserted
-        (the cache is disabled, or the key holds no whole page). `value=None` stores the token
-        ids as slots (tests). Raises ValueError when key and value differ in length."""
+        (the cache is disabled, or the key holds no whole page). `value` holds the slots of
+        tokens [value_start, len(key)); `value=None` stores the token ids as slots (tests).
+        Raises ValueError when key and value differ in length."""
         if self.disable:
             return None
         tokens = key.token_ids
         if value is None:
-            value = torch.as_tensor(tokens, dtype=torch.int64, device=self.device)
-        if value.shape[0] != len(tokens):
-            raise ValueError(f"insert: key has {len(tokens)} tokens but value has {value.shape[0]} slots")
+            value = torch.as_tensor(tokens[value_start:], dtype=torch.int64, device=self.device)
+        if value.shape[0] != len(tokens) - value_start:
+            raise ValueError(f"insert: key has {len(tokens)} tokens past {value_start} but value has"
+                             f" {value.shape[0]} slots")
         aligned = len(tokens) - len(tokens) % self.page_size
         return None if aligned == 0 else (tokens, value, aligned)
 
@@ -323,15 +340,24 @@ class RadixCache(BasePrefixCache):
         return upper
 
     def insert_unified(self, key: RadixKey, value: torch.Tensor, prev_prefix_len: int = 0,
-                       inserted_len: int = 0, owner: Any = None) -> tuple[int, TreeNode]:
+                       inserted_len: int = 0, owner: Any = None, value_start: int = 0,
+                       owned: bool = False) -> tuple[int, TreeNode]:
         """0.5.23's insert walk: stamps the root and each node it walks, counts a hit (with
         `insert_hits`) on each node ending past `inserted_len`, and itself frees the slots of
         `value` that duplicate the tree past `prev_prefix_len` (one free per node, in walk
-        order; `owner` is the request row they come from). Returns (prefix length, last node)."""
-        prepared = self._insert_input(key, value)
+        order; `owner` is the request row they come from). Returns (prefix length, last node).
+
+        `value` holds the slots of the tokens [value_start, len(key)) only: a request's
+        locked prefix (value_start <= prev_prefix_len) is the tree's already, so its slots
+        are never read. `owned`: `value` is the caller's to give away (a copy nobody else
+        holds), so a new leaf may keep a view of it instead of a copy."""
+        prepared = self._insert_input(key, value, value_start)
         if prepared is None:
             return 0, self.root
         tokens, value, aligned = prepared
+        if value_start > prev_prefix_len:
+            raise ValueError(f"insert_unified: slots start at {value_start}, past the prefix {prev_prefix_len}")
+        slots = _Slots(value, value_start)
         tokens = tokens[:aligned]
         now = self._begin()
         node, pos = self.root, 0
@@ -344,25 +370,27 @@ class RadixCache(BasePrefixCache):
             matched = self._common_len(child.key, tokens[pos : pos + len(child.key)])
             if matched < len(child.key):
                 child = self._split_unified(child, matched)
-            self._insert_walked(child, value, pos, matched, prev_prefix_len, owner)
+            self._insert_walked(child, slots, pos, matched, prev_prefix_len, owner)
             if pos + matched > inserted_len:
                 self._count_insert_hit(child)
             node, pos = child, pos + matched
         if pos < aligned:
-            leaf_value = value[pos:aligned].to(self.device, torch.int64).clone()
+            leaf_value = slots.get(pos, aligned).to(self.device, torch.int64)
+            if not owned or 2 * (aligned - pos) < len(value):
+                leaf_value = leaf_value.clone()  # a short view would keep the caller's whole array alive
             node = self._add_leaf(node, tokens[pos:aligned].copy(), leaf_value, key.extra_key, now)
             if aligned > inserted_len:
                 self._count_insert_hit(node)
         self._touched(node)
         return pos, node
 
-    def _insert_walked(self, child: TreeNode, value: torch.Tensor, pos: int, matched: int,
+    def _insert_walked(self, child: TreeNode, slots: "_Slots", pos: int, matched: int,
                        prev_prefix_len: int, owner: Any) -> None:
-        """The insert walk reached `child`, which already holds `value[pos : pos + matched]`'s
-        tokens: the request's duplicate slots past `prev_prefix_len` are freed."""
+        """The insert walk reached `child`, which already holds the tokens [pos, pos + matched)
+        of the insert: the request's duplicate slots past `prev_prefix_len` are freed."""
         start = max(prev_prefix_len, pos)
         if start < pos + matched:
-            self._free(value[start : pos + matched], owner, "insert")
+            self._free(slots.get(start, pos + matched), owner, "insert")
 
     def _count_insert_hit(self, node: TreeNode) -> None:
         """A hit counted on insert (0.5.23's `lfu_hits: insert`)."""
@@ -660,12 +688,16 @@ class RadixCache(BasePrefixCache):
 
     # -- SGLang 0.5.23's request paths (checkpoint_into_tree, release_kv_cache) -----------
 
-    def _checkpoint_unified(self, req: Any, up_to: int) -> None:
+    def _checkpoint_unified(self, req: Any, up_to: int, keep_prefix: bool = True) -> None:
         """0.5.23's `checkpoint_into_tree`: insert the row's first `up_to` tokens (page-aligned;
         the insert frees what duplicates the tree past the protected prefix), then, with
         `split_prompt`, the prompt again (one priority up, freeing and counting nothing) so a
         leaf that runs past the prompt splits at its page-aligned end; the row points at the
-        tree's slots, and the lock moves to the node the first insert ended on."""
+        tree's slots, and the lock moves to the node the first insert ended on.
+
+        Only the row past the protected prefix is read: the prefix is the tree's already (the
+        request holds its lock). `keep_prefix=False` (a release) leaves `prefix_indices` as it
+        was, since nothing reads it once the row is freed."""
         ps, row_id = self.page_size, req.req_pool_idx
         row = self.req_to_token_pool.req_to_token[row_id]
         held = req.prefix_indices.shape[0]
@@ -673,50 +705,63 @@ class RadixCache(BasePrefixCache):
         # Never below the prefix the request holds from the tree (a request released before
         # its first chunk committed anything keeps its matched prefix, and frees only its own slots).
         aligned = max(align_down(up_to, ps), protected)
-        kv = self._row_slots(row, 0, aligned)
+        kv = self._row_slots(row, protected, aligned)  # the row's slots of [protected, aligned)
         key = RadixKey(req.token_ids(aligned), req.extra_key)
-        ledger = getattr(self.allocator, "ledger", None)
-        _, node = self.insert_unified(key, kv, protected, req.kv.cache_inserted_len, owner=row_id)
+        _, node = self.insert_unified(key, kv, protected, req.kv.cache_inserted_len, owner=row_id,
+                                      value_start=protected, owned=True)
         req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, aligned)
         prompt = align_down(req.input_len, ps)
         if self.split_prompt and 0 < prompt < aligned:
-            self.insert_unified(RadixKey(req.token_ids(prompt), req.extra_key), kv[:prompt], prompt, prompt)
-        # The next round's prefix: the tree's slots of the path, then the row's own tail (one join).
-        prefix = torch.cat([*self._path_value_list(node), self._row_slots(row, aligned, up_to)])
-        new_indices = prefix[:aligned]
+            first = min(protected, prompt)
+            self.insert_unified(RadixKey(req.token_ids(prompt), req.extra_key), kv[: prompt - first], prompt, prompt,
+                                value_start=first)
+        new_slots = self._path_tail(node, aligned - protected)  # the tree's slots of [protected, aligned)
         if protected < aligned:
-            if ledger is not None:
-                ledger.move(kv[protected:aligned][new_indices[protected:] == kv[protected:aligned]], row_id, TREE,
-                            "checkpoint")
-            if row.is_cpu:  # one cast-copy in numpy
-                row.numpy()[protected:aligned] = new_indices.numpy()[protected:]
-            else:
-                row[protected:aligned] = new_indices[protected:].to(row.dtype)
-            if ledger is not None:
-                ledger.wrote(row_id, protected, aligned)
+            self._point_row_at_tree(row, row_id, protected, kv, new_slots)
+        if keep_prefix:  # the next round's prefix: the locked prefix, the tree's new slots, the row's tail
+            req.kv.prefix_indices = torch.cat([req.prefix_indices[:protected], new_slots,
+                                               self._row_slots(row, aligned, up_to)])
         self.inc_lock_ref(node)
         self.dec_lock_ref(req.last_node)
-        req.kv.prefix_indices = prefix
         req.kv.last_node = node
         req.kv.last_matched_prefix_len = aligned
 
-    def _path_value_list(self, node: TreeNode) -> list[torch.Tensor]:
-        """The values of the nodes from the root down to `node`."""
+    def _point_row_at_tree(self, row: torch.Tensor, row_id: int, start: int, own: torch.Tensor,
+                           tree: torch.Tensor) -> None:
+        """Request row `row_id`'s positions from `start` held the slots `own`, and now hold the
+        tree's `tree` (where the tree had them already, the insert freed `own`'s)."""
+        end = start + len(tree)
+        ledger = getattr(self.allocator, "ledger", None)
+        if ledger is not None:
+            ledger.move(own[tree == own], row_id, TREE, "checkpoint")
+        if row.is_cpu:  # one cast-copy in numpy
+            row.numpy()[start:end] = tree.numpy()
+        else:
+            row[start:end] = tree.to(row.dtype)
+        if ledger is not None:
+            ledger.wrote(row_id, start, end)
+
+    def _path_tail(self, node: TreeNode, length: int) -> torch.Tensor:
+        """The slots of the last `length` tokens of the path from the root to `node`."""
         values = []
-        while node is not self.root:
-            values.append(node.value)
+        while length > 0:
+            value = node.value
+            values.append(value if len(value) <= length else value[len(value) - length :])
+            length -= len(value)
             node = node.parent
-        return values[::-1]
+        if not values:
+            return self.empty_indices()
+        return values[0] if len(values) == 1 else torch.cat(values[::-1])
 
     def _release_unified(self, req: Any, checkpoint: bool) -> None:
         """0.5.23's `release_kv_cache`: with `checkpoint`, the row's committed tokens go into
         the tree first; then the row is freed past its protected prefix in one segment."""
         committed = min(req.kv_committed_len, req.kv_allocated_len)
         if checkpoint:
-            self._checkpoint_unified(req, committed)
+            self._checkpoint_unified(req, committed, keep_prefix=False)
         start = req.kv.last_matched_prefix_len
-        row = self._row_slots(self.req_to_token_pool.req_to_token[req.req_pool_idx], 0, req.kv_allocated_len)
-        self._free(row[start:], req.req_pool_idx, "release_kv_cache")
+        row = self._row_slots(self.req_to_token_pool.req_to_token[req.req_pool_idx], start, req.kv_allocated_len)
+        self._free(row, req.req_pool_idx, "release_kv_cache")
         self.req_to_token_pool.free(req.req_pool_idx)
         self.dec_lock_ref(req.last_node)
         req.kv.kv_freed = True
