@@ -376,7 +376,7 @@ class RadixCache(BasePrefixCache):
             node, pos = child, pos + matched
         if pos < aligned:
             leaf_value = slots.get(pos, aligned).to(self.device, torch.int64)
-            if not owned or 2 * (aligned - pos) < len(value):
+            if not owned or 2 * (aligned - pos) < value.shape[0]:
                 leaf_value = leaf_value.clone()  # a short view would keep the caller's whole array alive
             node = self._add_leaf(node, tokens[pos:aligned].copy(), leaf_value, key.extra_key, now)
             if aligned > inserted_len:
@@ -654,13 +654,13 @@ class RadixCache(BasePrefixCache):
         """
         ps = self.page_size
         fill_len = len(req.fill_ids)
+        if self.unified and not self.disable:
+            self._checkpoint_unified(req, fill_len)
+            return
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         kv = self._row_slots(row, 0, fill_len)
         if self.disable:
             req.kv.prefix_indices = kv
-            return
-        if self.unified:
-            self._checkpoint_unified(req, fill_len)
             return
         aligned = align_down(fill_len, ps)
         start = align_down(len(req.prefix_indices), ps)
