@@ -35,7 +35,7 @@ Two exact indexes, chosen by the trace format:
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -140,28 +140,7 @@ class _BlockFuture(FutureUses):
     def __init__(self, trace: Trace, caps: np.ndarray):
         super().__init__(trace.num_requests, caps)
         self.block_size = trace.block_size
-        self.roots: dict[Optional[str], int] = {}
-        self.children: dict[tuple[int, int], int] = {}
-        block_hash: list[int] = [-1]
-        users: list[list[int]] = [[]]
-        for j, req in enumerate(trace.requests):
-            node = self.roots.get(req.extra_key)
-            if node is None:
-                node = self.roots[req.extra_key] = len(users)
-                users.append([])
-                block_hash.append(-1)
-            for h in req.hash_ids:
-                child = self.children.get((node, h))
-                if child is None:
-                    child = self.children[(node, h)] = len(users)
-                    users.append([])
-                    block_hash.append(h)
-                users[child].append(j)
-                node = child
-        self.block_hash = np.asarray(block_hash, dtype=np.int64)
-        self.starts = np.zeros(len(users) + 1, dtype=np.int64)
-        np.cumsum([len(u) for u in users], out=self.starts[1:])
-        self.flat = np.fromiter((j for u in users for j in u), dtype=np.int64, count=int(self.starts[-1]))
+        self.roots, self.children, self.block_hash, self.starts, self.flat = block_trie(trace.requests)
 
     def start(self, extra_key: Optional[str]) -> Any:
         node = self.roots.get(extra_key)
@@ -272,6 +251,72 @@ class _PageFuture(FutureUses):
         if i == len(self.keys) or self.keys[i] != key:
             return None
         return self.flat[self.starts[i]:self.starts[i + 1]], pos
+
+
+class BlockTrie(NamedTuple):
+    """The trie of a Mooncake trace's hash blocks. Node 0 is unused; each namespace
+    (`extra_key`) has a root; nodes are numbered in the order a walk of the requests in trace
+    order, block by block, first reaches them."""
+
+    roots: dict  # extra_key -> root node
+    children: dict  # (parent node, hash id) -> child node
+    block_hash: np.ndarray  # per node: its block's hash id (-1 for node 0 and the roots)
+    starts: np.ndarray  # per node: where its users begin in `flat` (one more entry at the end)
+    flat: np.ndarray  # the users of every node, node by node, each node's in trace order
+
+
+def block_trie(requests: Sequence[Any]) -> BlockTrie:
+    """The `BlockTrie` of `requests` (each with `hash_ids` and `extra_key`), built one depth
+    at a time over all requests at once: a node is a distinct (parent, hash id) pair."""
+    lengths = np.fromiter((len(r.hash_ids) for r in requests), dtype=np.int64, count=len(requests))
+    hashes = np.fromiter((h for r in requests for h in r.hash_ids), dtype=np.int64, count=int(lengths.sum()))
+    offsets = np.zeros(len(requests) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    names = {}
+    space = np.fromiter((names.setdefault(r.extra_key, len(names)) for r in requests), dtype=np.int64,
+                        count=len(requests))
+    # Every node as (first request, depth, parent, hash); the roots at depth -1.
+    first_j = [np.unique(space, return_index=True)[1]]
+    depth, parent_key, hash_of = [np.full(len(names), -1)], [np.full(len(names), -1)], [np.full(len(names), -1)]
+    node = space.copy()  # each request's node at the current depth (provisional ids: roots first)
+    count = len(names)
+    members, member_node = [], []  # (request, node) of every block the requests walk
+    alive = np.arange(len(requests))
+    # One int64 key per (parent, hash id): the parent times the span of the hash ids, plus the id.
+    low = int(hashes.min(initial=0))
+    span = int(hashes.max(initial=0)) - low + 1
+    if span * (len(hashes) + len(names) + 1) >= 1 << 62:
+        raise ValueError(f"hash ids {low}..{low + span - 1} span too far to key {len(hashes):,} blocks in int64")
+    for d in range(int(lengths.max(initial=0))):
+        alive = alive[lengths[alive] > d]
+        h = hashes[offsets[alive] + d]
+        keys, first, inverse = np.unique(node[alive] * span + (h - low), return_index=True, return_inverse=True)
+        node[alive] = count + inverse.reshape(-1)
+        first_j.append(alive[first])
+        depth.append(np.full(len(keys), d))
+        parent_key.append(keys // span)
+        hash_of.append(keys % span + low)
+        members.append(alive)
+        member_node.append(node[alive])
+        count += len(keys)
+    # Renumber in first-reach order: by first request, then depth (node 0 stays unused).
+    first_j, depth = np.concatenate(first_j), np.concatenate(depth)
+    order = np.lexsort((depth, first_j))
+    new_id = np.empty(count, dtype=np.int64)
+    new_id[order] = np.arange(1, count + 1)
+    parents, hash_ids = np.concatenate(parent_key), np.concatenate(hash_of)
+    block_hash = np.full(count + 1, -1, dtype=np.int64)
+    block_hash[new_id] = hash_ids
+    block_hash[new_id[: len(names)]] = -1
+    kids = np.arange(len(names), count)
+    children = dict(zip(zip(new_id[parents[kids]].tolist(), hash_ids[kids].tolist()), new_id[kids].tolist()))
+    roots = {name: int(new_id[i]) for name, i in names.items()}
+    user_node = new_id[np.concatenate(member_node)] if member_node else np.empty(0, dtype=np.int64)
+    user = np.concatenate(members) if members else np.empty(0, dtype=np.int64)
+    by_node = np.lexsort((user, user_node))
+    starts = np.zeros(count + 2, dtype=np.int64)
+    np.cumsum(np.bincount(user_node, minlength=count + 1), out=starts[1:])
+    return BlockTrie(roots, children, block_hash, starts, user[by_node].astype(np.int64))
 
 
 def _seed(extra_key: Optional[str]) -> int:

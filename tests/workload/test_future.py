@@ -4,11 +4,12 @@ formats, as admissions and retractions move the boundary."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from memcli.workload.future import FutureTooLarge, build_future, check_future_fits
+from memcli.workload.future import FutureTooLarge, block_trie, build_future, check_future_fits
 from memcli.workload.readers import read_trace
 from memcli.workload.spec import RequestSpec, Trace, mooncake_token_ids
 
@@ -140,3 +141,49 @@ def test_mooncake_long_advance_equals_the_token_walk(tmp_path, monkeypatch):
     assert walked == [future.advance(h, t) for h, t in cases]
     assert sum(h is not None for h in walked) > len(cases) // 8  # real paths were walked, not only refused
     assert sum(h is None for h in walked) > len(cases) // 4
+
+
+def _trie_by_walk(requests):
+    """The block trie as one walk of the requests in trace order, block by block."""
+    roots, children, block_hash, users = {}, {}, [-1], [[]]
+    for j, req in enumerate(requests):
+        node = roots.get(req.extra_key)
+        if node is None:
+            node = roots[req.extra_key] = len(users)
+            users.append([])
+            block_hash.append(-1)
+        for h in req.hash_ids:
+            child = children.get((node, h))
+            if child is None:
+                child = children[(node, h)] = len(users)
+                users.append([])
+                block_hash.append(h)
+            users[child].append(j)
+            node = child
+    return roots, children, block_hash, users
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_trie_equals_the_walk_of_the_requests(seed):
+    rng = np.random.default_rng(seed)
+    requests = []
+    for j in range(int(rng.integers(1, 40))):
+        shared = rng.integers(0, 4, size=int(rng.integers(0, 6)))  # a few common prefixes
+        own = rng.integers(100 + 50 * seed, 120 + 50 * seed, size=int(rng.integers(0 if shared.size else 1, 5)))
+        blocks = tuple(int(h) for h in np.concatenate([shared, own]))
+        key = [None, "tenant-a", "tenant-b"][int(rng.integers(0, 3))] if seed % 2 else None
+        requests.append(RequestSpec(f"r{j}", len(blocks) * 4, 1, extra_key=key, hash_ids=blocks, block_size=4))
+    trie = block_trie(requests)
+    roots, children, block_hash, users = _trie_by_walk(requests)
+    assert trie.roots == roots and trie.children == children
+    assert trie.block_hash.tolist() == block_hash
+    assert [trie.flat[trie.starts[n]:trie.starts[n + 1]].tolist() for n in range(len(users))] == users
+    assert trie.starts[-1] == len(trie.flat) == sum(map(len, users))
+
+
+def test_block_trie_of_the_bundled_trace_equals_the_walk():
+    trace = read_trace(Path(__file__).parents[1] / "data" / "conversation_head300.jsonl")
+    trie = block_trie(trace.requests)
+    roots, children, block_hash, users = _trie_by_walk(trace.requests)
+    assert trie.roots == roots and trie.children == children and trie.block_hash.tolist() == block_hash
+    assert trie.flat.tolist() == [j for u in users for j in u]
