@@ -53,14 +53,17 @@ class RadixKey:
     """Token ids plus an optional namespace (`extra_key`: LoRA id, cache salt, ...).
 
     Keys with different `extra_key` never share cached tokens. Slicing returns a RadixKey
-    with the same `extra_key` that views the same array (no copy).
+    with the same `extra_key` that views the same array (no copy). `origin` (optional): the
+    id of the request whose token ids these are (a prefix of its prompt and outputs), which
+    the cache may keep on the nodes it creates; it never changes what is matched.
     """
 
-    __slots__ = ("token_ids", "extra_key")
+    __slots__ = ("token_ids", "extra_key", "origin")
 
-    def __init__(self, token_ids: Any, extra_key: Optional[str] = None):
+    def __init__(self, token_ids: Any, extra_key: Optional[str] = None, origin: Optional[str] = None):
         self.token_ids: np.ndarray = as_token_array(token_ids)
         self.extra_key = extra_key
+        self.origin = origin
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -70,12 +73,12 @@ class RadixKey:
 
     def __getitem__(self, index: int | slice) -> "RadixKey":
         if isinstance(index, slice):
-            return RadixKey(self.token_ids[index], self.extra_key)
+            return RadixKey(self.token_ids[index], self.extra_key, self.origin)
         n = len(self.token_ids)
         if not -n <= index < n:
             raise IndexError(f"RadixKey index {index} out of range for length {n}")
         index %= n
-        return RadixKey(self.token_ids[index : index + 1], self.extra_key)
+        return RadixKey(self.token_ids[index : index + 1], self.extra_key, self.origin)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RadixKey):

@@ -49,6 +49,11 @@ class EvictionRecord(NamedTuple):
     next_use: int = -1
 
 
+def _origin(req: Any) -> Optional[str]:
+    """The request id a key built from `req`'s tokens carries (`RadixKey.origin`), if it has one."""
+    return getattr(req, "rid", None)
+
+
 class _Slots(NamedTuple):
     """An insert's slots for the tokens [start, start + len(value)) of its key."""
 
@@ -70,7 +75,7 @@ class TreeNode:
     __slots__ = (
         "children", "parent", "key", "value", "extra_key", "lock_ref",
         "creation_time", "last_access_time", "birth_time", "hit_count", "page_hashes", "heap_seq", "id",
-        "future_end", "future_first",
+        "future_end", "future_first", "origin",
     )
     _ids = itertools.count()
 
@@ -91,6 +96,7 @@ class TreeNode:
         self.id = next(TreeNode._ids)
         self.future_end = _UNKNOWN  # the future's handles of the path to this node's end and first page
         self.future_first = _UNKNOWN
+        self.origin: Optional[str] = None  # a request whose tokens the path root -> here holds (RadixKey.origin)
 
     @property
     def evicted(self) -> bool:
@@ -269,7 +275,7 @@ class RadixCache(BasePrefixCache):
             if 2 * (aligned - prefix_len) < len(tokens):
                 # A short view would keep the caller's whole array alive: store a compact copy.
                 leaf_key, leaf_value = leaf_key.copy(), leaf_value.clone()
-            node = self._add_leaf(node, leaf_key, leaf_value, key.extra_key, now)
+            node = self._add_leaf(node, leaf_key, leaf_value, key.extra_key, now, key.origin)
         self._touched(node)
         return prefix_len
 
@@ -378,7 +384,7 @@ class RadixCache(BasePrefixCache):
             leaf_value = slots.get(pos, aligned).to(self.device, torch.int64)
             if not owned or 2 * (aligned - pos) < value.shape[0]:
                 leaf_value = leaf_value.clone()  # a short view would keep the caller's whole array alive
-            node = self._add_leaf(node, tokens[pos:aligned].copy(), leaf_value, key.extra_key, now)
+            node = self._add_leaf(node, tokens[pos:aligned].copy(), leaf_value, key.extra_key, now, key.origin)
             if aligned > inserted_len:
                 self._count_insert_hit(node)
         self._touched(node)
@@ -426,7 +432,7 @@ class RadixCache(BasePrefixCache):
             upper = TreeNode(parent, child.key[:split_len], child.value[:split_len], child.extra_key,
                              child.last_access_time, child.creation_time, child.birth_time)
             upper.hit_count = child.hit_count
-        upper.lock_ref = child.lock_ref
+        upper.lock_ref, upper.origin = child.lock_ref, child.origin
         pages = split_len // self.page_size
         upper.page_hashes, child.page_hashes = child.page_hashes[:pages], child.page_hashes[pages:]
         parent.children[self._child_key(child.extra_key, child.key, 0)] = upper
@@ -439,8 +445,9 @@ class RadixCache(BasePrefixCache):
         return upper
 
     def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: torch.Tensor,
-                  extra_key: Optional[str], now: float) -> TreeNode:
+                  extra_key: Optional[str], now: float, origin: Optional[str] = None) -> TreeNode:
         leaf = self._node(parent, key, value, extra_key, now)
+        leaf.origin = origin
         parent.children[self._child_key(extra_key, key, 0)] = leaf
         self._total += len(key)
         self._evictable += len(key)
@@ -531,12 +538,30 @@ class RadixCache(BasePrefixCache):
         return self.future.start(node.extra_key) if parent is self.root else parent.future_end
 
     def _first_handle(self, node: TreeNode) -> Any:
-        """The handle of `node`'s first page (memoised until the node is split)."""
+        """The handle of `node`'s first page (memoised until the node is split): read off the
+        prompt of the request whose tokens the path holds where the future indexes prompts,
+        else walked along the path (`_first_handle_walked`)."""
         if node.future_first is _UNKNOWN:
-            if node.parent is not self.root:
-                self._end_handle(node.parent)
-            node.future_first = self.future.advance(self._start_handle(node), node.key[: self.page_size])
+            index = None if node.origin is None else self.future.prompt_index(node.origin)
+            if index is None:
+                node.future_first = self._first_handle_walked(node)
+            else:
+                node.future_first = self.future.prompt_handle(index, self._depth(node.parent) + self.page_size)
         return node.future_first
+
+    def _first_handle_walked(self, node: TreeNode) -> Any:
+        """`node`'s first-page handle by advancing the future along the path's tokens."""
+        if node.parent is not self.root:
+            self._end_handle(node.parent)
+        return self.future.advance(self._start_handle(node), node.key[: self.page_size])
+
+    def _depth(self, node: TreeNode) -> int:
+        """Tokens on the path from the root to the end of `node`."""
+        depth = 0
+        while node is not self.root:
+            depth += len(node.key)
+            node = node.parent
+        return depth
 
     def _belady_priority(self, node: TreeNode) -> tuple[float, float]:
         """Furthest next use first; never used again before anything; ties least recently used."""
@@ -626,7 +651,7 @@ class RadixCache(BasePrefixCache):
             start = 0
         elif is_insert:
             aligned = max(align_down(min(req.kv_committed_len, allocated), ps), start)
-            new_prefix_len = self.insert(RadixKey(req.token_ids(aligned), req.extra_key), kv[:aligned])
+            new_prefix_len = self.insert(RadixKey(req.token_ids(aligned), req.extra_key, _origin(req)), kv[:aligned])
             self._check_prefix_kept(req, start, new_prefix_len)
             self._to_tree(kv[new_prefix_len:aligned], row, op)
             self._free(kv[start:new_prefix_len], row, op)
@@ -664,7 +689,7 @@ class RadixCache(BasePrefixCache):
             return
         aligned = align_down(fill_len, ps)
         start = align_down(len(req.prefix_indices), ps)
-        key = RadixKey(req.fill_ids[:aligned], req.extra_key)
+        key = RadixKey(req.fill_ids[:aligned], req.extra_key, _origin(req))
         new_prefix_len = self.insert(key, kv[:aligned], chunked=chunked)
         self._check_prefix_kept(req, start, new_prefix_len)
         op = "cache_unfinished_req"
@@ -706,14 +731,14 @@ class RadixCache(BasePrefixCache):
         # its first chunk committed anything keeps its matched prefix, and frees only its own slots).
         aligned = max(align_down(up_to, ps), protected)
         kv = self._row_slots(row, protected, aligned)  # the row's slots of [protected, aligned)
-        key = RadixKey(req.token_ids(aligned), req.extra_key)
+        key = RadixKey(req.token_ids(aligned), req.extra_key, _origin(req))
         _, node = self.insert_unified(key, kv, protected, req.kv.cache_inserted_len, owner=row_id,
                                       value_start=protected, owned=True)
         req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, aligned)
         prompt = align_down(req.input_len, ps)
         if self.split_prompt and 0 < prompt < aligned:
             first = min(protected, prompt)
-            self.insert_unified(RadixKey(req.token_ids(prompt), req.extra_key), kv[: prompt - first], prompt, prompt,
+            self.insert_unified(RadixKey(req.token_ids(prompt), req.extra_key, _origin(req)), kv[: prompt - first], prompt, prompt,
                                 value_start=first)
         new_slots = self._path_tail(node, aligned - protected)  # the tree's slots of [protected, aligned)
         if protected < aligned:

@@ -103,6 +103,17 @@ class FutureUses:
         """The requests whose prompt holds the path of `handle` (ascending), and the position."""
         raise NotImplementedError
 
+    def prompt_index(self, rid: str) -> Optional[int]:
+        """The trace index of request `rid`, where `prompt_handle` can answer for it (None:
+        ask `advance`)."""
+        return None
+
+    def prompt_handle(self, index: int, pos: int) -> Any:
+        """`advance` from the start along the first `pos` (>= 1) tokens of request `index`'s
+        prompt then outputs, without reading them: past its prompt a path holds output
+        tokens, which no prompt of the trace holds (None)."""
+        raise NotImplementedError
+
     def next_use(self, handle: Any) -> Optional[int]:
         found = self.users(handle) if handle is not None else None
         return None if found is None else self._first_future(*found)
@@ -140,7 +151,21 @@ class _BlockFuture(FutureUses):
     def __init__(self, trace: Trace, caps: np.ndarray):
         super().__init__(trace.num_requests, caps)
         self.block_size = trace.block_size
-        self.roots, self.children, self.block_hash, self.starts, self.flat = block_trie(trace.requests)
+        trie = block_trie(trace.requests)
+        self.roots, self.children, self.block_hash, self.starts, self.flat = trie[:5]
+        # Each request's trie node at every block of its prompt, for `prompt_handle`.
+        self.paths, self.path_starts = trie.paths, trie.path_starts
+        self.input_lens = caps + 1
+        rids = {spec.rid: j for j, spec in enumerate(trace.requests)}
+        self.rids = rids if len(rids) == trace.num_requests else {}  # ids that repeat answer nothing
+
+    def prompt_index(self, rid: str) -> Optional[int]:
+        return self.rids.get(rid)
+
+    def prompt_handle(self, index: int, pos: int) -> Any:
+        if pos > self.input_lens[index]:
+            return None
+        return int(self.paths[self.path_starts[index] + (pos - 1) // self.block_size]), pos
 
     def start(self, extra_key: Optional[str]) -> Any:
         node = self.roots.get(extra_key)
@@ -263,6 +288,8 @@ class BlockTrie(NamedTuple):
     block_hash: np.ndarray  # per node: its block's hash id (-1 for node 0 and the roots)
     starts: np.ndarray  # per node: where its users begin in `flat` (one more entry at the end)
     flat: np.ndarray  # the users of every node, node by node, each node's in trace order
+    paths: np.ndarray  # every request's node at each of its blocks, request by request
+    path_starts: np.ndarray  # per request: where its nodes begin in `paths`
 
 
 def block_trie(requests: Sequence[Any]) -> BlockTrie:
@@ -282,6 +309,7 @@ def block_trie(requests: Sequence[Any]) -> BlockTrie:
     count = len(names)
     members, member_node = [], []  # (request, node) of every block the requests walk
     alive = np.arange(len(requests))
+    paths = np.empty(len(hashes), dtype=np.int64)
     # One int64 key per (parent, hash id): the parent times the span of the hash ids, plus the id.
     low = int(hashes.min(initial=0))
     span = int(hashes.max(initial=0)) - low + 1
@@ -292,6 +320,7 @@ def block_trie(requests: Sequence[Any]) -> BlockTrie:
         h = hashes[offsets[alive] + d]
         keys, first, inverse = np.unique(node[alive] * span + (h - low), return_index=True, return_inverse=True)
         node[alive] = count + inverse.reshape(-1)
+        paths[offsets[alive] + d] = node[alive]
         first_j.append(alive[first])
         depth.append(np.full(len(keys), d))
         parent_key.append(keys // span)
@@ -316,7 +345,7 @@ def block_trie(requests: Sequence[Any]) -> BlockTrie:
     by_node = np.lexsort((user, user_node))
     starts = np.zeros(count + 2, dtype=np.int64)
     np.cumsum(np.bincount(user_node, minlength=count + 1), out=starts[1:])
-    return BlockTrie(roots, children, block_hash, starts, user[by_node].astype(np.int64))
+    return BlockTrie(roots, children, block_hash, starts, user[by_node].astype(np.int64), new_id[paths], offsets[:-1])
 
 
 def _seed(extra_key: Optional[str]) -> int:

@@ -187,3 +187,19 @@ def test_block_trie_of_the_bundled_trace_equals_the_walk():
     roots, children, block_hash, users = _trie_by_walk(trace.requests)
     assert trie.roots == roots and trie.children == children and trie.block_hash.tolist() == block_hash
     assert trie.flat.tolist() == [j for u in users for j in u]
+
+
+def test_prompt_handles_equal_advancing_along_the_prompt_then_outputs():
+    trace = read_trace(Path(__file__).parents[1] / "data" / "conversation_head300.jsonl")
+    future = build_future(trace, page_size=1)
+    base = trace.max_token_id + 1  # output tokens start above every prompt token
+    rng = np.random.default_rng(0)
+    for j in rng.choice(trace.num_requests, size=12, replace=False).tolist():
+        spec = trace.requests[j]
+        assert future.prompt_index(spec.rid) == j
+        tokens = np.concatenate([spec.input_ids(), base + np.arange(40, dtype=np.int64)])
+        for pos in sorted({1, 511, 512, 513, spec.input_len - 1, spec.input_len, spec.input_len + 1,
+                           spec.input_len + 17, *rng.integers(1, spec.input_len, size=6).tolist()}):
+            walked = future.advance(future.start(spec.extra_key), tokens[:pos])
+            assert future.prompt_handle(j, pos) == walked, (j, pos)
+    assert future.prompt_index("no such request") is None

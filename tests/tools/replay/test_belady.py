@@ -58,3 +58,26 @@ def test_belady_where_it_cannot_apply_is_bad_input(args, needle):
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.stdout
     assert result.stderr.startswith("error: ") and needle in result.stderr and "hint: " in result.stderr
+
+
+@pytest.mark.parametrize("engine, page_size, policy", [("sglang-0.5.23", 1, "lru"), ("sglang-0.5.5", 16, "lru"),
+                                                        ("sglang-0.5.23", 16, "belady")])
+def test_first_page_handles_read_off_the_prompt_equal_the_walk(monkeypatch, engine, page_size, policy):
+    # Every first-page handle the replay asks for (evictions, Belady's order), read off the
+    # prompt of the request whose tokens the node holds, equals the walk along the path.
+    from memcli.mem_cache.radix_cache import RadixCache
+
+    shortcut, checked = RadixCache._first_handle, []
+
+    def both(self, node):
+        handle = shortcut(self, node)
+        assert handle == RadixCache._first_handle_walked(self, node), node
+        checked.append((node.origin is not None, handle is not None))
+        return handle
+
+    monkeypatch.setattr(RadixCache, "_first_handle", both)
+    doc = replay_json("--engine", engine, "--set", f"memory.page_size={page_size}",
+                      "--set", f"cache.eviction_policy={policy}")
+    assert doc["eviction"]["evictions"] > 0 and len(checked) > 0
+    assert all(origin for origin, _ in checked)  # every node came from a request: read off its prompt
+    assert {found for _, found in checked} == {True, False}  # paths inside a prompt, and past one
