@@ -419,9 +419,10 @@ def _alloc_decode_write_cpu(seq_lens_before, req_pool_indices, req_to_token, fre
                             free_start: int, num_free: int) -> torch.Tensor:
     """``alloc_decode_write_torch`` on a CPU, in numpy over the tensors' own memory: the paged
     step is a dozen small array operations, and numpy's cost per operation is a fraction of
-    torch's (page size 1 with the pages at hand: `_alloc_decode_write_flat_cpu`). The same slots: a request whose length is a multiple of the page size takes
-    the next page of the ring of ``num_free`` entries from ``free_start`` (page -1 past it),
-    the others the slot after their last one."""
+    torch's (page size 1 with the pages at hand: ``_alloc_decode_write_flat_cpu``). The same
+    slots: a request whose length is a multiple of the page size takes the next page of the
+    ring of ``num_free`` entries from ``free_start`` (page -1 past it), the others the slot
+    after their last one."""
     seq, rows, table = seq_lens_before.numpy(), req_pool_indices.numpy(), req_to_token.numpy()
     values, cap = free_pages.numpy(), free_pages.shape[0]
     needs = seq % page_size == 0
