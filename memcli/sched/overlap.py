@@ -150,11 +150,14 @@ class OverlapLoop:
         """Requests of the batch in flight whose result gives them their last output."""
         if not self.result_queue:
             return set()
-        ending = [r for r in self.sched.running.reqs if len(r.output_ids) + 1 >= r.max_new_tokens]
+        # The running requests of the batch in flight that one more token finishes. Tested
+        # over the batch in flight, not the running batch: the same set, and after a prefill
+        # step the batch in flight is a few requests where the running batch is all of them.
+        ending = [r for r in self.result_queue[0].reqs if len(r.output_ids) + 1 >= r.max_new_tokens]
         if not ending:
             return set()
-        queued = set(self.result_queue[0].reqs)
-        return {r for r in ending if r in queued}
+        running = set(self.sched.running.reqs)
+        return {r for r in ending if r in running}
 
     def _launch(self, kind: str, batch: ScheduleBatch) -> None:
         s = self.sched
@@ -221,7 +224,8 @@ class OverlapLoop:
                 continue
             out = req.output_ids
             out.append(token)
-            if len(out) >= req.max_new_tokens or len(out) == req.eos_len:
+            n = len(out)
+            if n >= req.max_new_tokens or n == req.eos_len:
                 done.append(req)
         if skipped:
             gone = set(map(id, skipped))

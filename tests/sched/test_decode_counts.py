@@ -91,3 +91,33 @@ def test_every_record_holds_the_recounted_tokens(engine, event_loop, page_size):
     assert sched.is_done() and sched.stats.retracted_requests > 0
     assert seen and all(held == want for held, want in seen)
     assert any(held > 0 for held, _ in seen)
+
+
+def _finishing_over_running(loop) -> set:
+    """`OverlapLoop._finishing_in_flight` as first written: the running batch scanned."""
+    if not loop.result_queue:
+        return set()
+    queued = set(loop.result_queue[0].reqs)
+    return {r for r in loop.sched.running.reqs if len(r.output_ids) + 1 >= r.max_new_tokens and r in queued}
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_finishing_in_flight_is_the_set_the_running_batch_gives(page_size, monkeypatch):
+    from memcli.sched import overlap
+
+    cfg, stack = small_stack(page_size, pool=1024, rows=8, context=256, chunk=32, semantics__engine="sglang-0.5.23",
+                             semantics__event_loop="overlap")
+    assert cfg.behaviour.skip_finishing_decode == "skip"
+    real, sets = overlap.OverlapLoop._finishing_in_flight, []
+
+    def checked(loop):
+        got = real(loop)
+        assert got == _finishing_over_running(loop)
+        sets.append(got)
+        return got
+
+    monkeypatch.setattr(overlap.OverlapLoop, "_finishing_in_flight", checked)
+    sched = make_scheduler(stack, cfg, retract_every=5)
+    shared_prefix_workload(sched, n=30, max_out=6, gap_ms=0.3)
+    sched.run(max_steps=3000)
+    assert sched.is_done() and any(sets) and not all(sets)
