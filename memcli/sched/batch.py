@@ -31,6 +31,7 @@ class ScheduleBatch:
         self.extend_plan: ExtendPlan | None = None  # of the last prepare_for_extend
         self.out_cache_loc: torch.Tensor | None = None
         self._page_hist: _PageHistogram | None = None
+        self._len_sum: tuple[torch.Tensor, int] | None = None  # (lengths, their sum): see `seq_lens_sum`
         # SGLang's `enable_overlap`: the next decode's page estimate reads `req.seqlen`, whose
         # outputs lag one step behind the KV (see `estimated_decode_pages`).
         self.enable_overlap = enable_overlap
@@ -87,6 +88,21 @@ class ScheduleBatch:
         hist = self._page_hist
         if hist is not None and hist.lengths is before:
             hist.lengths, hist.steps = self.seq_lens_cpu, hist.steps + 1
+        len_sum = self._len_sum
+        if len_sum is not None and len_sum[0] is before:
+            self._len_sum = (self.seq_lens_cpu, len_sum[1] + before.numel())
+
+    def seq_lens_sum(self) -> int:
+        """`int(self.seq_lens_cpu.sum())`, in O(1) per decode step.
+
+        The lengths tensors are replaced, never written in place, so a sum stays true of the
+        tensor it was taken from: it is kept with that tensor, moved on by a decode step
+        (every length + 1), and taken afresh for any other tensor.
+        """
+        lengths, len_sum = self.seq_lens_cpu, self._len_sum
+        if len_sum is None or len_sum[0] is not lengths:
+            len_sum = self._len_sum = (lengths, int(lengths.sum()))
+        return len_sum[1]
 
     def decode_pages_needed(self, page_size: int) -> int:
         """`pages.decode_new_pages(self.seq_lens_cpu, page_size)`, in O(1) per step.
@@ -156,7 +172,11 @@ class ScheduleBatch:
         ps = self.page_size
         if self.enable_overlap and ps > 1:
             reqs = self.reqs if keep is None else [self.reqs[i] for i in keep]
-            return sum(1 for r in reqs if (r.input_len + len(r.output_ids)) % ps == 0)  # r.seqlen, inlined
+            opening = 0
+            for r in reqs:  # a plain loop: a generator resumed per request costs more than the count
+                if (r.input_len + len(r.output_ids)) % ps == 0:  # r.seqlen, inlined
+                    opening += 1
+            return opening
         if keep is None:
             return self.decode_pages_needed(ps)
         return pages.decode_new_pages(self.seq_lens_cpu[torch.tensor(keep, dtype=torch.int64)], ps)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from memcli.mem_cache.manager import InFlightSlot, Release
 from memcli.sched.batch import ScheduleBatch
@@ -42,14 +42,15 @@ class InFlight:
     """What `process_batch_result` needs of a launched batch (SGLang's `batch.copy()`).
 
     `seq_lens` are the lengths after the batch (prefill: the fill; decode: the slot + 1);
-    `tokens[i]` is request i's sampled token, None for a chunk that is not the last.
+    `tokens[i]` is request i's sampled token, None for a chunk that is not the last (a
+    decode batch's tokens are consecutive: a `range`).
     `extra` maps a request released while this batch was in flight to its extra slot
     (None: freed with the request's last page)."""
 
     kind: str  # prefill, decode
     reqs: list
     seq_lens: list[int]
-    tokens: list[Optional[int]]
+    tokens: Sequence[Optional[int]]
     extra: dict = field(default_factory=dict)
 
 
@@ -129,7 +130,10 @@ class OverlapLoop:
         (no retraction)."""
         s = self.sched
         before = len(s.running.reqs)
-        s.running.filter_batch()
+        if not s.gate.relaxed:
+            # Under the relaxed gate `get_next_batch_to_run` filtered the batch this iteration,
+            # and a prefill attempt finishes no running request: nothing is left to filter.
+            s.running.filter_batch()
         finishing = self._finishing_in_flight() if s.skip_finishing_decode else set()
         if finishing:
             s.running.filter_batch([i for i, r in enumerate(s.running.reqs) if r not in finishing])
@@ -146,11 +150,14 @@ class OverlapLoop:
         """Requests of the batch in flight whose result gives them their last output."""
         if not self.result_queue:
             return set()
-        ending = [r for r in self.sched.running.reqs if len(r.output_ids) + 1 >= r.max_new_tokens]
+        # The running requests of the batch in flight that one more token finishes. Tested
+        # over the batch in flight, not the running batch: the same set, and after a prefill
+        # step the batch in flight is a few requests where the running batch is all of them.
+        ending = [r for r in self.result_queue[0].reqs if len(r.output_ids) + 1 >= r.max_new_tokens]
         if not ending:
             return set()
-        queued = set(self.result_queue[0].reqs)
-        return {r for r in ending if r in queued}
+        running = set(self.sched.running.reqs)
+        return {r for r in ending if r in running}
 
     def _launch(self, kind: str, batch: ScheduleBatch) -> None:
         s = self.sched
@@ -164,7 +171,7 @@ class OverlapLoop:
             s.clock_ms += s.decode_cost_ms(batch)
             base = s.next_token
             s.next_token += batch.batch_size
-            tokens = list(range(base, base + batch.batch_size))
+            tokens = range(base, base + batch.batch_size)  # read once, in order: no list needed
         self.result_queue.append(InFlight(kind, list(batch.reqs), batch.seq_lens_cpu.tolist(), tokens))
 
     # -- results ------------------------------------------------------------------------------
@@ -217,7 +224,8 @@ class OverlapLoop:
                 continue
             out = req.output_ids
             out.append(token)
-            if len(out) >= req.max_new_tokens or len(out) == req.eos_len:
+            n = len(out)
+            if n >= req.max_new_tokens or n == req.eos_len:
                 done.append(req)
         if skipped:
             gone = set(map(id, skipped))

@@ -36,6 +36,23 @@ def order_waiting(queue: list, policy: str, memory: MemoryManager) -> list:
     return sorted(queue, key=lambda r: -len(r.prefix_indices))
 
 
+def remaining_output_offset(reqs: list, ratio: float, clip: int, ignore_eos_whole: bool = False) -> float:
+    """`sum(min(r.max_new_tokens - len(r.output_ids), clip) * w_r for r in reqs)`, w_r being
+    `ratio`, or 1.0 for an `ignore_eos` request under `ignore_eos_whole`: the expected output
+    the running requests still hold the pool for.
+
+    Bit-identical to that expression: the same products, summed by `sum` in request order. The
+    `min` is spelt as the comparison the builtin makes (`clip` only when `clip < left`), and
+    the weight is hoisted when it is the same for every request: the call of `min` costs more
+    than the rest of the term, and the sum is taken over every running request whenever a
+    prefill batch is tried.
+    """
+    if ignore_eos_whole:
+        return sum([(clip if clip < (left := r.max_new_tokens - len(r.output_ids)) else left)
+                    * (1.0 if r.ignore_eos else ratio) for r in reqs])
+    return sum([(clip if clip < (left := r.max_new_tokens - len(r.output_ids)) else left) * ratio for r in reqs])
+
+
 class PrefillAdder:
     def __init__(self, memory: MemoryManager, running_reqs: list, new_token_ratio: float,
                  max_prefill_tokens: int, chunked_prefill_size: int | None, page_size: int, clip: int,
@@ -55,11 +72,7 @@ class PrefillAdder:
         self.rem_chunk_tokens = chunked_prefill_size
         # A running request's remaining output times the ratio; under 0.5.23 whole for an
         # `ignore_eos` request (semantics.ignore_eos_ratio: one).
-        self.rem_total_token_offset = sum(
-            min(r.max_new_tokens - len(r.output_ids), clip) * (1.0 if ignore_eos_whole and r.ignore_eos
-                                                               else new_token_ratio)
-            for r in running_reqs
-        )
+        self.rem_total_token_offset = remaining_output_offset(running_reqs, new_token_ratio, clip, ignore_eos_whole)
         self.can_run_list: list = []
         self.new_chunked_req = None
         # What SGLang's scheduler logs for the batch: #cached-token (prefixes of the requests

@@ -256,13 +256,21 @@ class Scheduler:
         """Slots the requests holding memory own (`active_reqs()`, not yet freed) plus, under
         overlap, the decode slots in flight of released requests. One pass over the records."""
         running, chunked, held = self.running.reqs, self.chunked_req, 0
+        # Plain loops rather than `sum` over a generator: this runs over the running batch
+        # every step, and resuming a generator per request costs more than the addition.
         if self.overlap is None:
-            held = sum(kv.kv_allocated_len - kv.last_matched_prefix_len for kv in map(_kv, running) if not kv.kv_freed)
+            for kv in map(_kv, running):
+                if not kv.kv_freed:
+                    held += kv.kv_allocated_len - kv.last_matched_prefix_len
         else:
-            held = sum(kv.kv_allocated_len - kv.last_matched_prefix_len for r in running
-                       if not r.finished and not (kv := r.kv).kv_freed)
-            held += sum(kv.kv_allocated_len - kv.last_matched_prefix_len for r in self.overlap.unmerged_reqs()
-                        if r is not chunked and not r.finished and not (kv := r.kv).kv_freed)
+            for r in running:
+                if not r.finished:
+                    kv = r.kv
+                    if not kv.kv_freed:
+                        held += kv.kv_allocated_len - kv.last_matched_prefix_len
+            for r in self.overlap.unmerged_reqs():
+                if r is not chunked and not r.finished and not (kv := r.kv).kv_freed:
+                    held += kv.kv_allocated_len - kv.last_matched_prefix_len
             held += self.overlap.in_flight_count()
         if chunked is not None and not chunked.kv.kv_freed:
             held += chunked.kv.kv_allocated_len - chunked.kv.last_matched_prefix_len
@@ -543,6 +551,6 @@ class Scheduler:
         return compute + self.memory.take_transfer_stall_ms()
 
     def decode_cost_ms(self, batch: ScheduleBatch) -> float:
-        kv_read = int(batch.seq_lens_cpu.sum())
+        kv_read = batch.seq_lens_sum()
         return (self.sim.step_base_ms + self.sim.decode_req_us * batch.batch_size / 1e3
                 + self.sim.kv_read_ns * kv_read / 1e6 + self.memory.take_transfer_stall_ms())

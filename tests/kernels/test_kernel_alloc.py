@@ -151,6 +151,28 @@ def test_row_writes_on_a_cpu_match_the_cell_by_cell_path(page_size):
         assert torch.equal(via_dispatch, by_request)
 
 
+def test_page_size_one_decode_on_a_cpu_matches_the_torch_indexing():
+    """The CPU path at page size 1 (numpy views) against the torch copy and indexed write it
+    replaced, on rings that wrap and ones that do not, and a batch of one."""
+    from memcli.kernels.alloc import _ring_slice
+
+    gen = torch.Generator().manual_seed(41)
+    for bs, cap, start in ((1, 5, 0), (7, 20, 3), (7, 20, 16), (7, 20, 20), (64, 64, 0), (64, 100, 90)):
+        free = torch.randperm(10_000, generator=gen)[:cap].to(torch.int64)
+        rows = torch.randperm(80, generator=gen)[:bs].to(torch.int64)
+        seq = torch.randint(0, 50, (bs,), generator=gen)
+        table = torch.randint(-9, 9, (80, 50), generator=gen).to(torch.int32)
+        expected_table = table.clone()
+        expected = _ring_slice(free, start, bs).clone()
+        expected_table[rows, seq] = expected.to(torch.int32)
+        before = free.clone()
+        out = alloc_decode_write_torch(seq, rows, table, free, 1, free_start=start, num_free=min(bs + 2, cap))
+        assert out.dtype == torch.int64 and torch.equal(out, expected), (bs, cap, start)
+        assert torch.equal(table, expected_table) and torch.equal(free, before)
+        free[start % cap] = -5  # the slots come back as a copy, not a view of the free list
+        assert torch.equal(out, expected)
+
+
 def test_alloc_decode_write_needs_more_than_one_block():
     # 1100 requests cross the kernel's 1024-request block: the running page offset carries over.
     gen = torch.Generator().manual_seed(7)
