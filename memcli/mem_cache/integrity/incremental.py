@@ -185,7 +185,8 @@ def _held(ledger: OwnershipLedger, held: _Held, quiet: bool) -> Optional[CheckRe
         return failed("conservation", f"memory leak detected: request {req.rid} (row {req.req_pool_idx}) holds"
                                       f" {int(held.pages[i])} pages [{req.last_matched_prefix_len},"
                                       f" {req.kv_allocated_len}) but owns {int(owned[bad[0]])} in the ledger", str(req.rid))
-    total, owned_total = int(ledger.row_pages.sum()), int(owned.sum())
+    add = np.add.reduce  # the ufunc itself: `ndarray.sum`'s wrapper costs more than these sums
+    total, owned_total = int(add(ledger.row_pages)), int(add(owned))
     if total != owned_total:
         return failed("conservation", f"memory leak detected: request rows own {total} pages, running requests"
                                       f" hold {owned_total}")
