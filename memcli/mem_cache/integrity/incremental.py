@@ -81,6 +81,8 @@ class _Held(NamedTuple):
     @classmethod
     def of(cls, running: Iterable[Any], page_size: int) -> "_Held":
         running = running if isinstance(running, list) else list(running)
+        if len(running) <= 32:  # a few requests: the filter below costs less than the passes it saves
+            return cls._of_holders(running, page_size)
         try:
             # Plain requests: their memory records (`req.kv`, which the request's own names
             # mirror) read in C, one pass per field, no per-request filter.
@@ -277,8 +279,8 @@ class _Spans:
         """The first entry whose owner in `found` is not `expected_owner()`'s, or -1. A few
         spans (a prefill) are compared run by run with their owner, building no per-entry
         array; many (a decode step) at once."""
-        if len(self.rows) > 8 or self.total < 256:
-            wrong = np.flatnonzero(found != self.expected_owner())
+        if len(self.rows) > 8 or self.total < 512 * len(self.rows):  # short spans: one vector compare is cheaper
+            wrong = (found != self.expected_owner()).nonzero()[0]
             return int(wrong[0]) if len(wrong) else -1
         spans = zip(self.rows.tolist(), self.starts.tolist(), self.lens.tolist(), self.tree_len.tolist(),
                     self.offsets.tolist())
@@ -286,7 +288,7 @@ class _Spans:
             below = min(max(tree_len - start, 0), n)
             for owner, lo, hi in ((TREE, offset, offset + below), (row, offset + below, offset + n)):
                 if hi > lo:
-                    wrong = np.flatnonzero(found[lo:hi] != owner)
+                    wrong = (found[lo:hi] != owner).nonzero()[0]
                     if len(wrong):
                         return lo + int(wrong[0])
         return -1
