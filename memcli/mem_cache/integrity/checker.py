@@ -178,7 +178,8 @@ def verify_ledger(ledger: OwnershipLedger, stack: Any, running: list) -> CheckRe
     expected = np.full(ledger.num_pages + 1, -99, dtype=np.int32)  # the ledger's own dtype: half the bytes
     expected[layout.free_pages] = FREE
     if len(layout.tree_slots):
-        expected[layout.tree_slots // ps] = TREE
+        # Page size 1: the slots are the pages (no pass over every tree slot to divide by 1).
+        expected[layout.tree_slots // ps if ps > 1 else layout.tree_slots] = TREE
     rows = layout.rows
     own = np.flatnonzero(rows.own)
     held = [r for r in running if not isinstance(r, InFlightSlot) and holds_memory(r)]

@@ -158,7 +158,10 @@ class PageHistory:
                rids: Union[int, np.ndarray], slots: bool = False) -> None:
         """Keep one transition. `pages` is copied unless `slots` (a tensor nobody rewrites)."""
         if not slots:
-            pages = np.array(pages, dtype=np.int64, copy=True).reshape(-1)
+            if isinstance(pages, np.ndarray) and pages.dtype == np.int64 and pages.ndim == 1:
+                pages = pages.copy()  # the ledger's own arrays: one copy, no conversion
+            else:
+                pages = np.array(pages, dtype=np.int64, copy=True).reshape(-1)
         n = len(pages)
         if not n:
             return

@@ -19,6 +19,7 @@ during the step (`ledger.dirty`), never the whole pool:
 
 from __future__ import annotations
 
+from itertools import compress
 from operator import attrgetter
 from typing import Any, Iterable, NamedTuple, Optional
 
@@ -63,6 +64,7 @@ def _run(ledger: OwnershipLedger, stack: Any, running: Iterable[Any], quiet: boo
 
 _ROW, _ALLOCATED = attrgetter("req_pool_idx"), attrgetter("kv_allocated_len")
 _TREE_LEN = attrgetter("last_matched_prefix_len")
+_KV, _FREED = attrgetter("kv"), attrgetter("kv_freed")
 
 
 class _Held(NamedTuple):
@@ -79,6 +81,30 @@ class _Held(NamedTuple):
     @classmethod
     def of(cls, running: Iterable[Any], page_size: int) -> "_Held":
         running = running if isinstance(running, list) else list(running)
+        if len(running) <= 32:  # a few requests: the filter below costs less than the passes it saves
+            return cls._of_holders(running, page_size)
+        try:
+            # Plain requests: their memory records (`req.kv`, which the request's own names
+            # mirror) read in C, one pass per field, no per-request filter.
+            kvs = list(map(_KV, running))
+        except AttributeError:  # an in-flight slot (it has no memory record) among them
+            return cls._of_holders(running, page_size)
+        reqs, n = running, len(kvs)
+        freed = np.fromiter(map(_FREED, kvs), bool, n)
+        if np.count_nonzero(freed):
+            keep = ~freed
+            reqs, kvs = list(compress(running, keep)), list(compress(kvs, keep))
+            n = len(kvs)
+        try:
+            rows, all_rows = np.fromiter(map(_ROW, kvs), np.int64, n), True
+        except TypeError:  # a row is None: a chunked request between chunks
+            rows = np.array([-1 if r.req_pool_idx is None else r.req_pool_idx for r in kvs], dtype=np.int64)
+            all_rows = False
+        return cls._with_lengths(reqs, kvs, rows, all_rows, 0, page_size)
+
+    @classmethod
+    def _of_holders(cls, running: list, page_size: int) -> "_Held":
+        """`of` where some holders are in-flight slots: requests first filtered one by one."""
         reqs = [r for r in running if not r.kv_freed and r.__class__ is not InFlightSlot]
         num_flying = sum(1 for r in running if isinstance(r, InFlightSlot)) if len(reqs) < len(running) else 0
         n = len(reqs)
@@ -87,8 +113,16 @@ class _Held(NamedTuple):
         except TypeError:  # a row is None: a chunked request between chunks
             rows = np.array([-1 if r.req_pool_idx is None else r.req_pool_idx for r in reqs], dtype=np.int64)
             all_rows = False
-        allocated = np.fromiter(map(_ALLOCATED, reqs), np.int64, n)
-        tree_len = np.fromiter(map(_TREE_LEN, reqs), np.int64, n)
+        return cls._with_lengths(reqs, reqs, rows, all_rows, num_flying, page_size)
+
+    @classmethod
+    def _with_lengths(cls, reqs: list, records: list, rows: np.ndarray, all_rows: bool, num_flying: int,
+                      page_size: int) -> "_Held":
+        """The `_Held` of `reqs`, whose lengths are read from `records` (the same objects or
+        their memory records)."""
+        n = len(records)
+        allocated = np.fromiter(map(_ALLOCATED, records), np.int64, n)
+        tree_len = np.fromiter(map(_TREE_LEN, records), np.int64, n)
         pages = allocated - tree_len if page_size == 1 else -(-allocated // page_size) - tree_len // page_size
         return cls(reqs, rows, allocated, tree_len, pages, all_rows, num_flying)
 
@@ -153,7 +187,8 @@ def _held(ledger: OwnershipLedger, held: _Held, quiet: bool) -> Optional[CheckRe
         return failed("conservation", f"memory leak detected: request {req.rid} (row {req.req_pool_idx}) holds"
                                       f" {int(held.pages[i])} pages [{req.last_matched_prefix_len},"
                                       f" {req.kv_allocated_len}) but owns {int(owned[bad[0]])} in the ledger", str(req.rid))
-    total, owned_total = int(ledger.row_pages.sum()), int(owned.sum())
+    add = np.add.reduce  # the ufunc itself: `ndarray.sum`'s wrapper costs more than these sums
+    total, owned_total = int(add(ledger.row_pages)), int(add(owned))
     if total != owned_total:
         return failed("conservation", f"memory leak detected: request rows own {total} pages, running requests"
                                       f" hold {owned_total}")
@@ -186,10 +221,9 @@ def _written_rows(ledger: OwnershipLedger, stack: Any, held: _Held, quiet: bool)
     ps = ledger.page_size
     pages = slots // ps if ps > 1 else slots
     found = ledger.owners_of(pages)
-    expected = spans.expected_owner()
-    bad = (found != expected).nonzero()[0]
+    i = spans.first_unexpected(found)
     layout = _layout(ps, rids, slots, spans, quiet)
-    if not len(bad):
+    if i < 0:
         if quiet:
             return [layout, None, None]
         return [layout, passed("slot_range", _range_detail(ledger, slots)),
@@ -198,10 +232,9 @@ def _written_rows(ledger: OwnershipLedger, stack: Any, held: _Held, quiet: bool)
     if not in_range.ok:
         return [passed("row_layout", "not checked: a slot is out of range"), in_range,
                 passed("page_sharing", "not checked: a slot is out of range")]
-    i = int(bad[0])
     sharing = failed("page_sharing", f"row {spans.row_at(i)} position {spans.pos_at(i)}: {ledger.page_label(int(pages[i]))}"
                                      f" is owned by {owner_name(int(found[i]))}, expected"
-                                     f" {owner_name(int(expected[i]))}",
+                                     f" {owner_name(spans.expected_at(i))}",
                      positions=(spans.pos_at(i),), slots=(int(slots[i]),))
     return [layout, in_range, sharing]
 
@@ -236,6 +269,29 @@ class _Spans:
         first = np.zeros(self.total, dtype=bool)
         first[self.offsets] = True
         return first
+
+    def expected_at(self, i: int) -> int:
+        """The owner entry `i` must have (`expected_owner`'s entry `i`)."""
+        k = self.span(i)
+        return TREE if self.starts[k] + i - self.offsets[k] < self.tree_len[k] else int(self.rows[k])
+
+    def first_unexpected(self, found: np.ndarray) -> int:
+        """The first entry whose owner in `found` is not `expected_owner()`'s, or -1. A few
+        spans (a prefill) are compared run by run with their owner, building no per-entry
+        array; many (a decode step) at once."""
+        if len(self.rows) > 8 or self.total < 512 * len(self.rows):  # short spans: one vector compare is cheaper
+            wrong = (found != self.expected_owner()).nonzero()[0]
+            return int(wrong[0]) if len(wrong) else -1
+        spans = zip(self.rows.tolist(), self.starts.tolist(), self.lens.tolist(), self.tree_len.tolist(),
+                    self.offsets.tolist())
+        for row, start, n, tree_len, offset in spans:
+            below = min(max(tree_len - start, 0), n)
+            for owner, lo, hi in ((TREE, offset, offset + below), (row, offset + below, offset + n)):
+                if hi > lo:
+                    wrong = (found[lo:hi] != owner).nonzero()[0]
+                    if len(wrong):
+                        return lo + int(wrong[0])
+        return -1
 
     def expected_owner(self) -> np.ndarray:
         """Per entry: TREE below the request's tree part, else its row (two runs per span)."""
