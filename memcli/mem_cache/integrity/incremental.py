@@ -67,6 +67,15 @@ _TREE_LEN = attrgetter("last_matched_prefix_len")
 _KV, _FREED = attrgetter("kv"), attrgetter("kv_freed")
 
 
+def _rows_of(records: list) -> tuple[np.ndarray, bool]:
+    """The request rows of `records` (requests or their memory records), and whether every
+    one has a row (-1 where none: a chunked request between chunks)."""
+    try:
+        return np.fromiter(map(_ROW, records), np.int64, len(records)), True
+    except TypeError:  # a row is None
+        return np.array([-1 if r.req_pool_idx is None else r.req_pool_idx for r in records], dtype=np.int64), False
+
+
 class _Held(NamedTuple):
     """The running requests as arrays: row (-1 without one), allocated and tree lengths, pages held."""
 
@@ -89,31 +98,19 @@ class _Held(NamedTuple):
             kvs = list(map(_KV, running))
         except AttributeError:  # an in-flight slot (it has no memory record) among them
             return cls._of_holders(running, page_size)
-        reqs, n = running, len(kvs)
-        freed = np.fromiter(map(_FREED, kvs), bool, n)
+        reqs = running
+        freed = np.fromiter(map(_FREED, kvs), bool, len(kvs))
         if np.count_nonzero(freed):
             keep = ~freed
             reqs, kvs = list(compress(running, keep)), list(compress(kvs, keep))
-            n = len(kvs)
-        try:
-            rows, all_rows = np.fromiter(map(_ROW, kvs), np.int64, n), True
-        except TypeError:  # a row is None: a chunked request between chunks
-            rows = np.array([-1 if r.req_pool_idx is None else r.req_pool_idx for r in kvs], dtype=np.int64)
-            all_rows = False
-        return cls._with_lengths(reqs, kvs, rows, all_rows, 0, page_size)
+        return cls._with_lengths(reqs, kvs, *_rows_of(kvs), 0, page_size)
 
     @classmethod
     def _of_holders(cls, running: list, page_size: int) -> "_Held":
         """`of` where some holders are in-flight slots: requests first filtered one by one."""
         reqs = [r for r in running if not r.kv_freed and r.__class__ is not InFlightSlot]
         num_flying = sum(1 for r in running if isinstance(r, InFlightSlot)) if len(reqs) < len(running) else 0
-        n = len(reqs)
-        try:
-            rows, all_rows = np.fromiter(map(_ROW, reqs), np.int64, n), True
-        except TypeError:  # a row is None: a chunked request between chunks
-            rows = np.array([-1 if r.req_pool_idx is None else r.req_pool_idx for r in reqs], dtype=np.int64)
-            all_rows = False
-        return cls._with_lengths(reqs, reqs, rows, all_rows, num_flying, page_size)
+        return cls._with_lengths(reqs, reqs, *_rows_of(reqs), num_flying, page_size)
 
     @classmethod
     def _with_lengths(cls, reqs: list, records: list, rows: np.ndarray, all_rows: bool, num_flying: int,
