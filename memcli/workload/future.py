@@ -302,50 +302,43 @@ def block_trie(requests: Sequence[Any]) -> BlockTrie:
     names = {}
     space = np.fromiter((names.setdefault(r.extra_key, len(names)) for r in requests), dtype=np.int64,
                         count=len(requests))
-    # Every node as (first request, depth, parent, hash); the roots at depth -1.
+    # One int64 key per (parent, hash id): the parent times the number of distinct ids, plus the id's rank.
+    distinct, rank = np.unique(hashes, return_inverse=True)
+    span = max(len(distinct), 1)
+    # Every node as (first request, depth, parent, hash rank); the roots at depth -1.
     first_j = [np.unique(space, return_index=True)[1]]
-    depth, parent_key, hash_of = [np.full(len(names), -1)], [np.full(len(names), -1)], [np.full(len(names), -1)]
+    depth, parent_key, hash_rank = [np.full(len(names), -1)], [np.full(len(names), -1)], [np.full(len(names), -1)]
     node = space.copy()  # each request's node at the current depth (provisional ids: roots first)
-    count = len(names)
-    members, member_node = [], []  # (request, node) of every block the requests walk
-    alive = np.arange(len(requests))
-    paths = np.empty(len(hashes), dtype=np.int64)
-    # One int64 key per (parent, hash id): the parent times the span of the hash ids, plus the id.
-    low = int(hashes.min(initial=0))
-    span = int(hashes.max(initial=0)) - low + 1
-    if span * (len(hashes) + len(names) + 1) >= 1 << 62:
-        raise ValueError(f"hash ids {low}..{low + span - 1} span too far to key {len(hashes):,} blocks in int64")
+    paths = np.empty(len(hashes), dtype=np.int64)  # the same, at every block
+    count, alive = len(names), np.arange(len(requests))
     for d in range(int(lengths.max(initial=0))):
         alive = alive[lengths[alive] > d]
-        h = hashes[offsets[alive] + d]
-        keys, first, inverse = np.unique(node[alive] * span + (h - low), return_index=True, return_inverse=True)
+        keys, first, inverse = np.unique(node[alive] * span + rank[offsets[alive] + d], return_index=True,
+                                         return_inverse=True)
         node[alive] = count + inverse.reshape(-1)
         paths[offsets[alive] + d] = node[alive]
         first_j.append(alive[first])
         depth.append(np.full(len(keys), d))
         parent_key.append(keys // span)
-        hash_of.append(keys % span + low)
-        members.append(alive)
-        member_node.append(node[alive])
+        hash_rank.append(keys % span)
         count += len(keys)
     # Renumber in first-reach order: by first request, then depth (node 0 stays unused).
-    first_j, depth = np.concatenate(first_j), np.concatenate(depth)
-    order = np.lexsort((depth, first_j))
+    order = np.lexsort((np.concatenate(depth), np.concatenate(first_j)))
     new_id = np.empty(count, dtype=np.int64)
     new_id[order] = np.arange(1, count + 1)
-    parents, hash_ids = np.concatenate(parent_key), np.concatenate(hash_of)
-    block_hash = np.full(count + 1, -1, dtype=np.int64)
-    block_hash[new_id] = hash_ids
-    block_hash[new_id[: len(names)]] = -1
     kids = np.arange(len(names), count)
-    children = dict(zip(zip(new_id[parents[kids]].tolist(), hash_ids[kids].tolist()), new_id[kids].tolist()))
+    parents, hash_ids = np.concatenate(parent_key)[kids], distinct[np.concatenate(hash_rank)[kids]]
+    block_hash = np.full(count + 1, -1, dtype=np.int64)
+    block_hash[new_id[kids]] = hash_ids
+    children = dict(zip(zip(new_id[parents].tolist(), hash_ids.tolist()), new_id[kids].tolist()))
     roots = {name: int(new_id[i]) for name, i in names.items()}
-    user_node = new_id[np.concatenate(member_node)] if member_node else np.empty(0, dtype=np.int64)
-    user = np.concatenate(members) if members else np.empty(0, dtype=np.int64)
-    by_node = np.lexsort((user, user_node))
+    # The users of each node: the requests whose paths pass it, in trace order.
+    path_nodes = new_id[paths]
+    user = np.repeat(np.arange(len(requests), dtype=np.int64), lengths)
+    by_node = np.lexsort((user, path_nodes))
     starts = np.zeros(count + 2, dtype=np.int64)
-    np.cumsum(np.bincount(user_node, minlength=count + 1), out=starts[1:])
-    return BlockTrie(roots, children, block_hash, starts, user[by_node].astype(np.int64), new_id[paths], offsets[:-1])
+    np.cumsum(np.bincount(path_nodes, minlength=count + 1), out=starts[1:])
+    return BlockTrie(roots, children, block_hash, starts, user[by_node], path_nodes, offsets[:-1])
 
 
 def _seed(extra_key: Optional[str]) -> int:

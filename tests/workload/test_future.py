@@ -203,3 +203,14 @@ def test_prompt_handles_equal_advancing_along_the_prompt_then_outputs():
             walked = future.advance(future.start(spec.extra_key), tokens[:pos])
             assert future.prompt_handle(j, pos) == walked, (j, pos)
     assert future.prompt_index("no such request") is None
+
+
+def test_block_trie_keys_hash_ids_of_any_size():
+    # Ids far apart (64-bit hashes) key as well as small ones: by their rank among the trace's ids.
+    big = [2**62 - 5, 7, 2**61 + 3]
+    requests = [RequestSpec(f"r{j}", len(blocks) * 4, 1, hash_ids=tuple(blocks), block_size=4)
+                for j, blocks in enumerate([[big[0], big[1]], [big[0], big[2]], [big[1]]])]
+    trie = block_trie(requests)
+    roots, children, block_hash, users = _trie_by_walk(requests)
+    assert trie.children == children and trie.block_hash.tolist() == block_hash
+    assert trie.flat.tolist() == [j for u in users for j in u]
