@@ -49,9 +49,10 @@ class EvictionRecord(NamedTuple):
     next_use: int = -1
 
 
-def _origin(req: Any) -> Optional[str]:
-    """The request id a key built from `req`'s tokens carries (`RadixKey.origin`), if it has one."""
-    return getattr(req, "rid", None)
+def _request_key(req: Any, tokens: np.ndarray) -> RadixKey:
+    """The key of `tokens`, a prefix of `req`'s token ids: its namespace, and its id as the
+    origin (`RadixKey.origin`) where it has one."""
+    return RadixKey(tokens, req.extra_key, getattr(req, "rid", None))
 
 
 class _Slots(NamedTuple):
@@ -651,7 +652,7 @@ class RadixCache(BasePrefixCache):
             start = 0
         elif is_insert:
             aligned = max(align_down(min(req.kv_committed_len, allocated), ps), start)
-            new_prefix_len = self.insert(RadixKey(req.token_ids(aligned), req.extra_key, _origin(req)), kv[:aligned])
+            new_prefix_len = self.insert(_request_key(req, req.token_ids(aligned)), kv[:aligned])
             self._check_prefix_kept(req, start, new_prefix_len)
             self._to_tree(kv[new_prefix_len:aligned], row, op)
             self._free(kv[start:new_prefix_len], row, op)
@@ -689,7 +690,7 @@ class RadixCache(BasePrefixCache):
             return
         aligned = align_down(fill_len, ps)
         start = align_down(len(req.prefix_indices), ps)
-        key = RadixKey(req.fill_ids[:aligned], req.extra_key, _origin(req))
+        key = _request_key(req, req.fill_ids[:aligned])
         new_prefix_len = self.insert(key, kv[:aligned], chunked=chunked)
         self._check_prefix_kept(req, start, new_prefix_len)
         op = "cache_unfinished_req"
@@ -731,14 +732,14 @@ class RadixCache(BasePrefixCache):
         # its first chunk committed anything keeps its matched prefix, and frees only its own slots).
         aligned = max(align_down(up_to, ps), protected)
         kv = self._row_slots(row, protected, aligned)  # the row's slots of [protected, aligned)
-        key = RadixKey(req.token_ids(aligned), req.extra_key, _origin(req))
+        key = _request_key(req, req.token_ids(aligned))
         _, node = self.insert_unified(key, kv, protected, req.kv.cache_inserted_len, owner=row_id,
                                       value_start=protected, owned=True)
         req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, aligned)
         prompt = align_down(req.input_len, ps)
         if self.split_prompt and 0 < prompt < aligned:
             first = min(protected, prompt)
-            self.insert_unified(RadixKey(req.token_ids(prompt), req.extra_key, _origin(req)), kv[: prompt - first], prompt, prompt,
+            self.insert_unified(_request_key(req, req.token_ids(prompt)), kv[: prompt - first], prompt, prompt,
                                 value_start=first)
         new_slots = self._path_tail(node, aligned - protected)  # the tree's slots of [protected, aligned)
         if protected < aligned:
