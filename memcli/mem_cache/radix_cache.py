@@ -759,7 +759,11 @@ class RadixCache(BasePrefixCache):
         end = start + len(tree)
         ledger = getattr(self.allocator, "ledger", None)
         if ledger is not None:
-            ledger.move(own[tree == own], row_id, TREE, "checkpoint")
+            if own.is_cpu and tree.is_cpu:  # the compare and the mask in numpy: no torch dispatch
+                own_host = own.numpy()
+                ledger.move(own_host[tree.numpy() == own_host], row_id, TREE, "checkpoint")
+            else:
+                ledger.move(own[tree == own], row_id, TREE, "checkpoint")
         if row.is_cpu:  # one cast-copy in numpy
             row.numpy()[start:end] = tree.numpy()
         else:
