@@ -137,6 +137,11 @@ class BaseAllocator:
         """The free list's head moves past `n` entries."""
         raise NotImplementedError
 
+    @property
+    def free_head(self) -> int:
+        """Where the free list starts in the ring the fused kernels read (`_buf`)."""
+        return self._head
+
     def _head_host(self, n: int):
         """`_head_view(n)` for the observer: a numpy view on the CPU (slicing a tensor
         costs more than the ledger's work on a decode step), else the tensor view."""

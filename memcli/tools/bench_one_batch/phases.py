@@ -81,13 +81,14 @@ def measure(fn: Fn, device: torch.device, repeat: int, warmup: int, setup: Fn = 
 
 
 def measure_beside(fn: Fn, other: Optional[Fn], device: torch.device, repeat: int, warmup: int,
-                   setup: Fn = _noop) -> tuple[PhaseTiming, Optional[PhaseTiming]]:
+                   setup: Fn = _noop, first_call_s: Optional[float] = None
+                   ) -> tuple[PhaseTiming, Optional[PhaseTiming]]:
     """`measure` of `fn` (after `setup`) and of `other` (which needs none), their timed calls
     taken in turn: the two figures see the same state of the machine. Without `other`, `fn`
-    alone and None."""
+    alone and None. `first_call_s` as in `measure`, for `fn`."""
     if other is None:
-        return measure(fn, device, repeat, warmup, setup), None
-    mine, theirs = _measure([(fn, setup, None), (other, _noop, None)], device, repeat, warmup)
+        return measure(fn, device, repeat, warmup, setup, first_call_s), None
+    mine, theirs = _measure([(fn, setup, first_call_s), (other, _noop, None)], device, repeat, warmup)
     return mine, theirs
 
 

@@ -119,6 +119,11 @@ def case_table(r: CaseResult) -> Table:
     if over is not None:
         _row(table, f"launch floor (one-kernel graph replay; the decode path is {fmt_ratio(over['per_round'])} of it"
              f" per round, {fmt_ratio(over['ratio'])} by medians)", r.phases["launch_floor"], "")
+    prefill = r.prefill_over_floor()
+    if prefill is not None and "extend_floor" in r.phases:
+        _row(table, f"extend floor (the extend's graph alone, into a fresh output: the prefill path is"
+             f" {fmt_ratio(prefill['extend'])} of it, it is {fmt_ratio(prefill['extend_floor_over_launch'])}"
+             f" of the launch floor, per round)", r.phases["extend_floor"], "")
     _row(table, f"free on finish ({_plural(c.batch_size, 'request')})", r.phases["free"], "")
     _kv_rows(table, r)
     return table
@@ -285,8 +290,14 @@ def floor_line(result: BenchResult) -> Optional[str]:
         return None
     ratios = [f"{r.case.batch_size}/{r.case.page_size}: {fmt_ratio(over['per_round'])}"
               for r in result.cases if (over := r.decode_over_floor()) is not None]
-    return (f"launch floor (replay of a one-kernel CUDA graph): {fmt_us(floor.median_us)} (spread {fmt_spread(floor)});"
+    line = (f"launch floor (replay of a one-kernel CUDA graph): {fmt_us(floor.median_us)} (spread {fmt_spread(floor)});"
             f" decode memory path / floor, per round, by batch size/page size: {', '.join(ratios) or '-'}")
+    prefill = [f"{r.case.batch_size}/{r.case.page_size}/{r.cached_prefix_len}: {fmt_ratio(over['launch'])}"
+               + (f" ({fmt_ratio(over['extend'])} of the extend floor)" if over["extend"] is not None else "")
+               for r in result.cases if (over := r.prefill_over_floor()) is not None]
+    if prefill:
+        line += f"; prefill memory path / launch floor, per round, by batch size/page size/prefix: {', '.join(prefill)}"
+    return line
 
 
 def render(result: BenchResult, console) -> None:

@@ -39,6 +39,8 @@ PHASES = {
     "copy_prefill": "plain device copy of as many bytes, K into V then V into K (bandwidth baseline)",
     "kv_store_decode": "KV store of one decode step, every layer",
     "launch_floor": "launch floor: replay of a one-kernel CUDA graph, timed in turn with the decode memory path",
+    "extend_floor": "extend floor: the extend kernel's graph replayed with its arguments in place, into a fresh"
+                    " output and its views, timed in turn with the prefill memory path",
 }
 
 
@@ -145,6 +147,19 @@ class CaseResult:
             return None
         return {"ratio": memory.median_us / floor.median_us, "per_round": paired_ratio(memory, floor)}
 
+    def prefill_over_floor(self) -> Optional[dict[str, Optional[float]]]:
+        """The prefill memory path over the floors (a GPU's cases), per round (the median of
+        the rounds' ratios): `launch` the launch floor (timed in the same round, beside the
+        decode path), `extend` the extend floor timed beside it, and `extend_floor_over_launch`
+        what the extend's own floor is of the launch floor. None without a launch floor."""
+        memory, launch = self.phases.get("prefill_memory"), self.phases.get("launch_floor")
+        if memory is None or launch is None or launch.median_us <= 0:
+            return None
+        extend = self.phases.get("extend_floor")
+        return {"launch": paired_ratio(memory, launch),
+                "extend": None if extend is None else paired_ratio(memory, extend),
+                "extend_floor_over_launch": None if extend is None else paired_ratio(extend, launch)}
+
     def syncs(self) -> dict[str, Optional[int]]:
         """Host-device syncs per call of each phase (None on a CPU)."""
         return {name: self.phases[name].syncs for name in PHASES if name in self.phases}
@@ -168,6 +183,7 @@ class CaseResult:
             "prefill_memory_us": self.phases["prefill_memory"].median_us,
             "decode_memory_us": _median_us(self.phases.get("decode_memory")),
             "decode_over_floor": self.decode_over_floor(),
+            "prefill_over_floor": self.prefill_over_floor(),
             "free_us": self.phases["free"].median_us,
             "device_us": {name: self.phases[name].device_us for name in PHASES if name in self.phases},
             "syncs": self.syncs(),

@@ -28,6 +28,7 @@ import torch
 
 from memcli.tools.bench_one_batch.blocks import run_block_case
 from memcli.tools.bench_one_batch.cases import Case, check_cases_fit
+from memcli.tools.bench_one_batch.floors import extend_floor_for
 from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_rounds, combine_steps, measure, measure_beside
 from memcli.tools.bench_one_batch.results import (BenchResult, CaseResult, KVStoreFigures, ReferenceResult,
                                                   combine_case_rounds)
@@ -166,7 +167,7 @@ def run_case(stack: Any, case: Case, options: BenchOptions, floor: Optional[Grap
     note = _kv_store_note(runner)
     if note is None:
         runner.alloc_kv_sources()
-    phases, kv_prefill = _measure_prefill(runner, timed)
+    phases, kv_prefill = _measure_prefill(runner, timed, options)
     allocated = stack.memory.in_use_tokens - runner.in_use_before_prefill
     steps, floors, decode_allocated = _measure_decode(runner, timed, options, floor)
     kv_decode = _measure_decode_store(runner, timed)
@@ -194,8 +195,10 @@ def run_case(stack: Any, case: Case, options: BenchOptions, floor: Optional[Grap
     )
 
 
-def _measure_prefill(runner: CaseRunner, timed) -> tuple[dict[str, PhaseTiming], Optional[KVStoreFigures]]:
-    """The memory path, the KV store alone, a plain copy, then the whole prefill.
+def _measure_prefill(runner: CaseRunner, timed, options: BenchOptions
+                     ) -> tuple[dict[str, PhaseTiming], Optional[KVStoreFigures]]:
+    """The memory path (on a GPU's graph path, in turn with its floor, `floors.ExtendFloor`),
+    the KV store alone, a plain copy, then the whole prefill.
 
     The case's first prefill (its wall time reported as the memory path's first call: the
     prefix warm-up's prefill when there is a prefix, else the batch's first) compiles the
@@ -205,15 +208,20 @@ def _measure_prefill(runner: CaseRunner, timed) -> tuple[dict[str, PhaseTiming],
     first_s = wall_time(runner.batch.prepare_for_extend, runner.device)
     if runner.warm_prefill_s is not None:  # the prefix warm-up made the case's first prefill
         first_s = runner.warm_prefill_s
+    rows = [req.kv.req_pool_idx for req in runner.reqs]
+    runner.restore_prefill()  # the floor starts where the extend starts
+    floor = extend_floor_for(runner.stack, runner.batch.extend_plan, rows)
     kv = None
     if runner.store_kv:
         tokens = runner.new_tokens
         kv = KVStoreFigures(tokens, tokens * runner.stack.kv_pool.bytes_per_token,
                             timed(runner.store_prefill_kv), timed(runner.copy_prefill_kv))
-    phases = {
-        "prefill_memory": timed(runner.prefill_memory, setup=runner.restore_prefill, first_call_s=first_s),
-        "prefill": timed(runner.prefill, setup=runner.restore_prefill),
-    }
+    memory, extend_floor = measure_beside(runner.prefill_memory, None if floor is None else floor.replay,
+                                          runner.device, options.repeat, options.warmup,
+                                          setup=runner.restore_prefill, first_call_s=first_s)
+    phases = {"prefill_memory": memory, "prefill": timed(runner.prefill, setup=runner.restore_prefill)}
+    if extend_floor is not None:
+        phases["extend_floor"] = extend_floor
     return phases, kv
 
 
