@@ -108,3 +108,53 @@ class ExtendGraphs:
             self._graphs[(grid, each)] = graph
             self.captures += 1
         return self._graphs[(grid, slot)]
+
+
+class BareExtend:
+    """One batch's extend as a bare replay: the kernel of `ExtendGraphs`, captured once with
+    the batch's argument block already written, replayed into a fresh output cut into the
+    caller's views. No rows are taken, no counters move, no plan is copied: the floor of the
+    extend's memory path on this device (the bench times it beside the path).
+
+    Each replay writes what the batch's extend from `free_start` writes (the same slots into
+    the same rows), and nothing of the allocator's host state. Its block is its own, so the
+    replays of `ExtendGraphs` never wait on it."""
+
+    def __init__(self, graphs: ExtendGraphs, rows: list[int], prefix_lens_cpu: torch.Tensor,
+                 seq_lens_cpu: torch.Tensor, prefixes, free_start: int, num_free: int, extend_num_tokens: int,
+                 host_plan=None):
+        self.device = graphs.device
+        self.bs, self.tokens = len(rows), extend_num_tokens
+        self.size = kernels.extend_output_entries(self.bs, extend_num_tokens)
+        grid = next_power_of_2(self.bs)
+        entries = kernels.extend_args_entries(grid)
+        self._args_tensor = torch.zeros(entries + 1, dtype=torch.int64, pin_memory=True)  # + `started`
+        self._args = self._args_tensor.numpy()
+        address = self._args_tensor.data_ptr()
+        kernels.fill_extend_args(self._args[:entries], grid, rows, prefix_lens_cpu, seq_lens_cpu, prefixes,
+                                 graphs.page_size, self._output(), extend_num_tokens, free_start, num_free, 1,
+                                 host_plan)
+
+        def launch() -> None:
+            kernels.alloc_extend_write_planned(address, address + 8 * entries, graphs.req_to_token,
+                                               graphs.free_pages, graphs.page_size, grid)
+
+        torch.cuda.synchronize(self.device)
+        launch()  # compiled and loaded before the capture
+        torch.cuda.synchronize(self.device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            launch()
+        torch.cuda.synchronize(self.device)
+
+    def _output(self) -> torch.Tensor:
+        return torch.empty(self.size, dtype=torch.int64, device=self.device)
+
+    def replay(self) -> kernels.ExtendWrite:
+        """The extend into a fresh output and the caller's views of it. The output's address
+        goes into the block before the replay; replays on one stream run in order, so an
+        earlier one still queued writes into this output, never into freed memory."""
+        out = self._output()
+        self._args[kernels.EXTEND_ARG_OUT] = out.data_ptr()
+        self.graph.replay()
+        return kernels.extend_views(out, self.bs, self.tokens)

@@ -39,6 +39,7 @@ from memcli.mem_cache import pages
 from memcli.mem_cache.allocator import DecodeAllocation
 from memcli.mem_cache.base_prefix_cache import RadixKey
 from memcli.mem_cache.chunk_cache import free_row_pages
+from memcli.mem_cache.extend_graph import BareExtend
 from memcli.mem_cache.integrity.ownership import IN_FLIGHT
 from memcli.mem_cache.integrity import CheckPolicy, IntegrityChecker, InFlightSlot, check_memory
 from memcli.mem_cache.null_cache import NullCache
@@ -317,6 +318,18 @@ class MemoryManager:
             ledger.extended(rows, new_rows, plan.prefix_lens_cpu, plan.seq_lens_cpu, plan.prefix_tensors,
                             written.out_cache_loc, rids)
         return ExtendAllocation(written.out_cache_loc, written.req_pool_indices, rows, written.seq_lens)
+
+    def bare_extend(self, plan: ExtendPlan, rows: list[int]) -> Optional[BareExtend]:
+        """The extend of `plan` into `rows` from the free list's present head, as a bare
+        graph replay with none of this manager's work (`extend_graph.BareExtend`: the floor
+        of `require_extend` on this device), where the extend is a graph replay (CUDA, triton
+        backend, `runtime.decode_graph`) and the batch fits one; else None."""
+        allocator = self.allocator
+        graphs = allocator.extend_graphs
+        if graphs is None or not rows or len(rows) > graphs.max_bs:
+            return None
+        return BareExtend(graphs, rows, plan.prefix_lens_cpu, plan.seq_lens_cpu, plan.prefix_tensors,
+                          allocator.free_head, plan.num_pages, plan.extend_num_tokens, plan.host_plan)
 
     def _rows_for(self, req_rows: list) -> tuple[list[int], list[int]]:
         """Every request's row, taking new rows for those without one. Returns (rows, new rows)."""

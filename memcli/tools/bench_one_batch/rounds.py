@@ -28,7 +28,6 @@ import torch
 
 from memcli.tools.bench_one_batch.blocks import run_block_case
 from memcli.tools.bench_one_batch.cases import Case, check_cases_fit
-from memcli.tools.bench_one_batch.floors import extend_floor_for
 from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_rounds, combine_steps, measure, measure_beside
 from memcli.tools.bench_one_batch.results import (BenchResult, CaseResult, KVStoreFigures, ReferenceResult,
                                                   combine_case_rounds)
@@ -197,7 +196,8 @@ def run_case(stack: Any, case: Case, options: BenchOptions, floor: Optional[Grap
 
 def _measure_prefill(runner: CaseRunner, timed, options: BenchOptions
                      ) -> tuple[dict[str, PhaseTiming], Optional[KVStoreFigures]]:
-    """The memory path (on a GPU's graph path, in turn with its floor, `floors.ExtendFloor`),
+    """The memory path (on a GPU's graph path in turn with its floor, the same extend as a
+    bare replay: `MemoryManager.bare_extend`),
     the KV store alone, a plain copy, then the whole prefill.
 
     The case's first prefill (its wall time reported as the memory path's first call: the
@@ -210,7 +210,7 @@ def _measure_prefill(runner: CaseRunner, timed, options: BenchOptions
         first_s = runner.warm_prefill_s
     rows = [req.kv.req_pool_idx for req in runner.reqs]
     runner.restore_prefill()  # the floor starts where the extend starts
-    floor = extend_floor_for(runner.stack, runner.batch.extend_plan, rows)
+    floor = runner.memory.bare_extend(runner.batch.extend_plan, rows)
     kv = None
     if runner.store_kv:
         tokens = runner.new_tokens

@@ -8,7 +8,6 @@ import torch
 from memcli.config import load_config, replace
 from memcli.stack import build_stack
 from memcli.tools.bench_one_batch.cases import Case
-from memcli.tools.bench_one_batch.floors import extend_floor_for
 from memcli.tools.bench_one_batch.phases import PhaseTiming, combine_rounds
 from memcli.tools.bench_one_batch.results import combine_case_rounds, paired_ratio
 from memcli.tools.bench_one_batch.rounds import BenchOptions, run_case
@@ -26,7 +25,7 @@ def test_a_cpu_stack_has_no_extend_floor():
     runner = CaseRunner(stack, Case(2, 24, 2, 0, 1))
     runner.start()
     assert runner.batch.prepare_for_extend()
-    assert extend_floor_for(stack, runner.batch.extend_plan, [r.kv.req_pool_idx for r in runner.reqs]) is None
+    assert stack.memory.bare_extend(runner.batch.extend_plan, [r.kv.req_pool_idx for r in runner.reqs]) is None
     case = run_case(build_stack(load_config(None, ["runtime.device=cpu"])), Case(2, 24, 2, 0, 1),
                     BenchOptions(repeat=1, warmup=0))
     assert "extend_floor" not in case.phases and case.prefill_over_floor() is None
@@ -70,7 +69,7 @@ def test_the_extend_floor_writes_what_the_extend_writes(page_size, prefix_len):
     runner.restore_prefill()
     head = stack.allocator.free_head
     stack.req_to_token_pool.req_to_token[rows] = 0
-    floor = extend_floor_for(stack, runner.batch.extend_plan, rows)
+    floor = stack.memory.bare_extend(runner.batch.extend_plan, rows)
     assert floor is not None
     for _ in range(3):
         got = floor.replay()
