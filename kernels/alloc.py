@@ -839,6 +839,32 @@ def fill_extend_args(block: np.ndarray, stride: int, rows, prefix_lens_cpu: torc
     _write_plan(plan, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, page_size, host_plan)
 
 
+def fill_extend_args_ahead(block: np.ndarray, words: memoryview, base: int, stride: int, rows: list[int],
+                           host_plan: np.ndarray, out_address: int, extend_num_tokens: int, free_start: int,
+                           num_free: int, call: int) -> None:
+    """:func:`fill_extend_args` of a batch whose plan was built ahead (``host_plan``), into the
+    block at ``base`` of ``block`` (``words`` its memoryview): the header word by word, the
+    plan in one copy when ``stride`` is the batch size, then the rows. A steady prefill's fill,
+    at the least host cost."""
+    bs = len(rows)
+    words[base + EXTEND_ARG_BS] = bs
+    words[base + EXTEND_ARG_FREE_START] = free_start
+    words[base + EXTEND_ARG_NUM_FREE] = num_free
+    words[base + EXTEND_ARG_OUT] = out_address
+    words[base + EXTEND_ARG_OUT_NUMEL] = extend_num_tokens
+    words[base + EXTEND_ARG_CALL] = call
+    plan = base + EXTEND_ARGS_HEADER
+    if stride == bs:
+        block[plan : plan + _PLAN_ROWS * bs] = host_plan
+    else:
+        block[plan : plan + _PLAN_ROWS * stride].reshape(_PLAN_ROWS, stride)[:, :bs] = host_plan.reshape(_PLAN_ROWS, bs)
+    row = plan + _PLAN_ROW * stride
+    if bs == 1:
+        words[row] = rows[0]
+    else:
+        block[row : row + bs] = rows
+
+
 def _write_plan(plan: np.ndarray, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, page_size: int,
                 host_plan: np.ndarray | None) -> None:
     """The plan of a batch into the first ``bs`` columns of ``plan`` (``_PLAN_ROWS`` rows):
@@ -883,12 +909,13 @@ def extend_output(bs: int, extend_num_tokens: int, device: torch.device) -> torc
 def extend_views(buffer: torch.Tensor, bs: int, extend_num_tokens: int) -> ExtendWrite:
     """The views of an extend's output (of at least ``3 * bs + extend_num_tokens`` entries):
     the new slots, rows, prefix and sequence lengths."""
-    # (split_with_sizes: one call for every view, where Tensor.split goes through Python.)
+    # One call for every view, where Tensor.split goes through Python; the unsafe variant
+    # skips autograd's view records (integer tensors never need them): the same views, sooner.
     rest = buffer.shape[0] - extend_output_entries(bs, extend_num_tokens)
     if rest:
-        pre_d, seq_d, rows_d, out, _ = buffer.split_with_sizes((bs, bs, bs, extend_num_tokens, rest))
+        pre_d, seq_d, rows_d, out, _ = buffer.unsafe_split_with_sizes((bs, bs, bs, extend_num_tokens, rest))
     else:
-        pre_d, seq_d, rows_d, out = buffer.split_with_sizes((bs, bs, bs, extend_num_tokens))
+        pre_d, seq_d, rows_d, out = buffer.unsafe_split_with_sizes((bs, bs, bs, extend_num_tokens))
     return ExtendWrite(out, rows_d, pre_d, seq_d)
 
 

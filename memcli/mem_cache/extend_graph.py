@@ -12,9 +12,7 @@ once per grid (the batch size's power of two) and argument block, and replays it
   which the kernel reads; programs past the batch size do nothing;
 * output: a device allocation of the caller's own per call, as on the launch path, so the
   slots and rows a batch keeps stay valid for as long as the batch holds them (the replay
-  reads its address). The next call's allocation is made after the replay, while the device
-  runs it, at the next power of two of this call's size; a call that needs more, or less than
-  a quarter of it, allocates its own before the replay;
+  reads its address);
 * reuse: the kernel's first program writes its call's number to one `started` word; a block
   is written again only once a later call has started (every launch before it on the stream
   is then done), and after a wait on the device otherwise, never with a wrong read;
@@ -49,8 +47,10 @@ class ExtendGraphs:
         self._address = self._args_tensor.data_ptr()
         self._started = SLOTS * self._stride  # index of the `started` word
         self._last_call = [-1] * SLOTS  # the call each block last carried
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._spare: torch.Tensor | None = None  # the next call's output, allocated ahead
+        self._words = memoryview(self._args)  # the same memory: one word read or written costs least so
+        # The grid of every batch size (its power of two) and the graphs by grid * SLOTS + block.
+        self._grids = [0] + [next_power_of_2(bs) for bs in range(1, self.max_bs + 1)]
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._slot = 0
         self._calls = 0
         self.captures = 0
@@ -68,23 +68,25 @@ class ExtendGraphs:
             extend_num_tokens = int(seq_lens_cpu.numpy().sum() - prefix_lens_cpu.numpy().sum())
         slot = self._slot
         self._slot = (slot + 1) % SLOTS
-        if self._args[self._started] <= self._last_call[slot]:
+        words = self._words
+        if words[self._started] <= self._last_call[slot]:
             self.waits += 1  # no later call has started: the block may not have been read yet
             torch.cuda.synchronize(self.device)
-        self._calls += 1
-        self._last_call[slot] = self._calls
-        grid = next_power_of_2(bs)
-        graph = self._graphs.get((grid, slot)) or self._capture(grid, slot)
-        size = kernels.extend_output_entries(bs, extend_num_tokens)
-        buffer, self._spare = self._spare, None
-        if buffer is None or not size <= buffer.shape[0] < 4 * size:
-            buffer = torch.empty(size, dtype=torch.int64, device=self.device)
+        call = self._calls = self._calls + 1
+        self._last_call[slot] = call
+        grid = self._grids[bs]
+        graph = self._graphs.get(grid * SLOTS + slot) or self._capture(grid, slot)
+        buffer = torch.empty(kernels.extend_output_entries(bs, extend_num_tokens), dtype=torch.int64,
+                             device=self.device)
         base = slot * self._stride
-        kernels.fill_extend_args(self._args[base : base + self._stride], grid, rows, prefix_lens_cpu, seq_lens_cpu,
-                                 prefixes, self.page_size, buffer, extend_num_tokens, free_start, num_free,
-                                 self._calls, host_plan)
+        if host_plan is not None:
+            kernels.fill_extend_args_ahead(self._args, words, base, grid, rows, host_plan, buffer.data_ptr(),
+                                           extend_num_tokens, free_start, num_free, call)
+        else:
+            kernels.fill_extend_args(self._args[base : base + self._stride], grid, rows, prefix_lens_cpu,
+                                     seq_lens_cpu, prefixes, self.page_size, buffer, extend_num_tokens, free_start,
+                                     num_free, call, host_plan)
         graph.replay()
-        self._spare = torch.empty(next_power_of_2(size), dtype=torch.int64, device=self.device)
         return kernels.extend_views(buffer, bs, extend_num_tokens)
 
     def _launch(self, slot: int, grid: int) -> None:
@@ -105,9 +107,9 @@ class ExtendGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self._launch(each, grid)
-            self._graphs[(grid, each)] = graph
+            self._graphs[grid * SLOTS + each] = graph
             self.captures += 1
-        return self._graphs[(grid, slot)]
+        return self._graphs[grid * SLOTS + slot]
 
 
 class BareExtend:

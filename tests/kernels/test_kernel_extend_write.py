@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -405,3 +406,26 @@ def test_extend_from_an_argument_block_gives_the_launchs_slots_and_rows(page_siz
         assert torch.equal(got.prefix_lens.cpu(), case.prefix_lens.cpu())
         assert torch.equal(got.seq_lens.cpu(), case.seq_lens.cpu())
         assert int(block[-1]) == 41
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_arguments_of_a_plan_built_ahead_are_the_general_fill(page_size):
+    """`fill_extend_args_ahead` (header word by word, the plan built ahead copied, then the
+    rows) writes the block `fill_extend_args` writes, for grids equal to and wider than the
+    batch, at a block's offset, and leaves the words around it alone."""
+    from memcli.kernels import extend_args_entries, fill_extend_args, fill_extend_args_ahead
+    gen = torch.Generator().manual_seed(100 + page_size)
+    for bs, grid in ((1, 1), (1, 2), (3, 3), (3, 4), (8, 8)):
+        case = random_extend_case(gen, bs, page_size, max_prefix_len=40, max_extend_len=30, device=DEVICE)
+        pre, seq = case.prefix_lens.cpu(), case.seq_lens.cpu()
+        plan = extend_host_plan(pre, seq, case.prefix_slots, page_size)
+        n, entries = case.extend_num_tokens, extend_args_entries(grid)
+        rows = torch.randperm(bs + 5, generator=gen)[:bs].tolist()
+        out = torch.empty(3 * bs + n, dtype=torch.int64, device=DEVICE)
+        want = np.full(3 * entries, -7, dtype=np.int64)
+        fill_extend_args(want[entries : 2 * entries], grid, rows, pre, seq, case.prefix_slots, page_size, out, n,
+                         11, 97, 1234, plan)
+        got = np.full(3 * entries, -7, dtype=np.int64)
+        fill_extend_args_ahead(got, memoryview(got), entries, grid, rows, plan, out.data_ptr(), n, 11, 97, 1234)
+        assert got[entries : entries + 6].tolist() == [bs, 11, 97, out.data_ptr(), n, 1234]
+        assert got.tolist() == want.tolist(), (bs, grid)
