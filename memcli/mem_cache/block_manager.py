@@ -18,6 +18,7 @@ request's blocks are freed deepest first.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, NamedTuple, Optional
@@ -53,14 +54,15 @@ class PrefixCacheStats:
             self.hits += num_hits
 
 
-class BlockEviction(NamedTuple):
-    """One cached block evicted by reuse (the replay's eviction log reads these fields)."""
+class BlockEvictions(NamedTuple):
+    """Cached blocks evicted by reuse, one array per field of the replay's eviction log (a
+    block's tokens, age and hits; the trace's last and next use of a block are not tracked: -1)."""
 
-    tokens: int
-    age: float
-    hit_count: int
-    last_use: int = -1
-    next_use: int = -1
+    tokens: array
+    age: array
+    hit_count: array
+    last_use: array
+    next_use: array
 
 
 class BlockCheck(NamedTuple):
@@ -306,12 +308,12 @@ class BlockManager:
         """Tokens of cached blocks evicted by reuse since the manager was built."""
         return self.pool.num_evicted * self.block_size
 
-    def take_evictions(self) -> list:
-        if not self.pool.evicted:
+    def take_evictions(self) -> "BlockEvictions | list":
+        ages, hits = self.pool.take_evicted()
+        if not ages:
             return []
-        out = [BlockEviction(self.block_size, r.age, r.hits) for r in self.pool.evicted]
-        self.pool.evicted.clear()
-        return out
+        n = len(ages)
+        return BlockEvictions(array("q", [self.block_size]) * n, ages, hits, array("q", [-1]) * n, array("q", [-1]) * n)
 
     def allocator_totals(self) -> tuple[int, int]:
         return 0, 0

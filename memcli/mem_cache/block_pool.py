@@ -17,6 +17,7 @@ duplicates (two blocks with one key) and serves the first inserted.
 from __future__ import annotations
 
 import hashlib
+from array import array
 import os
 import pickle
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
@@ -145,7 +146,8 @@ class BlockPool:
     """`num_blocks` blocks (block 0 the null block), the cached map and the free queue.
 
     `events`: KV events (`kv_events` stand-ins of vLLM's: stored / removed) when `record_events`.
-    `evicted`: hashes of cached blocks evicted by reuse since the caller last drained it.
+    `evicted`: cached blocks evicted by reuse since the caller last drained them (`Removed`
+    records, built on reading; the pool keeps their fields as columns, `take_evicted`).
     `clock`: the time eviction ages are measured on (a zero-argument callable; the scheduler's
     simulated clock in a replay).
     """
@@ -156,11 +158,15 @@ class BlockPool:
         self.num_blocks, self.enable_caching, self.record_events = num_blocks, enable_caching, record_events
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free = FreeQueue(self.blocks)
-        self.cached: dict[bytes, dict[int, Block]] = {}
+        # vLLM's map: a key's one block, or, once a second block has that key, {block id: block}
+        # in insertion order (the first inserted is served).
+        self.cached: dict[bytes, Any] = {}
         self.null_block = self.free.popleft_n(1)[0]
         self.null_block.is_null = True
         self.events: list = []
-        self.evicted: list[Removed] = []
+        # Evictions since the last drain, one list per field: appended per evicted block, where
+        # a record per block cost more than the eviction itself.
+        self._evicted: tuple[list, list, array, array] = ([], [], array("d"), array("q"))
         self.num_evicted = 0  # cached blocks evicted by reuse, since the pool was built
         self.num_cached = 0  # blocks holding a hash
         self.num_cached_free = 0  # of which in the free queue (evictable)
@@ -169,7 +175,14 @@ class BlockPool:
     # -- lookups --------------------------------------------------------------------------
     def get_cached_block(self, block_hash: bytes) -> Optional[Block]:
         found = self.cached.get(block_hash + GROUP_ID)
-        return None if not found else next(iter(found.values()))
+        if found is None or type(found) is Block:
+            return found
+        return next(iter(found.values()))
+
+    def cached_blocks(self) -> list[tuple[bytes, Block]]:
+        """(key, block) of every entry of the map (O(map); checks and tests)."""
+        return [(key, block) for key, entry in self.cached.items()
+                for block in ((entry,) if type(entry) is Block else entry.values())]
 
     @property
     def num_free_blocks(self) -> int:
@@ -197,16 +210,40 @@ class BlockPool:
     def _evict(self, block: Block) -> None:
         key = block.key
         entry = self.cached.get(key)
-        if entry is not None and entry.pop(block.block_id, None) is not None:
+        if entry is None:
+            removed = False
+        elif type(entry) is Block:
+            removed = entry is block
+            if removed:
+                del self.cached[key]
+        else:
+            removed = entry.pop(block.block_id, None) is not None
             if not entry:
                 del self.cached[key]
+        if removed:
             self.num_cached -= 1
             self.num_evicted += 1
-            self.evicted.append(Removed(key[:-4], block.block_id, self.clock() - block.cached_at, block.hits))
+            keys, ids, ages, hits = self._evicted
+            keys.append(key)
+            ids.append(block.block_id)
+            ages.append(self.clock() - block.cached_at)
+            hits.append(block.hits)
             if self.record_events:
                 from memcli.mem_cache.kv_events import VllmBlockRemoved
                 self.events.append(VllmBlockRemoved([external_hash(key[:-4])], MEDIUM_GPU))
         block.key = None
+
+    @property
+    def evicted(self) -> list[Removed]:
+        """The evictions not yet drained, as records (oldest first)."""
+        keys, ids, ages, hits = self._evicted
+        return [Removed(key[:-4], *fields) for key, *fields in zip(keys, ids, ages, hits)]
+
+    def take_evicted(self) -> tuple[array, array]:
+        """(ages, hits) of the evictions since the last call, oldest first; drains them."""
+        _, _, ages, hits = self._evicted
+        self._evicted = ([], [], array("d"), array("q"))
+        return ages, hits
 
     def touch(self, blocks: Iterable[Block]) -> None:
         for block in blocks:
@@ -245,7 +282,7 @@ class BlockPool:
         `event_block_size`, None: `block_size`)."""
         if num_cached >= num_full:
             return
-        new_hashes, now = [], self.clock()
+        now = self.clock()
         for i in range(num_cached, num_full):
             block = blocks[i]
             if block.is_null:
@@ -253,14 +290,22 @@ class BlockPool:
             key = hashes[i] + GROUP_ID
             if block.key is not None:
                 raise IntegrityError(f"block {block.block_id} is cached twice")
-            entry = self.cached.setdefault(key, {})
-            if block.block_id not in entry:
-                block.key, block.cached_at, block.hits = key, now, 0
+            entry = self.cached.get(key)
+            if entry is None:
+                self.cached[key] = block
+            elif type(entry) is Block:
+                if entry is block:
+                    continue
+                self.cached[key] = {entry.block_id: entry, block.block_id: block}
+            elif block.block_id in entry:
+                continue
+            else:
                 entry[block.block_id] = block
-                self.num_cached += 1
-            new_hashes.append(external_hash(hashes[i]))
+            block.key, block.cached_at, block.hits = key, now, 0
+            self.num_cached += 1
         if self.record_events:
             from memcli.mem_cache.kv_events import VllmBlockStored
+            new_hashes = [external_hash(hashes[i]) for i in range(num_cached, num_full) if not blocks[i].is_null]
             parent = external_hash(hashes[num_cached - 1]) if num_cached else None
             # Published untagged, one entry per block: a cache salt as (salt,).
             salt = None if first_extra is None else tuple(key[1] for key in first_extra)
@@ -296,7 +341,7 @@ class BlockPool:
         for block in self.blocks[1:]:
             if (block.block_id in in_queue) != (block.ref_cnt == 0):
                 problems.append(f"block {block.block_id}: {block.ref_cnt} holders, in free queue: {block.block_id in in_queue}")
-        cached = [b for entry in self.cached.values() for b in entry.values()]
+        cached = [block for _, block in self.cached_blocks()]
         if len(cached) != self.num_cached or sum(b.ref_cnt == 0 for b in cached) != self.num_cached_free:
             problems.append(f"cached-block counters {self.num_cached}/{self.num_cached_free} disagree with the map")
         if any(b.key is None or b.is_null for b in cached) or 0 in in_queue:

@@ -744,9 +744,11 @@ class RadixCache(BasePrefixCache):
         new_slots = self._path_tail(node, aligned - protected)  # the tree's slots of [protected, aligned)
         if protected < aligned:
             self._point_row_at_tree(row, row_id, protected, kv, new_slots)
-        if keep_prefix:  # the next round's prefix: the locked prefix, the tree's new slots, the row's tail
-            req.kv.prefix_indices = torch.cat([req.prefix_indices[:protected], new_slots,
-                                               self._row_slots(row, aligned, up_to)])
+        if keep_prefix:
+            # The next round's prefix: the locked prefix, the tree's new slots and the row's own
+            # tail, which is what the row holds now (it held the locked prefix from the extend
+            # that wrote it, and was just pointed at the tree's slots): one cast-copy of it.
+            req.kv.prefix_indices = self._row_slots(row, 0, up_to)
         self.inc_lock_ref(node)
         self.dec_lock_ref(req.last_node)
         req.kv.last_node = node

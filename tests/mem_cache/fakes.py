@@ -94,11 +94,16 @@ class FakeReq:
     kv_committed_len: int = 0
     kv_allocated_len: int = 0
     kv_freed: bool = False
+    cache_inserted_len: int = 0  # 0.5.23: the longest prefix its checkpoints inserted
 
     def __post_init__(self):
         self.origin_input_ids = np.asarray(self.origin_input_ids, dtype=np.int64)
         if self.fill_ids is None:
             self.fill_ids = self.origin_input_ids
+
+    @property
+    def input_len(self) -> int:
+        return len(self.origin_input_ids)
 
     @property
     def kv(self) -> "FakeReq":

@@ -660,3 +660,28 @@ def test_a_miscounted_allocation_reads_minus_one_not_a_second_page():
     seq = i64([0])  # opens a page, but the caller says none
     out = allocator.alloc_decode_write(seq, seq.clone(), i64([0]), table, num_pages=0).out_cache_loc
     assert out.tolist() == [-4] and free_list(allocator) == [1, 2, 3, 4]
+
+
+def test_distinct_count_matches_unique():
+    """The free list's duplicate count (one pass over a scratch array) equals np.unique's,
+    ids outside [0, num_pages] included (a corrupted free list may hold them)."""
+    import numpy as np
+
+    from memcli.mem_cache.allocator import _distinct_count
+
+    rng = np.random.default_rng(7)
+    for n in (1, 5, 300):
+        for num_pages in (1, 8, 64):
+            ids = rng.integers(-3, num_pages + 4, size=n, dtype=np.int64)
+            assert _distinct_count(ids, num_pages) == len(np.unique(ids))
+    assert _distinct_count(np.array([3, 3, 3, 9, 9, -1, -1], dtype=np.int32), 4) == 3
+
+
+def test_duplicate_outside_the_range_is_counted():
+    """An id freed twice past the pool's end is both out of range and a duplicate."""
+    allocator = token(4)
+    allocator.alloc(2)
+    allocator.free(i64([6]))
+    allocator.free(i64([6]))
+    assert failed_checks(allocator) == {"free list within range", "no duplicate in free list"}
+    assert allocator.check_integrity().check("no duplicate in free list").detail == "1 duplicate slots"

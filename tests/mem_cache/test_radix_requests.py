@@ -67,9 +67,12 @@ def test_second_request_reuses_the_prefix(ps):
     assert h.cache.protected_size() == 0
 
 
+@pytest.mark.parametrize("stamps", ["radix", "unified"])
 @pytest.mark.parametrize("ps", PAGE_SIZES)
-def test_chunked_prefill_keeps_the_partial_page_with_the_request(ps):
-    h = Harness(RadixCache, page_size=ps)
+def test_chunked_prefill_keeps_the_partial_page_with_the_request(ps, stamps):
+    """Each chunk's checkpoint: the next round's prefix is the tree's slots of the aligned part
+    and the request's own partial page (0.5.5's insert and re-match, 0.5.23's checkpoint)."""
+    h = Harness(RadixCache, page_size=ps, tree_stamps=stamps)
     req = FakeReq(prompt(11))
     h.admit(req)
     for upto in (3, 6, 9, 11):
@@ -84,10 +87,11 @@ def test_chunked_prefill_keeps_the_partial_page_with_the_request(ps):
     h.assert_conserved()
 
 
+@pytest.mark.parametrize("stamps", ["radix", "unified"])
 @pytest.mark.parametrize("ps", PAGE_SIZES)
-def test_two_identical_requests_in_flight_free_their_duplicates(ps):
+def test_two_identical_requests_in_flight_free_their_duplicates(ps, stamps):
     """B computed the same tokens as A; after B's rounds its row points at A's (tree) slots."""
-    h = Harness(RadixCache, page_size=ps)
+    h = Harness(RadixCache, page_size=ps, tree_stamps=stamps)
     a, b = FakeReq(prompt(12)), FakeReq(prompt(12))
     h.admit(a)
     h.admit(b)
@@ -99,6 +103,8 @@ def test_two_identical_requests_in_flight_free_their_duplicates(ps):
         row_b = h.pool.req_to_token[b.req_pool_idx, :aligned].tolist()
         assert row_a == row_b == tree_slots(h, a, aligned)
         assert b.prefix_indices[:aligned].tolist() == row_b
+        assert b.prefix_indices[aligned:].tolist() == h.pool.req_to_token[b.req_pool_idx, aligned:upto].tolist()
+        assert b.prefix_indices.dtype == torch.int64
         h.assert_conserved()
     h.decode(a, 1)
     h.decode(b, 1)

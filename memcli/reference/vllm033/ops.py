@@ -140,7 +140,7 @@ class ManagerPair:
                 diffs.append(f"{rid}: blocks vLLM {rids} memcli {self.mem.block_ids(mem)}")
         rmap = {(bytes(k[:-4]), b.block_id) for k, v in rpool.cached_block_hash_to_block._cache.items()
                 for b in (v.values() if isinstance(v, dict) else [v])}
-        mmap = {(k[:-4], b.block_id) for k, v in mpool.cached.items() for b in v.values()}
+        mmap = {(k[:-4], b.block_id) for k, b in mpool.cached_blocks()}
         if rmap != mmap:
             diffs.append(f"cached map: {len(rmap ^ mmap)} entries differ")
         rref = [b.ref_cnt for b in rpool.blocks[1:]]

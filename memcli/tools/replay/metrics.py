@@ -135,8 +135,13 @@ class EvictionLog:
     last_use: array = field(default_factory=lambda: array("q"))
     next_use: array = field(default_factory=lambda: array("q"))
 
-    def drain(self, records: list) -> None:
-        """Append the eviction records memory handed over (`MemoryManager.take_evictions`)."""
+    def drain(self, records) -> None:
+        """Append the eviction records memory handed over (`MemoryManager.take_evictions`):
+        a list of records, or one list per field (vLLM's block pool: `BlockEvictions`)."""
+        if isinstance(records, tuple):
+            for column, values in zip((self.tokens, self.age_ms, self.hits, self.last_use, self.next_use), records):
+                column.extend(values)
+            return
         for record in records:
             self.tokens.append(record.tokens)
             self.age_ms.append(record.age)
