@@ -348,7 +348,7 @@ class RadixCache(BasePrefixCache):
 
     def insert_unified(self, key: RadixKey, value: torch.Tensor, prev_prefix_len: int = 0,
                        inserted_len: int = 0, owner: Any = None, value_start: int = 0,
-                       owned: bool = False) -> tuple[int, TreeNode]:
+                       owned: bool = False, on_path: int = 0) -> tuple[int, TreeNode]:
         """0.5.23's insert walk: stamps the root and each node it walks, counts a hit (with
         `insert_hits`) on each node ending past `inserted_len`, and itself frees the slots of
         `value` that duplicate the tree past `prev_prefix_len` (one free per node, in walk
@@ -357,7 +357,11 @@ class RadixCache(BasePrefixCache):
         `value` holds the slots of the tokens [value_start, len(key)) only: a request's
         locked prefix (value_start <= prev_prefix_len) is the tree's already, so its slots
         are never read. `owned`: `value` is the caller's to give away (a copy nobody else
-        holds), so a new leaf may keep a view of it instead of a copy."""
+        holds), so a new leaf may keep a view of it instead of a copy. `on_path`: the key's first
+        `on_path` tokens are known to be the tree's, along the path the walk takes (a locked
+        prefix, or what an insert of the same key just walked), so a node the walk passes
+        inside them is taken as matched whole without comparing its tokens: the walk, its
+        stamps, splits and frees are those of the compare."""
         prepared = self._insert_input(key, value, value_start)
         if prepared is None:
             return 0, self.root
@@ -374,8 +378,12 @@ class RadixCache(BasePrefixCache):
             if child is None:
                 break
             child.last_access_time = self._stamp()
-            matched = self._common_len(child.key, tokens[pos : pos + len(child.key)])
-            if matched < len(child.key):
+            child_len = len(child.key)
+            if pos + child_len <= on_path:
+                matched = child_len
+            else:
+                matched = self._common_len(child.key, tokens[pos : pos + child_len])
+            if matched < child_len:
                 child = self._split_unified(child, matched)
             self._insert_walked(child, slots, pos, matched, prev_prefix_len, owner)
             if pos + matched > inserted_len:
@@ -733,14 +741,15 @@ class RadixCache(BasePrefixCache):
         aligned = max(align_down(up_to, ps), protected)
         kv = self._row_slots(row, protected, aligned)  # the row's slots of [protected, aligned)
         key = _request_key(req, req.token_ids(aligned))
+        # The locked prefix [0, protected) is the path to the request's locked node.
         _, node = self.insert_unified(key, kv, protected, req.kv.cache_inserted_len, owner=row_id,
-                                      value_start=protected, owned=True)
+                                      value_start=protected, owned=True, on_path=protected)
         req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, aligned)
         prompt = align_down(req.input_len, ps)
         if self.split_prompt and 0 < prompt < aligned:
             first = min(protected, prompt)
             self.insert_unified(_request_key(req, req.token_ids(prompt)), kv[: prompt - first], prompt, prompt,
-                                value_start=first)
+                                value_start=first, on_path=prompt)  # the first insert just walked it
         new_slots = self._path_tail(node, aligned - protected)  # the tree's slots of [protected, aligned)
         if protected < aligned:
             self._point_row_at_tree(row, row_id, protected, kv, new_slots)

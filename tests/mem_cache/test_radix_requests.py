@@ -235,3 +235,60 @@ def test_a_prefix_evicted_without_a_lock_is_reported():
     req.last_node = None
     with pytest.raises(IntegrityError, match="prefix of 8 tokens is no longer cached"):
         h.cache.cache_finished_req(req)
+
+
+def _snapshot(h):
+    """The tree (key, slots, stamps, hits, locks of every node, parents first), the free list
+    and the rows: everything a checkpoint writes."""
+    order = {id(h.cache.root): -1}
+    nodes = []
+    for n in h.cache._iter_nodes():
+        order[id(n)] = len(order)
+        nodes.append((n.key.tolist(), n.value.tolist(), n.last_access_time, n.creation_time, n.hit_count,
+                      n.lock_ref, order[id(n.parent)]))
+    return nodes, sorted(h.allocator.free_pages), h.pool.req_to_token.tolist()
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_checkpoints_that_skip_the_locked_prefix_compare_walk_as_the_compare(ps, monkeypatch):
+    """0.5.23's checkpoint walks its locked prefix, and the prompt again, without comparing
+    tokens (`insert_unified(on_path=...)`): the same tree, stamps, hits, locks, frees and rows as
+    the walk that compares every node. Requests run two at a time, the second sharing part of
+    the first's new tokens, so checkpoints meet nodes that leave their tokens mid-node."""
+    rng = np.random.default_rng(3)
+    base = prompt(40)
+    pairs = []
+    for i in range(5):
+        first = np.concatenate([base[: rng.integers(0, 40)], prompt(int(rng.integers(6, 16)), 500 + 40 * i)])
+        shared = int(rng.integers(1, len(first)))
+        second = np.concatenate([first[:shared], prompt(int(rng.integers(2, 12)), 520 + 40 * i)])
+        pairs.append((first, second))
+
+    def run(compare_all):
+        if compare_all:
+            walk = RadixCache.insert_unified
+            monkeypatch.setattr(RadixCache, "insert_unified",
+                                lambda self, *a, on_path=0, **k: walk(self, *a, on_path=0, **k))
+        h = Harness(RadixCache, page_size=ps, size=1024, tree_stamps="unified", prompt_split="prompt",
+                    insert_hits=True, lru_clock="logical")
+        snapshots = []
+        for i, tokens in enumerate(pairs):
+            reqs = [FakeReq(t) for t in tokens]
+            for req in reqs:
+                h.admit(req)
+            for chunk in (0, 1):  # two chunks each, interleaved
+                for req in reqs:
+                    n = len(req.origin_input_ids)
+                    h.prefill(req, (len(req.prefix_indices) + n) // 2 if chunk == 0 else n)
+                    snapshots.append(_snapshot(h))
+            for token in range(3):
+                for j, req in enumerate(reqs):
+                    h.decode(req, 9000 + 100 * i + 10 * j + token)
+            for req in reqs:
+                h.finish(req)
+                h.assert_conserved()
+                snapshots.append(_snapshot(h))
+        monkeypatch.undo()
+        return snapshots
+
+    assert run(compare_all=False) == run(compare_all=True)
