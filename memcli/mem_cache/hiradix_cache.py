@@ -277,9 +277,9 @@ class HiRadixCache(RadixCache):
             self._duplicates.pop(node_id, None)
         return freed
 
-    def _walk(self, tokens: np.ndarray, extra_key: Optional[str], count_hit: bool):
+    def _walk(self, tokens: np.ndarray, extra_key: Optional[str], count_hit: bool, on_path: int = 0):
         """The radix walk (stamps, splits); the values returned are the device ones only."""
-        node, pos, values = super()._walk(tokens, extra_key, False)
+        node, pos, values = super()._walk(tokens, extra_key, False, on_path)
         return node, pos, [v for v in values if v is not None]
 
     # -- sizes ----------------------------------------------------------------------------
@@ -314,11 +314,13 @@ class HiRadixCache(RadixCache):
             last_host = last_host.parent
         return MatchResult(self._cat(values), last, last_host, host_hit)
 
-    def insert(self, key: RadixKey, value: Optional[torch.Tensor] = None, chunked: bool = False) -> int:
+    def insert(self, key: RadixKey, value: Optional[torch.Tensor] = None, chunked: bool = False,
+               on_path: int = 0) -> int:
         """Cache `value` for `key`; returns the leading tokens already on the device (the
         caller frees those duplicates). Evicted nodes on the path take their slots from
         `value` again (recomputed KV). Counts a hit on every device node passed and on the
-        new leaf, which may start backups (see the module docstring)."""
+        new leaf, which may start backups (see the module docstring). `on_path`: as
+        `RadixCache._walk`'s (a node ending inside it is matched without a compare)."""
         prepared = self._insert_input(key, value)
         if prepared is None:
             return 0
@@ -332,7 +334,10 @@ class HiRadixCache(RadixCache):
             if child is None:
                 break
             child_len = len(child.key)
-            matched = self._common_len(child.key, tokens[pos: pos + child_len])
+            if pos + child_len <= on_path:
+                matched = child_len
+            else:
+                matched = self._common_len(child.key, tokens[pos: pos + child_len])
             if matched < child_len and not self.refresh_split:
                 child = self._split(child, matched)
                 child.last_access_time = self._stamp()

@@ -255,9 +255,11 @@ class RadixCache(BasePrefixCache):
         aligned = len(tokens) - len(tokens) % self.page_size
         return None if aligned == 0 else (tokens, value, aligned)
 
-    def insert(self, key: RadixKey, value: Optional[torch.Tensor] = None, chunked: bool = False) -> int:
+    def insert(self, key: RadixKey, value: Optional[torch.Tensor] = None, chunked: bool = False,
+               on_path: int = 0) -> int:
         """See `BasePrefixCache.insert`. `value=None` stores the token ids as slots (tests).
         `chunked` (a non-final prefill chunk) changes nothing here (see `HiRadixCache`).
+        `on_path`: the key's first tokens known to be the tree's along the walk (`_walk`).
 
         Refreshes access times along the path (no hit counted). The new leaf views the
         caller's arrays when it covers at least half of them, else stores compact copies,
@@ -268,7 +270,7 @@ class RadixCache(BasePrefixCache):
             return 0
         tokens, value, aligned = prepared
         now = self._begin()
-        node, prefix_len, _ = self._walk(tokens[:aligned], key.extra_key, count_hit=False)
+        node, prefix_len, _ = self._walk(tokens[:aligned], key.extra_key, count_hit=False, on_path=on_path)
         if prefix_len < aligned:
             leaf_key, leaf_value = tokens[prefix_len:aligned], value[prefix_len:aligned]
             if leaf_value.dtype != torch.int64 or leaf_value.device != self.device:
@@ -281,12 +283,14 @@ class RadixCache(BasePrefixCache):
         return prefix_len
 
     def _walk(self, tokens: np.ndarray, extra_key: Optional[str],
-              count_hit: bool) -> tuple[TreeNode, int, list[torch.Tensor]]:
+              count_hit: bool, on_path: int = 0) -> tuple[TreeNode, int, list[torch.Tensor]]:
         """Descend along page-aligned `tokens`, splitting the node where they leave it.
 
         Stamps every node it passes (see the class docstring for the order). Returns the
         deepest node reached, the number of tokens matched, and the values of the nodes
-        passed (in order).
+        passed (in order). `tokens[:on_path]` are known to be the tree's along this path (a
+        locked prefix, or a key just inserted): a node ending inside them is matched whole
+        without comparing its tokens (the walk is the compare's, as in `insert_unified`).
         """
         node, pos, values = self.root, 0, []
         node.last_access_time = self._stamp()
@@ -295,7 +299,10 @@ class RadixCache(BasePrefixCache):
             if child is None:
                 break
             child_len = len(child.key)
-            matched = self._common_len(child.key, tokens[pos : pos + child_len])
+            if pos + child_len <= on_path:
+                matched = child_len
+            else:
+                matched = self._common_len(child.key, tokens[pos : pos + child_len])
             if matched < child_len and self.refresh_split:
                 child.last_access_time = self._stamp()
                 child = self._split(child, matched)
@@ -660,7 +667,8 @@ class RadixCache(BasePrefixCache):
             start = 0
         elif is_insert:
             aligned = max(align_down(min(req.kv_committed_len, allocated), ps), start)
-            new_prefix_len = self.insert(_request_key(req, req.token_ids(aligned)), kv[:aligned])
+            # The locked prefix [0, start) is the path to the request's locked node.
+            new_prefix_len = self.insert(_request_key(req, req.token_ids(aligned)), kv[:aligned], on_path=start)
             self._check_prefix_kept(req, start, new_prefix_len)
             self._to_tree(kv[new_prefix_len:aligned], row, op)
             self._free(kv[start:new_prefix_len], row, op)
@@ -699,13 +707,13 @@ class RadixCache(BasePrefixCache):
         aligned = align_down(fill_len, ps)
         start = align_down(len(req.prefix_indices), ps)
         key = _request_key(req, req.fill_ids[:aligned])
-        new_prefix_len = self.insert(key, kv[:aligned], chunked=chunked)
+        new_prefix_len = self.insert(key, kv[:aligned], chunked=chunked, on_path=start)  # start: the locked prefix
         self._check_prefix_kept(req, start, new_prefix_len)
         op = "cache_unfinished_req"
         self._to_tree(kv[new_prefix_len:aligned], req.req_pool_idx, op)
         self._free(kv[start:new_prefix_len], req.req_pool_idx, op)
         self._begin()
-        node, tree_len, values = self._walk(key.token_ids, key.extra_key, count_hit=False)
+        node, tree_len, values = self._walk(key.token_ids, key.extra_key, count_hit=False, on_path=aligned)
         if tree_len != aligned:
             raise IntegrityError(f"cache_unfinished_req: re-match found {tree_len} of {aligned} tokens just inserted")
         new_indices = self._cat(values)

@@ -249,12 +249,14 @@ def _snapshot(h):
     return nodes, sorted(h.allocator.free_pages), h.pool.req_to_token.tolist()
 
 
+@pytest.mark.parametrize("stamps", ["radix", "unified"])
 @pytest.mark.parametrize("ps", PAGE_SIZES)
-def test_checkpoints_that_skip_the_locked_prefix_compare_walk_as_the_compare(ps, monkeypatch):
-    """0.5.23's checkpoint walks its locked prefix, and the prompt again, without comparing
-    tokens (`insert_unified(on_path=...)`): the same tree, stamps, hits, locks, frees and rows as
-    the walk that compares every node. Requests run two at a time, the second sharing part of
-    the first's new tokens, so checkpoints meet nodes that leave their tokens mid-node."""
+def test_checkpoints_that_skip_the_locked_prefix_compare_walk_as_the_compare(ps, stamps, monkeypatch):
+    """A checkpoint walks its locked prefix without comparing tokens (0.5.5's insert and the
+    re-match of what it just inserted, 0.5.23's insert and the prompt's second insert:
+    `on_path`): the same tree, stamps, hits, locks, frees and rows as the walk that compares
+    every node. Requests run two at a time, the second sharing part of the first's new
+    tokens, so checkpoints meet nodes that leave their tokens mid-node."""
     rng = np.random.default_rng(3)
     base = prompt(40)
     pairs = []
@@ -266,11 +268,12 @@ def test_checkpoints_that_skip_the_locked_prefix_compare_walk_as_the_compare(ps,
 
     def run(compare_all):
         if compare_all:
-            walk = RadixCache.insert_unified
-            monkeypatch.setattr(RadixCache, "insert_unified",
-                                lambda self, *a, on_path=0, **k: walk(self, *a, on_path=0, **k))
-        h = Harness(RadixCache, page_size=ps, size=1024, tree_stamps="unified", prompt_split="prompt",
-                    insert_hits=True, lru_clock="logical")
+            for name in ("insert_unified", "insert", "_walk"):
+                walk = getattr(RadixCache, name)
+                monkeypatch.setattr(RadixCache, name,
+                                    lambda self, *a, _walk=walk, on_path=0, **k: _walk(self, *a, on_path=0, **k))
+        unified = {"prompt_split": "prompt", "insert_hits": True} if stamps == "unified" else {}
+        h = Harness(RadixCache, page_size=ps, size=1024, tree_stamps=stamps, lru_clock="logical", **unified)
         snapshots = []
         for i, tokens in enumerate(pairs):
             reqs = [FakeReq(t) for t in tokens]
