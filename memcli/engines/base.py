@@ -111,6 +111,9 @@ class Engine:
     (behaviours in force, derived sizes), when it has one (None: the profile's behaviours and
     memcli's sizes). `baseline` names the engine this one is a later release of (show-config
     prints, beside each behaviour in force, the baseline's value where it differs).
+    `tracks_uses`: the engine's radix cache reads the trace's future (`build_stack`'s
+    `future`), and its evictions carry the last and next use of what they evicted; a replay
+    builds that future only for such an engine (the eviction report's reuse distances).
     """
 
     name: str
@@ -127,3 +130,4 @@ class Engine:
     describe: Optional[Callable[[Config], tuple]] = None
     reference_steps: bool = False  # `reference` takes `on_step` (both sides' step observations)
     baseline: Optional[str] = None  # the engine's earlier release (its profile is the baseline's values)
+    tracks_uses: bool = True

@@ -158,4 +158,5 @@ ENGINE = register(Engine(
     static_batch=make_static_batch,
     reference=_reference,
     limits=max_model_len_cuts,  # vLLM rejects a prompt of max_model_len tokens or more
+    tracks_uses=False,  # a block pool, no radix tree: its evicted blocks name no uses
 ))

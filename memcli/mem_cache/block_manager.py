@@ -55,14 +55,13 @@ class PrefixCacheStats:
 
 
 class BlockEvictions(NamedTuple):
-    """Cached blocks evicted by reuse, one array per field of the replay's eviction log (a
-    block's tokens, age and hits; the trace's last and next use of a block are not tracked: -1)."""
+    """Cached blocks evicted by reuse, for the replay's eviction log: the tokens of each (one
+    block), their ages and hits (one entry per block, oldest first). The trace's last and next
+    use of a block are not tracked."""
 
-    tokens: array
+    tokens: int
     age: array
     hit_count: array
-    last_use: array
-    next_use: array
 
 
 class BlockCheck(NamedTuple):
@@ -312,8 +311,7 @@ class BlockManager:
         ages, hits = self.pool.take_evicted()
         if not ages:
             return []
-        n = len(ages)
-        return BlockEvictions(array("q", [self.block_size]) * n, ages, hits, array("q", [-1]) * n, array("q", [-1]) * n)
+        return BlockEvictions(self.block_size, ages, hits)
 
     def allocator_totals(self) -> tuple[int, int]:
         return 0, 0

@@ -35,3 +35,13 @@ def test_replay_eviction_ages_are_simulated_times():
     eviction = doc["eviction"]
     assert eviction["evictions"] > 0
     assert 0 < eviction["age_ms"]["p50"] <= eviction["age_ms"]["max"] <= doc["summary"]["simulated_time_ms"]
+    # A block pool names no uses of what it evicts: no reuse distances, and the document says why.
+    assert not eviction["future_known"] and eviction["future_missing"].startswith("vllm-0.33's evictions")
+
+
+def test_the_text_report_says_why_vllm_reuse_distances_are_not_computed():
+    result = CliRunner().invoke(app, ["replay", "tests/data/conversation_head300.jsonl", "--limit", "60", "--engine",
+                                      "vllm-0.33", "--set", "memory.max_total_tokens=100000",
+                                      "--set", "memory.max_context_len=100000"])
+    assert result.exit_code == 0, result.output
+    assert "do not name the requests that use" in " ".join(result.output.split())

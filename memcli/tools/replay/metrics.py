@@ -124,23 +124,71 @@ class StepSeries:
         return out
 
 
+class IntColumn:
+    """Ints appended in order, kept as one value and a count while every one is that value
+    (vLLM's evicted blocks all hold `block_size` tokens and have no known last or next use:
+    millions of equal entries), as an int64 array from the first that differs."""
+
+    __slots__ = ("value", "count", "values")
+
+    def __init__(self):
+        self.value, self.count = 0, 0
+        self.values: array | None = None
+
+    def __len__(self) -> int:
+        return self.count if self.values is None else len(self.values)
+
+    def append(self, value: int) -> None:
+        if self.values is None:
+            if value == self.value or not self.count:
+                self.value, self.count = value, self.count + 1
+                return
+            self._spill()
+        self.values.append(value)
+
+    def extend_run(self, value: int, n: int) -> None:
+        """`n` times `value`."""
+        if n <= 0:
+            return
+        if self.values is None:
+            if value == self.value or not self.count:
+                self.value, self.count = value, self.count + n
+                return
+            self._spill()
+        self.values.extend(array("q", [value]) * n)
+
+    def _spill(self) -> None:
+        self.values = array("q", [self.value]) * self.count
+
+    def numpy(self) -> np.ndarray:
+        """The entries as an int64 array; a read-only view of one value while they are all it."""
+        if self.values is None:
+            return np.broadcast_to(np.int64(self.value), (self.count,))
+        return np.frombuffer(self.values, dtype=np.int64)
+
+
 @dataclass
 class EvictionLog:
     """Evicted tree nodes: sizes, ages (simulated ms), hit counts, and the requests (trace
     indices, -1: none) that last used and next use their first page."""
 
-    tokens: array = field(default_factory=lambda: array("q"))
+    tokens: IntColumn = field(default_factory=IntColumn)
     age_ms: array = field(default_factory=lambda: array("d"))
     hits: array = field(default_factory=lambda: array("q"))
-    last_use: array = field(default_factory=lambda: array("q"))
-    next_use: array = field(default_factory=lambda: array("q"))
+    last_use: IntColumn = field(default_factory=IntColumn)
+    next_use: IntColumn = field(default_factory=IntColumn)
 
     def drain(self, records) -> None:
         """Append the eviction records memory handed over (`MemoryManager.take_evictions`):
-        a list of records, or one list per field (vLLM's block pool: `BlockEvictions`)."""
+        a list of records, or vLLM's block pool's `BlockEvictions` (one size, arrays of ages
+        and hits, no known uses)."""
         if isinstance(records, tuple):
-            for column, values in zip((self.tokens, self.age_ms, self.hits, self.last_use, self.next_use), records):
-                column.extend(values)
+            n = len(records.age)
+            self.tokens.extend_run(records.tokens, n)
+            self.age_ms.extend(records.age)
+            self.hits.extend(records.hit_count)
+            self.last_use.extend_run(-1, n)
+            self.next_use.extend_run(-1, n)
             return
         for record in records:
             self.tokens.append(record.tokens)
@@ -364,6 +412,7 @@ class EvictionStats:
     age_ms: dict[str, float]
     hits_before_eviction: dict[str, float]
     future_known: bool = False
+    future_missing: str = ""  # without the future: why (reuse distances are then not computed)
     reused_evictions: int = 0
     reuse_distance_requests: dict[str, float] = field(default_factory=lambda: _percentiles(np.zeros(0)))
     reuse_distance_ms: dict[str, float] = field(default_factory=lambda: _percentiles(np.zeros(0)))
@@ -375,11 +424,9 @@ class EvictionStats:
 
 
 def eviction_stats(log: EvictionLog, policy: str, admit_ms: np.ndarray | None = None,
-                   future_known: bool = False) -> EvictionStats:
+                   future_known: bool = False, future_missing: str = "") -> EvictionStats:
     """`admit_ms`: per request in trace order, when it was admitted (NaN: never)."""
-    tokens = np.frombuffer(log.tokens, dtype=np.int64)
-    last = np.frombuffer(log.last_use, dtype=np.int64)
-    nxt = np.frombuffer(log.next_use, dtype=np.int64)
+    tokens, last, nxt = log.tokens.numpy(), log.last_use.numpy(), log.next_use.numpy()
     reused = nxt >= 0
     both = reused & (last >= 0)
     distance_ms = np.zeros(0)
@@ -393,6 +440,7 @@ def eviction_stats(log: EvictionLog, policy: str, admit_ms: np.ndarray | None = 
         age_ms=_percentiles(np.frombuffer(log.age_ms, dtype=np.float64)),
         hits_before_eviction=_percentiles(np.frombuffer(log.hits, dtype=np.int64)),
         future_known=future_known,
+        future_missing="" if future_known else future_missing,
         reused_evictions=int(reused.sum()),
         reuse_distance_requests=_percentiles((nxt[both] - last[both]).astype(np.float64)),
         reuse_distance_ms=_percentiles(distance_ms),

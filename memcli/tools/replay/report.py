@@ -279,7 +279,7 @@ def replay_tables(result: ReplayResult, bound: Optional[ReplayResult] = None) ->
         ("needed again (tokens, share)", f"{e.tokens_needed_again:,} ({_pct(e.needed_again_share)})"),
         ("reuse distance p50 / p90 / max (requests)", _dist(e.reuse_distance_requests, 1)),
         ("reuse distance p50 / p90 / max (s)", _dist(e.reuse_distance_ms, 1e-3)),
-    ] if e.future_known else [("reuse distance", "not computed (the trace is too large for its future index)")]
+    ] if e.future_known else [("reuse distance", f"not computed ({e.future_missing or 'the trace is not known ahead'})")]
     eviction = kv_table(f"eviction (policy {e.policy})", [
         ("evictions (nodes)", e.evictions), ("tokens evicted", e.tokens_evicted),
         *([("age at eviction p50 / p90 / max (s)", _dist(e.age_ms, 1e-3)),

@@ -167,7 +167,8 @@ class _Run:
             (spec.arrival_ms if timed else np.nan for spec in trace.requests), dtype=np.float64,
             count=trace.num_requests))
         self.tiers = TierLog(trace.num_requests) if config.cache.kind == "hiradix" else None
-        self.future = None
+        self.future: Optional[FutureUses] = None
+        self.future_missing = ""  # why the replay has no future (the eviction report says it)
         self.next = 0
         self.output_tokens = 0
         self.series = StepSeries()
@@ -182,8 +183,8 @@ class _Run:
     def execute(self, shared: np.ndarray) -> ReplayResult:
         start = time.perf_counter()
         with torch_threads(resolve_device(self.config)):
-            self.future = self._build_future()
             engine = engines.get(self.config)
+            self.future, self.future_missing = self._build_future(engine)
             self.stack = engine.build_stack(self.config, future=self.future)
             self.memory = self.stack.memory
             instrumented = self.options.instrumented
@@ -200,17 +201,20 @@ class _Run:
         wall_s = time.perf_counter() - start
         return self._result(shared, failure, reports, wall_s)
 
-    def _build_future(self) -> Optional[FutureUses]:
-        """The trace's future uses, for the radix cache: Belady reads it, and every replay's
-        eviction stats (reuse distance). Without belady a trace too large for it goes without."""
+    def _build_future(self, engine: engines.Engine) -> tuple[Optional[FutureUses], str]:
+        """The trace's future uses, for an engine's radix cache (`Engine.tracks_uses`): Belady
+        reads it, and every replay's eviction stats (reuse distance); with None, why there is
+        none. Without belady a trace too large for it goes without."""
+        if not engine.tracks_uses:
+            return None, f"{engine.name}'s evictions do not name the requests that use what they evict"
         if self.config.cache.kind != "radix":
-            return None
+            return None, f"cache.kind {self.config.cache.kind}'s evictions do not name the requests that use them"
         try:
-            return build_future(self.trace, self.config.page_size)
+            return build_future(self.trace, self.config.page_size), ""
         except FutureTooLarge:
             if self.config.cache.eviction_policy == "belady":
                 raise
-            return None
+            return None, "the trace is too large for its future index"
 
     def _on_admission(self, req, admitted: bool) -> None:
         self.future.set_admitted(self.index[req.rid], admitted)
@@ -357,7 +361,7 @@ class _Run:
                 request_rows=memory.max_running, oom_events=stats.oom_events,
             ),
             eviction=eviction_stats(self.evictions, config.cache.eviction_policy, self.log.admission_ms,
-                                    self.future is not None),
+                                    self.future is not None, self.future_missing),
             scheduling=SchedulingStats(stats.retractions, stats.retracted_requests, stats.recomputed_tokens,
                                        stats.aborted, queue_stats(series)),
             integrity=IntegrityStats(

@@ -98,6 +98,48 @@ def test_reuse_distance_from_the_last_and_next_use():
     assert stats.reuse_distance_ms["max"] == 50 and stats.reuse_distance_ms["p50"] == 35
 
 
+def test_int_column_keeps_a_run_then_spills_in_order():
+    from memcli.tools.replay.metrics import IntColumn
+
+    column = IntColumn()
+    assert len(column) == 0 and column.numpy().tolist() == []
+    column.extend_run(16, 3)
+    column.append(16)
+    assert column.values is None and len(column) == 4 and column.numpy().tolist() == [16] * 4
+    column.append(32)
+    column.extend_run(16, 2)
+    column.extend_run(8, 0)
+    assert column.numpy().tolist() == [16, 16, 16, 16, 32, 16, 16]
+    first = IntColumn()
+    first.append(-1)
+    first.extend_run(5, 2)
+    assert first.numpy().tolist() == [-1, 5, 5]
+
+
+def test_block_evictions_drain_as_their_records_would():
+    """vLLM's evicted blocks (one size, no known uses) give the stats a record per block gives."""
+    from array import array
+
+    from memcli.mem_cache.block_manager import BlockEvictions
+    from memcli.mem_cache.radix_cache import EvictionRecord
+
+    ages, hits = [5.0, 1.0, 9.0, 2.0], [0, 3, 1, 0]
+    columns = EvictionLog()
+    columns.drain(BlockEvictions(16, array("d", ages[:3]), array("q", hits[:3])))
+    columns.drain([])
+    columns.drain(BlockEvictions(16, array("d", ages[3:]), array("q", hits[3:])))
+    records = EvictionLog()
+    records.drain([EvictionRecord(16, a, h) for a, h in zip(ages, hits)])
+    admit_ms = np.arange(4, dtype=np.float64)
+    assert eviction_stats(columns, "lru", admit_ms, True) == eviction_stats(records, "lru", admit_ms, True)
+    assert eviction_stats(columns, "lru").tokens_evicted == 64
+    mixed = EvictionLog()  # a run broken by a record of another size: kept entry by entry from there
+    mixed.drain(BlockEvictions(16, array("d", [1.0]), array("q", [0])))
+    mixed.drain([EvictionRecord(32, 2.0, 1, last_use=0, next_use=3)])
+    stats = eviction_stats(mixed, "lru", admit_ms, True)
+    assert (stats.evictions, stats.tokens_evicted, stats.tokens_needed_again) == (2, 48, 32)
+
+
 def test_engine_counters_give_sglang_and_vllm_rates():
     from memcli.tools.replay.metrics import EngineCounters, prefix_stats
 
