@@ -713,18 +713,24 @@ class RadixCache(BasePrefixCache):
         self._to_tree(kv[new_prefix_len:aligned], req.req_pool_idx, op)
         self._free(kv[start:new_prefix_len], req.req_pool_idx, op)
         self._begin()
-        node, tree_len, values = self._walk(key.token_ids, key.extra_key, count_hit=False, on_path=aligned)
+        node, tree_len, _ = self._walk(key.token_ids, key.extra_key, count_hit=False, on_path=aligned)
         if tree_len != aligned:
             raise IntegrityError(f"cache_unfinished_req: re-match found {tree_len} of {aligned} tokens just inserted")
-        new_indices = self._cat(values)
         if start < tree_len:
-            row[start:tree_len] = new_indices[start:].to(row.dtype)
+            tree = self._path_tail(node, tree_len - start)  # the tree's slots of [start, tree_len)
+            if row.is_cpu:  # one cast-copy in numpy
+                row.numpy()[start:tree_len] = tree.numpy()
+            else:
+                row[start:tree_len] = tree.to(row.dtype)
             ledger = getattr(self.allocator, "ledger", None)
             if ledger is not None:
                 ledger.wrote(req.req_pool_idx, start, tree_len)
         self.inc_lock_ref(node)
         self.dec_lock_ref(req.last_node)
-        req.kv.prefix_indices = torch.cat([new_indices, kv[tree_len:]])
+        # The next round's prefix: the tree's slots of [0, tree_len) (the locked prefix's, which the
+        # row held from its extend, and those just written) and the row's own tail: the row's
+        # first `fill_len` slots now, in one cast-copy.
+        req.kv.prefix_indices = self._row_slots(row, 0, fill_len)
         req.kv.last_node = node
         req.kv.last_matched_prefix_len = tree_len
 
