@@ -783,6 +783,9 @@ class RadixCache(BasePrefixCache):
         tree's `tree` (where the tree had them already, the insert freed `own`'s)."""
         end = start + len(tree)
         ledger = getattr(self.allocator, "ledger", None)
+        if ledger is None and tree.data_ptr() == own.data_ptr() and tree.shape == own.shape \
+                and tree.stride() == own.stride():
+            return  # the tree kept the row's own slots (a new leaf views them): the row holds them already
         if ledger is not None:
             if own.is_cpu and tree.is_cpu:  # the compare and the mask in numpy: no torch dispatch
                 own_host = own.numpy()
