@@ -17,9 +17,9 @@ duplicates (two blocks with one key) and serves the first inserted.
 from __future__ import annotations
 
 import hashlib
-from array import array
 import os
 import pickle
+from array import array
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 from memcli.errors import IntegrityError

@@ -334,10 +334,7 @@ class HiRadixCache(RadixCache):
             if child is None:
                 break
             child_len = len(child.key)
-            if pos + child_len <= on_path:
-                matched = child_len
-            else:
-                matched = self._common_len(child.key, tokens[pos: pos + child_len])
+            matched = self._matched(child.key, tokens, pos, on_path)
             if matched < child_len and not self.refresh_split:
                 child = self._split(child, matched)
                 child.last_access_time = self._stamp()

@@ -299,10 +299,7 @@ class RadixCache(BasePrefixCache):
             if child is None:
                 break
             child_len = len(child.key)
-            if pos + child_len <= on_path:
-                matched = child_len
-            else:
-                matched = self._common_len(child.key, tokens[pos : pos + child_len])
+            matched = self._matched(child.key, tokens, pos, on_path)
             if matched < child_len and self.refresh_split:
                 child.last_access_time = self._stamp()
                 child = self._split(child, matched)
@@ -386,10 +383,7 @@ class RadixCache(BasePrefixCache):
                 break
             child.last_access_time = self._stamp()
             child_len = len(child.key)
-            if pos + child_len <= on_path:
-                matched = child_len
-            else:
-                matched = self._common_len(child.key, tokens[pos : pos + child_len])
+            matched = self._matched(child.key, tokens, pos, on_path)
             if matched < child_len:
                 child = self._split_unified(child, matched)
             self._insert_walked(child, slots, pos, matched, prev_prefix_len, owner)
@@ -425,6 +419,14 @@ class RadixCache(BasePrefixCache):
         else:
             plain = tokens[pos : pos + self.page_size].tobytes()
         return plain if extra_key is None else (extra_key, plain)
+
+    def _matched(self, node_key: np.ndarray, tokens: np.ndarray, pos: int, on_path: int) -> int:
+        """The tokens of a node with `node_key` that `tokens[pos:]` match: the whole node when it
+        ends within `tokens[:on_path]` (known to be the tree's along this walk), else compared."""
+        n = len(node_key)
+        if pos + n <= on_path:
+            return n
+        return self._common_len(node_key, tokens[pos : pos + n])
 
     def _common_len(self, node_key: np.ndarray, tokens: np.ndarray) -> int:
         """Equal leading tokens of `node_key` and `tokens` (len <= len(node_key)), floored to a page."""
@@ -717,11 +719,7 @@ class RadixCache(BasePrefixCache):
         if tree_len != aligned:
             raise IntegrityError(f"cache_unfinished_req: re-match found {tree_len} of {aligned} tokens just inserted")
         if start < tree_len:
-            tree = self._path_tail(node, tree_len - start)  # the tree's slots of [start, tree_len)
-            if row.is_cpu:  # one cast-copy in numpy
-                row.numpy()[start:tree_len] = tree.numpy()
-            else:
-                row[start:tree_len] = tree.to(row.dtype)
+            self._write_row(row, start, self._path_tail(node, tree_len - start))  # the tree's [start, tree_len)
             ledger = getattr(self.allocator, "ledger", None)
             if ledger is not None:
                 ledger.wrote(req.req_pool_idx, start, tree_len)
@@ -792,12 +790,17 @@ class RadixCache(BasePrefixCache):
                 ledger.move(own_host[tree.numpy() == own_host], row_id, TREE, "checkpoint")
             else:
                 ledger.move(own[tree == own], row_id, TREE, "checkpoint")
-        if row.is_cpu:  # one cast-copy in numpy
-            row.numpy()[start:end] = tree.numpy()
-        else:
-            row[start:end] = tree.to(row.dtype)
+        self._write_row(row, start, tree)
         if ledger is not None:
             ledger.wrote(row_id, start, end)
+
+    @staticmethod
+    def _write_row(row: torch.Tensor, start: int, slots: torch.Tensor) -> None:
+        """`row[start:start + len(slots)] = slots`, cast to the row's dtype (one numpy cast-copy on a CPU)."""
+        if row.is_cpu:
+            row.numpy()[start : start + len(slots)] = slots.numpy()
+        else:
+            row[start : start + len(slots)] = slots.to(row.dtype)
 
     def _path_tail(self, node: TreeNode, length: int) -> torch.Tensor:
         """The slots of the last `length` tokens of the path from the root to `node`."""

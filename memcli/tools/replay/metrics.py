@@ -139,12 +139,7 @@ class IntColumn:
         return self.count if self.values is None else len(self.values)
 
     def append(self, value: int) -> None:
-        if self.values is None:
-            if value == self.value or not self.count:
-                self.value, self.count = value, self.count + 1
-                return
-            self._spill()
-        self.values.append(value)
+        self.extend_run(value, 1)
 
     def extend_run(self, value: int, n: int) -> None:
         """`n` times `value`."""
