@@ -1058,11 +1058,21 @@ def alloc_extend_write_torch(
         _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
                                   page_size, free_start, num_free, extend_num_tokens)
     device = req_to_token.device
+    if extend_num_tokens is None:
+        extend_num_tokens = int(seq_lens_cpu.sum() - prefix_lens_cpu.sum())
+    write = _alloc_extend_write_cpu if device.type == "cpu" else _alloc_extend_write_device
+    return write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages, page_size, extend_num_tokens,
+                 free_start, num_free)
+
+
+def _alloc_extend_write_device(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
+                               page_size: int, extend_num_tokens: int, free_start: int, num_free: int) -> ExtendWrite:
+    """``alloc_extend_write_torch`` on any device: the batch's prefixes joined once, for the
+    rows and (paged) for the slot before each request's new tokens."""
+    device = req_to_token.device
     prefix_lens = prefix_lens_cpu.to(device, non_blocking=True)
     seq_lens = seq_lens_cpu.to(device, non_blocking=True)
     rows_t = torch.as_tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-    if extend_num_tokens is None:
-        extend_num_tokens = int(seq_lens_cpu.sum() - prefix_lens_cpu.sum())
     pre = prefix_lens_cpu.numpy()
     if page_size == 1:
         # No last slot to look up: the prefixes alone, without the paged path's sentinel.
@@ -1084,6 +1094,33 @@ def alloc_extend_write_torch(
                                   extend_num_tokens)
     _write_rows_torch(req_to_token, rows_t, prefix_lens, seq_lens, out, prefix_flat[:total_prefix])
     return ExtendWrite(out, rows_t, prefix_lens, seq_lens)
+
+
+def _alloc_extend_write_cpu(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
+                            page_size: int, extend_num_tokens: int, free_start: int, num_free: int) -> ExtendWrite:
+    """``alloc_extend_write_torch`` on a CPU: the same slots and rows, each row written from
+    its request's own prefix (the batch's prefixes are never joined into one copy), every
+    copy a numpy slice."""
+    pre, seq = prefix_lens_cpu.tolist(), seq_lens_cpu.tolist()
+    if page_size == 1:
+        head = _ring_slice(free_pages, free_start, min(extend_num_tokens, num_free))  # past num_free: slot -1
+        missing = extend_num_tokens - head.shape[0]
+        out = torch.cat([head, head.new_full((missing,), -1)]) if missing else head.clone()
+    else:
+        # last_loc: the slot before each request's new tokens, -1 without a prefix.
+        last = torch.tensor([int(p[n - 1]) if n else -1 for p, n in zip(prefixes, pre)], dtype=torch.int64)
+        new_pages = sum(cdiv(s, page_size) - cdiv(p, page_size) for p, s in zip(pre, seq))
+        head = _ring_slice(free_pages, free_start, min(new_pages, num_free))  # past num_free: page -1
+        out = _extend_slots_torch(prefix_lens_cpu, seq_lens_cpu, last, head, page_size, extend_num_tokens)
+    table, new = req_to_token.numpy(), out.numpy()
+    off = 0
+    for row, p, s, prefix in zip(rows.tolist() if isinstance(rows, torch.Tensor) else rows, pre, seq, prefixes):
+        dest = table[row]
+        if p:
+            dest[:p] = prefix.numpy()[:p]
+        dest[p:s] = new[off : off + s - p]
+        off += s - p
+    return ExtendWrite(out, torch.as_tensor(rows, dtype=torch.int64), prefix_lens_cpu, seq_lens_cpu)
 
 
 def alloc_extend_write(

@@ -429,3 +429,27 @@ def test_arguments_of_a_plan_built_ahead_are_the_general_fill(page_size):
         fill_extend_args_ahead(got, memoryview(got), entries, grid, rows, plan, out.data_ptr(), n, 11, 97, 1234)
         assert got[entries : entries + 6].tolist() == [bs, 11, 97, out.data_ptr(), n, 1234]
         assert got.tolist() == want.tolist(), (bs, grid)
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_cpu_path_equals_the_device_path(page_size):
+    # On a CPU the reference writes each row from its own prefix; the device path joins the
+    # prefixes first. Both run on CPU tensors here, from mid-ring starts and short free lists.
+    from memcli.kernels.alloc import _alloc_extend_write_cpu, _alloc_extend_write_device
+
+    gen = torch.Generator().manual_seed(900 + page_size)
+    for bs in (1, 2, 5, 11):
+        case = random_extend_case(gen, bs, page_size, max_prefix_len=50, max_extend_len=50)
+        rows = torch.randperm(bs + 3, generator=gen)[:bs].tolist()
+        free = case.free_pages
+        for start, count in ((0, free.shape[0]), (3, free.shape[0] - 3), (free.shape[0] - 2, free.shape[0])):
+            results = []
+            for fn in (_alloc_extend_write_cpu, _alloc_extend_write_device):
+                t = torch.full((bs + 3, int(case.seq_lens.max()) + 2), SENTINEL, dtype=torch.int32)
+                n = int(case.seq_lens.sum() - case.prefix_lens.sum())
+                results.append((fn(t, rows, case.prefix_lens, case.seq_lens, case.prefix_slots, free, page_size, n,
+                                   start, count), t))
+            (a, ta), (b, tb) = results
+            assert torch.equal(a.out_cache_loc, b.out_cache_loc) and torch.equal(ta, tb)
+            assert a.req_pool_indices.tolist() == b.req_pool_indices.tolist() == rows
+            assert torch.equal(a.prefix_lens, b.prefix_lens) and torch.equal(a.seq_lens, b.seq_lens)

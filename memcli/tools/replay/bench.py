@@ -29,6 +29,7 @@ from memcli.config import load_config
 from memcli.errors import MemcliError
 from memcli.tools.replay.ceiling import shared_prefix_lens
 from memcli.tools.replay.runner import ReplayOptions, check_options, default_arrivals, replay
+from memcli.tools.replay.step_times import StepTimes
 from memcli.workload.readers import read_trace
 
 DEFAULT_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
@@ -47,6 +48,7 @@ class BenchPoint:
     rounds_s: tuple[float, ...]
     requests_per_s: float
     steps_per_s: float
+    step_times: dict  # the median round's wall time by kind of step (`StepTimes.to_dict`)
 
 
 def machine() -> dict:
@@ -69,10 +71,11 @@ def run_bench(trace_path: Path, points: Sequence[str], engine: str, limit: Optio
     trace = read_trace(trace_path, limit=limit)
     shared = shared_prefix_lens(trace)
     configs = [load_config(None, [*point.split(), f"semantics.engine={engine}"], builtin="replay") for point in points]
-    options = ReplayOptions(default_arrivals(trace))
+    options = ReplayOptions(default_arrivals(trace), step_times=True)
     for config in configs:
         check_options(trace, config, options)
     times: list[list[float]] = [[] for _ in points]
+    kinds: list[list[StepTimes]] = [[] for _ in points]
     seen: list[Optional[tuple[int, int]]] = [None] * len(points)
     for _ in range(rounds):
         for i, config in enumerate(configs):
@@ -86,11 +89,13 @@ def run_bench(trace_path: Path, points: Sequence[str], engine: str, limit: Optio
                                   "a replay must not depend on its speed: this is a bug in memcli")
             seen[i] = outcome
             times[i].append(result.summary.wall_s)
+            kinds[i].append(result.step_times)
     rows = []
-    for point, samples, (steps, cached) in zip(points, times, seen):
+    for point, samples, split, (steps, cached) in zip(points, times, kinds, seen):
         median = statistics.median(samples)
+        middle = split[sorted(range(len(samples)), key=samples.__getitem__)[(len(samples) - 1) // 2]]
         rows.append(BenchPoint(point, trace.num_requests, steps, cached, median, tuple(samples),
-                               trace.num_requests / median, steps / median))
+                               trace.num_requests / median, steps / median, middle.to_dict()))
     return rows
 
 
@@ -101,6 +106,24 @@ def format_table(rows: Sequence[BenchPoint], before: dict, after: dict, engine: 
     for r in rows:
         lines.append(f"{r.point:<42} {r.requests:>9,} {r.steps:>8,} {r.replay_s:>9.2f} {r.requests_per_s:>11,.0f}"
                      f" {r.steps_per_s:>9,.0f}  {' '.join(f'{t:.2f}' for t in r.rounds_s)}")
+    return "\n".join(lines)
+
+
+def format_step_times(rows: Sequence[BenchPoint]) -> str:
+    """Each point's replay time by kind of step (`memcli.tools.replay.step_times`), from
+    the round of median time: steps, microseconds per step, share of the replay."""
+    lines = ["where the replay time goes (the round of median time; share of replay s)",
+             f"{'point':<42} {'kind of step':<17} {'steps':>8} {'us/step':>9} {'share':>6}"]
+    for r in rows:
+        split, label = r.step_times, r.point
+        for kind, k in split["kinds"].items():
+            if k["steps"]:
+                lines.append(f"{label:<42} {kind:<17} {k['steps']:>8,} {k['us_per_step']:>9,.1f}"
+                             f" {k['wall_s'] / r.replay_s:>6.1%}")
+                label = ""
+        outside = r.replay_s - split["loop_wall_s"]
+        lines.append(f"{label:<42} {'between steps':<17} {'':>8} {'':>9} {split['between_steps_wall_s'] / r.replay_s:>6.1%}")
+        lines.append(f"{'':<42} {'outside the loop':<17} {'':>8} {'':>9} {outside / r.replay_s:>6.1%}")
     return "\n".join(lines)
 
 
@@ -128,6 +151,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           "points": [asdict(r) for r in rows]}, indent=1))
     else:
         print(format_table(rows, before, after, args.engine))
+        print()
+        print(format_step_times(rows))
     return 0
 
 

@@ -14,6 +14,7 @@ from memcli.config import Config
 from memcli.tools.replay.host_tier import HostTierStats
 from memcli.tools.replay.metrics import EvictionStats, OccupancyStats, PrefixStats, QueueStats
 from memcli.tools.replay.requests import DelayStats, RequestLog
+from memcli.tools.replay.step_times import StepTimes
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,8 @@ class ReplayResult:
     """The host tier's tiers, transfers and occupancy (`cache.kind: hiradix` only)."""
     limits: LimitCuts = LimitCuts()
     """The requests the engine's limits cut: aborted at arrival, or outputs clipped."""
+    step_times: Optional[StepTimes] = None
+    """Wall time per kind of step, when `ReplayOptions.step_times` asked for it."""
 
     @property
     def interrupted(self) -> bool:

@@ -41,6 +41,7 @@ from memcli.tools.replay.metrics import (EngineCounters, EvictionLog, StepSeries
                                    queue_stats)
 from memcli.tools.replay.results import (AllocationStats, IntegrityStats, ReplayResult, RunSummary, SchedulingStats,
                                   Stop, TraceInfo)
+from memcli.tools.replay.step_times import StepTimes, timed_step
 from memcli import engines
 from memcli.devices import resolve_device
 from memcli.steps import SchedulerHooks
@@ -69,6 +70,7 @@ class ReplayOptions:
     steps_path: Optional[Path] = None  # --steps-out: the step log (JSON lines)
     timeline_path: Optional[Path] = None  # --timeline: the Chrome trace-event timeline
     strict_limits: bool = False  # refuse a trace with a request past the engine's limits (else cut as it does)
+    step_times: bool = False  # time every step, by kind (`ReplayResult.step_times`; the replay bench)
 
     @property
     def instrumented(self) -> bool:
@@ -179,6 +181,7 @@ class _Run:
         self.history: tuple = ()  # the failure's page history (`OwnershipError.history`)
         self.files = files
         self.instruments: Optional[Instruments] = None
+        self.step_times = StepTimes() if options.step_times else None
 
     def execute(self, shared: np.ndarray) -> ReplayResult:
         start = time.perf_counter()
@@ -225,13 +228,19 @@ class _Run:
         if self.options.arrivals == "burst":
             while self.next < self.trace.num_requests:
                 self._add(0.0)
+        times, start = self.step_times, time.perf_counter()
         try:
             while True:
                 self._feed()
                 if sched.is_done():
                     break
-                sched.step()
+                if times is None:
+                    sched.step()
+                else:
+                    timed_step(sched.step, times, sched.finished)
                 self._after_step()
+            if times is not None:
+                times.close(time.perf_counter() - start)
             self.memory.finish_copies()  # the host tier's last copies are waited for
             reports = self.memory.check(sched.memory_holders())
         except IntegrityError as exc:
@@ -381,6 +390,7 @@ class _Run:
             stop=self.stop,
             host_tier=None if self.tiers is None else host_tier_stats(self.tiers, self.log.cached_tokens, input_lens,
                                                                        series, memory.host_tier()),
+            step_times=self.step_times,
         )
 
 

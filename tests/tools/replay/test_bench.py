@@ -36,3 +36,36 @@ def test_bench_json_and_bad_input(capsys):
     assert main([str(CONVERSATION), "--limit", "10", "--point", "memory.page_size=3"]) == 2
     assert "error: memory.page_size" in capsys.readouterr().err
     assert main([str(CONVERSATION), "--rounds", "0"]) == 2
+
+
+def test_step_times_count_every_step_by_kind_and_cover_the_loop():
+    trace = read_trace(CONVERSATION, limit=30)
+    config = load_config(None, [*POINT.split(), "semantics.engine=sglang-0.5.23"], builtin="replay")
+    plain = replay(config, trace, ReplayOptions("timestamp"))
+    timed = replay(config, trace, ReplayOptions("timestamp", step_times=True))
+    assert plain.step_times is None
+    times = timed.step_times
+    summary = timed.summary
+    steps = times.steps
+    assert sum(steps.values()) == summary.steps
+    assert steps["prefill"] == summary.prefill_steps and steps["idle"] == summary.idle_steps
+    assert steps["finishing"] + steps["decode"] == summary.decode_steps
+    assert 0 < steps["finishing"] <= summary.finished  # a step finishing several counts once
+    assert 0 <= times.between_s and sum(times.seconds.values()) + times.between_s <= times.loop_s + 1e-9
+    assert times.loop_s <= summary.wall_s
+    doc = times.to_dict()
+    assert doc["kinds"]["prefill"]["steps"] == steps["prefill"]
+    assert doc["kinds"]["decode"]["us_per_step"] == round(times.per_step_us("decode"), 1)
+    # timing the steps changes nothing the replay reports
+    assert timed.summary.steps == plain.summary.steps
+    assert (timed.first_cached_tokens == plain.first_cached_tokens).all()
+
+
+def test_bench_prints_where_the_time_goes(capsys):
+    assert main([str(CONVERSATION), "--limit", "10", "--point", POINT]) == 0
+    out = capsys.readouterr().out
+    assert "where the replay time goes" in out and "between steps" in out and "outside the loop" in out
+    rows = run_bench(CONVERSATION, [POINT], "sglang-0.5.23", limit=10, rounds=3)
+    split = rows[0].step_times
+    assert sum(k["steps"] for k in split["kinds"].values()) == rows[0].steps
+    assert split["loop_wall_s"] <= max(rows[0].rounds_s)
