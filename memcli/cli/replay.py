@@ -91,6 +91,10 @@ def replay_command(
         help="Write a timeline of steps, pool occupancy, requests and evictions (Chrome trace events: ui.perfetto.dev)"),
     progress: bool = ProgressOpt,
     strict_limits: bool = StrictLimitsOpt,
+    plain_loop: bool = typer.Option(
+        False, "--plain-loop",
+        help="Take every step as one loop iteration, never a run of steady decode steps at once: the same"
+        " documents, slower (to check the fast path, or to time it against)"),
 ) -> None:
     """Replay a trace through the memory stack and the scheduler with continuous batching.
 
@@ -103,7 +107,7 @@ def replay_command(
     request = ReplayRequest(TraceSource(trace_path, trace_format, block_size, limit),
                             ConfigSource(config, tuple(with_engine(set_, engine))), arrivals=arrivals, check=check, events=events,
                             bound=bound, plot=plot, requests_out=requests_out, steps_out=steps_out, timeline=timeline,
-                            strict_limits=strict_limits)
+                            strict_limits=strict_limits, plain_loop=plain_loop)
     study = StudyOptions(tuple(sweep), sweep_file, jobs, use_ray, ray_address, out, resume)
     show = wanted(progress)
     with bars(show) as task:

@@ -471,7 +471,10 @@ class TokenToKVPoolAllocator(BaseAllocator):
         if self._num_free + n > cap:
             raise ValueError(f"double free: {self._num_free} free + {n} freed > size {cap}")
         tail = (self._head + self._num_free) % cap
-        if tail + n <= cap:  # one copy, whatever the shape, strides and dtype of `pages`
+        host = self._buf_host
+        if tail + n <= cap and host is not None and pages.is_cpu:  # a numpy slice copy: no torch dispatch
+            host[tail : tail + n] = pages.numpy().reshape(-1)  # converts the dtype as it copies
+        elif tail + n <= cap:  # one copy, whatever the shape, strides and dtype of `pages`
             dest = self._buf[tail : tail + n]
             (dest if pages.dim() == 1 else dest.view(pages.shape)).copy_(pages)
         else:
@@ -503,6 +506,32 @@ class TokenToKVPoolAllocator(BaseAllocator):
         if bs > self._num_free and not self._ensure(bs):  # the check inline: a steady step has the pages
             return None
         return self._decode_write(seq_lens, req_pool_indices, req_to_token, bs, claimed)
+
+
+    @property
+    def runs_decode(self) -> bool:
+        """`alloc_decode_run_write` can serve this allocator: host memory, the torch backend,
+        no observer, no graphs, no debug checks, no release list."""
+        return (self._buf_host is not None and self.backend == "torch" and self.ledger is None
+                and self.decode_graphs is None and not self.debug and not self.need_sort)
+
+    def alloc_decode_run_write(self, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
+                               req_to_token: torch.Tensor, steps: int) -> torch.Tensor:
+        """`steps` decode steps of one batch at once (`runs_decode`, the caller having checked
+        that the free list holds them): step s takes the next `bs` entries of the ring and
+        writes them at column `seq_lens_cpu + s`, as `steps` calls of `alloc_decode_write`
+        would. Returns the last step's slots (a copy)."""
+        bs = seq_lens_cpu.numel()
+        n = bs * steps
+        if n > self._num_free:
+            raise ValueError(f"a run of {steps} decode steps of {bs} requests needs {n} free slots, {self._num_free} are")
+        slots = np.asarray(self._head_host(n)).reshape(steps, bs)
+        columns = seq_lens_cpu.numpy() + np.arange(steps, dtype=np.int64)[:, None]
+        req_to_token.numpy()[req_pool_indices.numpy(), columns] = slots  # int64 -> int32, as the kernel
+        out = torch.from_numpy(slots[-1].copy())
+        self._advance(n)
+        self._commit_alloc(n)
+        return out
 
 
 class PagedTokenToKVPoolAllocator(BaseAllocator):
@@ -538,6 +567,15 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         if n > self._head:
             raise ValueError(f"double free: {self._num_free} free + {n} freed pages > {self.num_pages}")
         self._head -= n
+        host = self._buf_host
+        if host is not None and pages.is_cpu:  # numpy over the free list's memory: no torch dispatch
+            dest_host = host[self._head : self._head + n]
+            if divisor == 1:
+                dest_host[:] = pages.numpy().reshape(-1)  # converts the dtype as it copies
+            else:
+                np.floor_divide(pages.numpy().reshape(-1), divisor, out=dest_host)
+            self._num_free += n
+            return
         dest = self._buf[self._head : self._head + n]
         if divisor == 1:
             dest.copy_(pages)  # converts the dtype as it copies

@@ -391,6 +391,28 @@ class MemoryManager:
                 req.kv.kv_allocated_len += 1
         return written
 
+    def decode_run_room(self, num_reqs: int) -> int:
+        """How many decode steps of `num_reqs` requests `alloc_decode_run` can take now
+        without any eviction, merge or check in between (0: it cannot serve this stack)."""
+        allocator = self.allocator
+        if self.page_size != 1 or self.tree_cache.page_size != 1 or not num_reqs \
+                or not getattr(allocator, "runs_decode", False):
+            return 0
+        return allocator.available_size() // num_reqs
+
+    def alloc_decode_run(self, reqs: list, *, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
+                         steps: int) -> torch.Tensor:
+        """`steps` consecutive `alloc_decode` calls for the same requests, which
+        `decode_run_room` allows: the same slots in the same rows, each record `steps` slots
+        longer. Returns the last step's slots."""
+        if steps > self.decode_run_room(len(reqs)):
+            raise ValueError(f"{steps} decode steps of {len(reqs)} requests do not fit without eviction")
+        out = self.allocator.alloc_decode_run_write(seq_lens_cpu, req_pool_indices, self.req_to_token_pool.req_to_token,
+                                                    steps)
+        for req in reqs:
+            req.kv.kv_allocated_len += steps
+        return out
+
     # -- computed KV and release ----------------------------------------------------------
     def commit(self, req: Any, kv_len: int) -> None:
         """The first `kv_len` positions of the request's row hold computed K/V."""

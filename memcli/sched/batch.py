@@ -92,6 +92,21 @@ class ScheduleBatch:
         if len_sum is not None and len_sum[0] is before:
             self._len_sum = (self.seq_lens_cpu, len_sum[1] + before.numel())
 
+    def decode_run(self, steps: int) -> None:
+        """`steps` calls of `prepare_for_decode` at once, where memory can take them with no
+        eviction (`MemoryManager.decode_run_room`): the same slots, lengths and caches."""
+        self.forward_mode = "decode"
+        before = self.seq_lens_cpu
+        self.out_cache_loc = self.memory.alloc_decode_run(self.reqs, seq_lens_cpu=before,
+                                                          req_pool_indices=self.req_pool_indices, steps=steps)
+        self.seq_lens, self.seq_lens_cpu = self.seq_lens + steps, before + steps
+        hist = self._page_hist
+        if hist is not None and hist.lengths is before:
+            hist.lengths, hist.steps = self.seq_lens_cpu, hist.steps + steps
+        len_sum = self._len_sum
+        if len_sum is not None and len_sum[0] is before:
+            self._len_sum = (self.seq_lens_cpu, len_sum[1] + steps * before.numel())
+
     def seq_lens_sum(self) -> int:
         """`int(self.seq_lens_cpu.sum())`, in O(1) per decode step.
 

@@ -293,6 +293,15 @@ class AdmissionGate:
         if self.sglang:
             self.lagging += num
 
+    def quiet(self, has_waiting: bool, has_chunked: bool) -> bool:
+        """`may_try` would answer False, and change nothing, for as many steps as the inputs
+        stay these (a running batch that neither shrinks nor empties)."""
+        if has_chunked:
+            return False
+        if self.sglang:
+            return (self.full or not has_waiting) and not self.lagging
+        return not has_waiting
+
     def decode_filtered(self) -> None:
         """The decode update (or an idle step) dropped the finished requests of the last decode."""
         if self.lagging:

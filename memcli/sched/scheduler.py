@@ -21,6 +21,7 @@ from memcli.errors import ConfigError
 from memcli.mem_cache.manager import MemoryManager, Release
 from memcli.mem_cache.pages import output_room
 from memcli.sched.batch import ScheduleBatch
+from memcli.sched.decode_run import DecodeRuns
 from memcli.sched.overlap import OverlapLoop
 from memcli.sched.progress import ProgressGuard
 from memcli.sched.policy import AddResult, AdmissionGate, PrefillAdder, order_waiting, uses_lpm
@@ -91,6 +92,8 @@ class Scheduler:
         self.chunk_to_cache: Req | None = None  # a chunk that enters the tree next step (deferred)
         self.progress_guard = ProgressGuard()
         self.overlap = OverlapLoop(self) if self.enable_overlap else None
+        # The fast path: steady decode iterations of the overlap loop taken in one go.
+        self.decode_runs = DecodeRuns(self) if self.enable_overlap else None
         memory.set_clock(lambda: self.clock_ms)
         # Host tier: when finished copies are acknowledged (SGLang: when a prefill is tried).
         self.hierarchical = memory.host_tier() is not None
@@ -551,6 +554,10 @@ class Scheduler:
         return compute + self.memory.take_transfer_stall_ms()
 
     def decode_cost_ms(self, batch: ScheduleBatch) -> float:
-        kv_read = batch.seq_lens_sum()
-        return (self.sim.step_base_ms + self.sim.decode_req_us * batch.batch_size / 1e3
+        return self.decode_step_ms(batch.batch_size, batch.seq_lens_sum())
+
+    def decode_step_ms(self, batch_size: int, kv_read: int) -> float:
+        """A decode step of `batch_size` requests reading `kv_read` tokens of KV, plus any
+        wait for write-backs its evictions started."""
+        return (self.sim.step_base_ms + self.sim.decode_req_us * batch_size / 1e3
                 + self.sim.kv_read_ns * kv_read / 1e6 + self.memory.take_transfer_stall_ms())

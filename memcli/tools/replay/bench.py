@@ -4,10 +4,14 @@ The trace is read once; each point (a set of `--set` overrides on the built-in r
 is replayed `--rounds` times, the points interleaved within each round so that a burst of
 host noise falls on every point alike. A point's figure is the median of its rounds' replay
 times (`summary.wall_s`: stack build, every step, the final integrity check; not the trace
-read). Every round of a point must give the same steps and hits, or the bench stops: a
-replay's document does not depend on its speed. The machine (CPU count, model name) and its
-load average before and after are printed with the figures, since on a shared host they say
-how far the figures can be trusted.
+read). Each round also replays the point through the plain loop (every step one loop
+iteration, `memcli replay --plain-loop`) right after the fast path, and the table gives the
+ratio of the two medians (`--no-plain` skips them). Every replay of a point must give the
+same steps, hits, clock and evictions, or the bench stops: a replay's document depends
+neither on its speed nor on the path. The machine (CPU count, model name) and its load
+average before and after are printed with the figures, since on a shared host they say how
+far the figures can be trusted. Below the table: where each point's time goes, by kind of
+step (`memcli.tools.replay.step_times`).
 
 Default points: page sizes 1 and 16 of the radix cache, and page size 1 of the host tier
 (hiradix), each with `--engine` (default sglang-0.5.23); `--point "k=v k=v"` replaces them.
@@ -23,7 +27,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from memcli.config import load_config
 from memcli.errors import MemcliError
@@ -38,7 +42,8 @@ DEFAULT_POINTS = ("memory.page_size=1", "memory.page_size=16", "memory.page_size
 
 @dataclass(frozen=True)
 class BenchPoint:
-    """One point's figures: the median replay time over its rounds, and the rates from it."""
+    """One point's figures: the median replay time over its rounds, and the rates from it;
+    the same for the plain loop (every step one iteration, no decode run taken at once)."""
 
     point: str
     requests: int
@@ -49,6 +54,13 @@ class BenchPoint:
     requests_per_s: float
     steps_per_s: float
     step_times: dict  # the median round's wall time by kind of step (`StepTimes.to_dict`)
+    plain_s: Optional[float] = None  # median of the plain loop's rounds
+    plain_rounds_s: tuple[float, ...] = ()
+
+    @property
+    def speedup(self) -> Optional[float]:
+        """Plain loop time over fast path time, medians of the same rounds."""
+        return None if self.plain_s is None else self.plain_s / self.replay_s
 
 
 def machine() -> dict:
@@ -65,47 +77,73 @@ def machine() -> dict:
 
 
 def run_bench(trace_path: Path, points: Sequence[str], engine: str, limit: Optional[int] = None,
-              rounds: int = 1) -> list[BenchPoint]:
-    """Replay every point `rounds` times (interleaved); raises `MemcliError` for bad input or
-    when two rounds of one point disagree on the steps or the hits."""
+              rounds: int = 1, plain: bool = True) -> list[BenchPoint]:
+    """Replay every point `rounds` times (interleaved; with `plain`, each time also through
+    the plain loop); raises `MemcliError` for bad input or when two replays of one point
+    disagree on the steps, the hits, the clock or the evictions."""
     trace = read_trace(trace_path, limit=limit)
     shared = shared_prefix_lens(trace)
     configs = [load_config(None, [*point.split(), f"semantics.engine={engine}"], builtin="replay") for point in points]
-    options = ReplayOptions(default_arrivals(trace), step_times=True)
+    modes = [ReplayOptions(default_arrivals(trace), step_times=True)]
+    if plain:
+        modes.append(ReplayOptions(default_arrivals(trace), step_times=True, plain_loop=True))
     for config in configs:
-        check_options(trace, config, options)
-    times: list[list[float]] = [[] for _ in points]
-    kinds: list[list[StepTimes]] = [[] for _ in points]
-    seen: list[Optional[tuple[int, int]]] = [None] * len(points)
+        check_options(trace, config, modes[0])
+    runs: list[list[list[_Round]]] = [[[] for _ in modes] for _ in points]
     for _ in range(rounds):
         for i, config in enumerate(configs):
-            result = replay(config, trace, options, None, shared)
-            if result.stop is not None or result.integrity.failure is not None:
-                raise MemcliError(f"point {points[i]!r}: the replay did not finish cleanly",
-                                  "run it with memcli replay to see why")
-            outcome = (result.summary.steps, int(result.first_cached_tokens.sum()))
-            if seen[i] is not None and seen[i] != outcome:
-                raise MemcliError(f"point {points[i]!r}: two rounds differ (steps, cached tokens) {seen[i]} vs {outcome}",
-                                  "a replay must not depend on its speed: this is a bug in memcli")
-            seen[i] = outcome
-            times[i].append(result.summary.wall_s)
-            kinds[i].append(result.step_times)
+            for m, options in enumerate(modes):
+                runs[i][m].append(_replay_round(points[i], config, trace, options, shared, runs[i]))
     rows = []
-    for point, samples, split, (steps, cached) in zip(points, times, kinds, seen):
+    for point, (fast, *slow) in zip(points, runs):
+        samples = [r.wall_s for r in fast]
         median = statistics.median(samples)
-        middle = split[sorted(range(len(samples)), key=samples.__getitem__)[(len(samples) - 1) // 2]]
-        rows.append(BenchPoint(point, trace.num_requests, steps, cached, median, tuple(samples),
-                               trace.num_requests / median, steps / median, middle.to_dict()))
+        middle = fast[sorted(range(len(samples)), key=samples.__getitem__)[(len(samples) - 1) // 2]]
+        plain_rounds = tuple(r.wall_s for r in slow[0]) if slow else ()
+        rows.append(BenchPoint(point, trace.num_requests, middle.outcome[0], middle.outcome[1], median, tuple(samples),
+                               trace.num_requests / median, middle.outcome[0] / median, middle.step_times.to_dict(),
+                               statistics.median(plain_rounds) if plain_rounds else None, plain_rounds))
     return rows
 
 
+class _Round(NamedTuple):
+    wall_s: float
+    outcome: tuple  # steps, hits, simulated clock, evictions: equal for every replay of a point
+    step_times: StepTimes
+
+
+def _replay_round(point: str, config, trace, options: ReplayOptions, shared, earlier: list) -> _Round:
+    result = replay(config, trace, options, None, shared)
+    if result.stop is not None or result.integrity.failure is not None:
+        raise MemcliError(f"point {point!r}: the replay did not finish cleanly", "run it with memcli replay to see why")
+    outcome = (result.summary.steps, int(result.first_cached_tokens.sum()), result.summary.simulated_ms,
+               result.eviction.evictions)
+    for other in (r for mode in earlier for r in mode):
+        if other.outcome != outcome:
+            raise MemcliError(f"point {point!r}: two replays differ (steps, cached tokens, clock, evictions)"
+                              f" {other.outcome} vs {outcome}", "a replay must not depend on its speed or on the"
+                              " fast path: this is a bug in memcli")
+    return _Round(result.summary.wall_s, outcome, result.step_times)
+
+
 def format_table(rows: Sequence[BenchPoint], before: dict, after: dict, engine: str) -> str:
+    plain = any(r.plain_s is not None for r in rows)
     lines = [f"replay speed, engine {engine}: {before['cpus']} CPUs ({before['cpu']}),"
              f" load average {before['load_avg_1m']} before, {after['load_avg_1m']} after",
-             f"{'point':<42} {'requests':>9} {'steps':>8} {'replay s':>9} {'requests/s':>11} {'steps/s':>9}  rounds (s)"]
+             f"{'point':<42} {'requests':>9} {'steps':>8} {'replay s':>9} {'requests/s':>11} {'steps/s':>9}"
+             + (f" {'plain s':>8} {'speed-up':>8}" if plain else "") + "  rounds (s)"]
     for r in rows:
-        lines.append(f"{r.point:<42} {r.requests:>9,} {r.steps:>8,} {r.replay_s:>9.2f} {r.requests_per_s:>11,.0f}"
-                     f" {r.steps_per_s:>9,.0f}  {' '.join(f'{t:.2f}' for t in r.rounds_s)}")
+        line = (f"{r.point:<42} {r.requests:>9,} {r.steps:>8,} {r.replay_s:>9.2f} {r.requests_per_s:>11,.0f}"
+                f" {r.steps_per_s:>9,.0f}")
+        if plain:
+            line += f" {r.plain_s:>8.2f} {r.speedup:>7.2f}x" if r.plain_s is not None else f" {'':>8} {'':>8}"
+        rounds = " ".join(f"{t:.2f}" for t in r.rounds_s)
+        if r.plain_rounds_s:
+            rounds += " | plain " + " ".join(f"{t:.2f}" for t in r.plain_rounds_s)
+        lines.append(f"{line}  {rounds}")
+    if plain:
+        lines.append("plain s: the same replay with every step one loop iteration (--plain-loop), its rounds"
+                     " interleaved with the fast path's; speed-up = plain s / replay s")
     return "\n".join(lines)
 
 
@@ -134,6 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--point", action="append", help='overrides of one point, e.g. "memory.page_size=16"')
     parser.add_argument("--limit", type=int, default=None, help="replay the first N requests")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--no-plain", action="store_true", help="skip the plain-loop replays (and the speed-up)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -141,14 +180,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     before = machine()
     try:
-        rows = run_bench(args.trace, args.point or DEFAULT_POINTS, args.engine, args.limit, args.rounds)
+        rows = run_bench(args.trace, args.point or DEFAULT_POINTS, args.engine, args.limit, args.rounds,
+                         plain=not args.no_plain)
     except MemcliError as exc:
         print(f"error: {exc.message}" + (f"\nhint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
         return exc.exit_code
     after = machine()
     if args.json:
         print(json.dumps({"engine": args.engine, "machine": before, "load_avg_1m_after": after["load_avg_1m"],
-                          "points": [asdict(r) for r in rows]}, indent=1))
+                          "points": [{**asdict(r), "speedup": r.speedup} for r in rows]}, indent=1))
     else:
         print(format_table(rows, before, after, args.engine))
         print()

@@ -60,7 +60,7 @@ class ReplayRequest:
     None (no per-step check), "incremental" or "full"; `bound` None or "belady"; `events`,
     `plot`, `requests_out`, `steps_out` (the step log) and `timeline` are files to write
     (None: none); `strict_limits`: refuse a trace with a request past the engine's limits
-    instead of cutting it as the engine does."""
+    instead of cutting it as the engine does; `plain_loop`: no decode run taken at once."""
 
     trace: TraceSource
     config: ConfigSource = ConfigSource()
@@ -73,6 +73,7 @@ class ReplayRequest:
     steps_out: Optional[Path] = None
     timeline: Optional[Path] = None
     strict_limits: bool = False  # refuse a request past the engine's limits (exit 2) instead of cutting it
+    plain_loop: bool = False  # every step one loop iteration (no decode run taken at once)
 
 
 def _no_notes(ignored: dict[str, str]) -> None:
@@ -128,7 +129,8 @@ def prepare(request: ReplayRequest, hooks: Hooks = Hooks()) -> Prepared:
                        progress=reading)
     options = ReplayOptions(request.arrivals or default_arrivals(trace), request.check is not None, request.events,
                             check_level=request.check or "incremental", steps_path=request.steps_out,
-                            timeline_path=request.timeline, strict_limits=request.strict_limits)
+                            timeline_path=request.timeline, strict_limits=request.strict_limits,
+                            plain_loop=request.plain_loop)
     check_options(trace, config, options)
     return Prepared(config, ignored, trace, options, shared_prefix_lens(trace))
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ from memcli.workload.future import FutureTooLarge, FutureUses, build_future, che
 from memcli.workload.spec import Trace, apply_sampling, output_token_base
 
 RECORDS_KEPT = 4096  # the scheduler's own step records are trimmed to this many (we keep our own)
+MAX_RUN_STEPS = 1024  # the longest run of steady decode steps taken at once
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class ReplayOptions:
     timeline_path: Optional[Path] = None  # --timeline: the Chrome trace-event timeline
     strict_limits: bool = False  # refuse a trace with a request past the engine's limits (else cut as it does)
     step_times: bool = False  # time every step, by kind (`ReplayResult.step_times`; the replay bench)
+    plain_loop: bool = False  # every step through the plain loop (no decode runs taken at once)
 
     @property
     def instrumented(self) -> bool:
@@ -229,12 +232,16 @@ class _Run:
             while self.next < self.trace.num_requests:
                 self._add(0.0)
         times, start = self.step_times, time.perf_counter()
+        runs = None if self.options.plain_loop else getattr(sched, "decode_runs", None)
         try:
             while True:
                 self._feed()
                 if sched.is_done():
                     break
-                if times is None:
+                steps = 0 if runs is None else runs.steady(MAX_RUN_STEPS)
+                if steps:
+                    self._take_run(runs, steps)
+                elif times is None:
                     sched.step()
                 else:
                     timed_step(sched.step, times, sched.finished)
@@ -261,6 +268,17 @@ class _Run:
             return None, ()
         self._report_progress(force=True)
         return None, tuple(report.to_dict() for report in reports)
+
+    def _take_run(self, runs, steps: int) -> None:
+        """A run of steady decode steps (`memcli.sched.decode_run`), up to the next arrival."""
+        requests, timed = self.trace.requests, self.options.arrivals == "timestamp"
+        until_ms = requests[self.next].arrival_ms if timed and self.next < self.trace.num_requests else math.inf
+        if self.step_times is None:
+            runs.take(steps, until_ms)
+            return
+        start = time.perf_counter()
+        taken = runs.take(steps, until_ms)
+        self.step_times.add_run("decode", taken, time.perf_counter() - start)
 
     def _stopped_mid_step(self) -> None:
         sched = self.scheduler

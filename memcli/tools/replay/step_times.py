@@ -40,6 +40,11 @@ class StepTimes:
         self.steps[kind] += 1
         self.seconds[kind] += seconds
 
+    def add_run(self, kind: str, steps: int, seconds: float) -> None:
+        """`steps` steps of one kind taken at once (a decode run), in `seconds` together."""
+        self.steps[kind] += steps
+        self.seconds[kind] += seconds
+
     def close(self, loop_s: float) -> None:
         """The loop took `loop_s`: what the steps did not take was spent between them."""
         self.loop_s = loop_s

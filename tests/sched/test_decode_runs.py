@@ -1,0 +1,144 @@
+"""The fast path (steady decode runs taken at once, `memcli.sched.decode_run`) against the
+plain loop (`memcli replay --plain-loop`): the same document, step log and request rows, on
+the bundled traces, for every engine and event loop, page sizes 1 and 16, radix and hiradix,
+pools that force eviction and retraction, with and without per-step checks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from memcli.cli.app import app
+from memcli.sched import decode_run
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+CONVERSATION = DATA / "conversation_head300.jsonl"
+SYNTHETIC = DATA / "synthetic_head200.jsonl"
+SMALL = ["--set", "memory.max_context_len=40000", "--set", "memory.max_total_tokens=60000",
+         "--set", "memory.max_running_requests=16"]
+WALL = ("wall", "per_s", "check_s")  # wall-clock fields: the only ones allowed to differ
+
+# (name, trace, arguments, whether the fast path takes runs there)
+CASES = [
+    ("0.5.23", CONVERSATION, ["--engine", "sglang-0.5.23"], True),
+    ("0.5.23 small pool", CONVERSATION, ["--engine", "sglang-0.5.23", *SMALL], True),
+    ("0.5.23 ps16", CONVERSATION, ["--engine", "sglang-0.5.23", "--set", "memory.page_size=16"], False),
+    ("0.5.23 ps16 small pool", CONVERSATION, ["--engine", "sglang-0.5.23", "--set", "memory.page_size=16", *SMALL],
+     False),
+    ("0.5.23 normal loop", CONVERSATION, ["--engine", "sglang-0.5.23", "--set", "semantics.event_loop=normal"], False),
+    ("0.5.23 hiradix", CONVERSATION, ["--engine", "sglang-0.5.23", "--set", "cache.kind=hiradix"], False),
+    ("0.5.23 checked", CONVERSATION, ["--engine", "sglang-0.5.23", "--check", *SMALL], False),
+    ("0.5.23 lfu", SYNTHETIC, ["--engine", "sglang-0.5.23", "--set", "cache.eviction_policy=lfu", *SMALL], True),
+    ("0.5.5", CONVERSATION, ["--engine", "sglang-0.5.5"], True),
+    ("0.5.5 small pool", CONVERSATION, ["--engine", "sglang-0.5.5", *SMALL], True),
+    ("0.5.5 normal loop hiradix", CONVERSATION, ["--engine", "sglang-0.5.5", "--set", "semantics.event_loop=normal",
+                                                 "--set", "cache.kind=hiradix"], False),
+    ("memcli profile", CONVERSATION, ["--set", "semantics.profile=memcli"], False),  # the normal loop
+    ("memcli profile, overlap", CONVERSATION, ["--set", "semantics.profile=memcli", "--set",
+                                               "semantics.event_loop=overlap"], True),
+    ("vllm-0.33", CONVERSATION, ["--engine", "vllm-0.33", *SMALL, "--set", "memory.page_size=32"], False),
+]
+
+
+def _strip(doc):
+    if isinstance(doc, dict):
+        return {k: _strip(v) for k, v in doc.items() if not any(w in k for w in WALL)}
+    if isinstance(doc, list):
+        return [_strip(v) for v in doc]
+    return doc
+
+
+def _replay(trace: Path, args: list, out: Path, plain: bool) -> dict:
+    out.mkdir()
+    result = CliRunner().invoke(app, ["replay", str(trace), *args, "--json", "--steps-out", str(out / "steps.jsonl"),
+                                      "--requests-out", str(out / "requests.csv"), *(["--plain-loop"] if plain else [])])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("name, trace, args, runs", CASES, ids=[c[0] for c in CASES])
+def test_the_fast_path_leaves_what_the_plain_loop_leaves(name, trace, args, runs, tmp_path, monkeypatch):
+    taken = []
+    take = decode_run.DecodeRuns.take
+    monkeypatch.setattr(decode_run.DecodeRuns, "take", lambda self, *a: taken.append(take(self, *a)) or taken[-1])
+    plain = _replay(trace, args, tmp_path / "plain", plain=True)
+    assert not taken  # the plain loop never takes a run
+    fast = _replay(trace, args, tmp_path / "fast", plain=False)
+    assert _strip(fast) == _strip(plain)
+    for name in ("steps.jsonl", "requests.csv"):
+        assert (tmp_path / "fast" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
+    if runs:  # the comparison covered runs: most decode steps were taken in them
+        assert sum(taken) >= fast["summary"]["decode_steps"] // 2 and min(taken) >= 1
+    else:
+        assert not taken
+
+
+def test_long_runs_stop_at_arrivals_finishes_and_the_run_limit(tmp_path, monkeypatch):
+    # Long outputs and arrivals far apart: runs as long as the run limit, cut by each arrival
+    # and by the first finish of a batch.
+    rows = [{"timestamp": 4000 * i, "input_length": 600 + 37 * i, "output_length": 900 + 61 * (i % 5),
+             "hash_ids": [0, 100 + i]} for i in range(12)]
+    trace = tmp_path / "long.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    taken = []
+    take = decode_run.DecodeRuns.take
+    monkeypatch.setattr(decode_run.DecodeRuns, "take", lambda self, *a: taken.append(take(self, *a)) or taken[-1])
+    monkeypatch.setattr("memcli.tools.replay.runner.MAX_RUN_STEPS", 64)
+    plain = _replay(trace, [], tmp_path / "plain", plain=True)
+    fast = _replay(trace, [], tmp_path / "fast", plain=False)
+    assert _strip(fast) == _strip(plain)
+    assert (tmp_path / "fast" / "steps.jsonl").read_bytes() == (tmp_path / "plain" / "steps.jsonl").read_bytes()
+    assert max(taken) == 64 and sum(taken) > 0.9 * fast["summary"]["decode_steps"]
+
+
+def _state(sched) -> tuple:
+    """What the loop leaves after a step: clock, ratio, counters, the batches in flight, the
+    running requests' records and rows, the free list."""
+    memory, loop = sched.memory, sched.overlap
+    table = memory.req_to_token_pool.req_to_token
+    running = tuple((r.rid, len(r.output_ids), hash(tuple(r.output_ids)), r.kv.kv_allocated_len,
+                     r.kv.kv_committed_len, r.kv.last_matched_prefix_len, _digest(r.kv.prefix_indices),
+                     _digest(table[r.kv.req_pool_idx, : r.kv.kv_allocated_len]))
+                    for r in sched.running.reqs)
+    flights = tuple((f.kind, tuple(r.rid for r in f.reqs), tuple(f.seq_lens), tuple(f.tokens), len(f.extra))
+                    for f in loop.result_queue)
+    allocator = memory.allocator
+    stats = sched.stats
+    return (sched.clock_ms, sched.new_token_ratio, sched.next_token, stats.decode_steps, stats.allocations,
+            stats.allocated_tokens, loop.last_kind, flights, running, sched.running.seq_lens_cpu.tolist(),
+            sched.running.seq_lens.tolist(), sched.running.req_pool_indices.tolist(), allocator.free_head,
+            _digest(allocator._free_list()), memory.usage(), sched.gate.full, sched.progress_guard.stalled_steps)
+
+
+def _digest(tensor) -> bytes:
+    return hashlib.sha1(tensor.contiguous().numpy().tobytes()).digest()
+
+
+@pytest.mark.parametrize("args", [["--engine", "sglang-0.5.23"], ["--engine", "sglang-0.5.5"],
+                                  ["--engine", "sglang-0.5.23", "--set", "cache.eviction_policy=lfu"]],
+                         ids=["0.5.23", "0.5.5", "0.5.23 lfu"])
+def test_after_every_run_the_state_is_the_plain_loops(args, monkeypatch):
+    # After each run (and each plain step) the whole loop state is recorded by step; the
+    # fast replay's states must be the plain replay's at the same steps.
+    from memcli.tools.replay import runner
+
+    states: dict = {}
+    after = runner._Run._after_step
+
+    def record(run):
+        states.setdefault(run.options.plain_loop, {})[run.scheduler.step_count] = _state(run.scheduler)
+        after(run)
+
+    monkeypatch.setattr(runner._Run, "_after_step", record)
+    for plain in (True, False):
+        result = CliRunner().invoke(app, ["replay", str(CONVERSATION), *args, *SMALL, "--limit", "150", "--json",
+                                          *(["--plain-loop"] if plain else [])])
+        assert result.exit_code == 0, result.output
+    fast, slow = states[False], states[True]
+    assert len(fast) < 0.6 * len(slow)  # runs were taken: fewer states recorded
+    for step, state in fast.items():
+        assert state == slow[step], f"step {step}"
