@@ -147,6 +147,13 @@ class BaseAllocator:
         costs more than the ledger's work on a decode step), else the tensor view."""
         return self._head_view(n)
 
+    @property
+    def runs_decode(self) -> bool:
+        """`alloc_decode_run_write` can serve this allocator: host memory, the torch backend,
+        no observer, no graphs, no debug checks, no release list."""
+        return (self._buf_host is not None and self.backend == "torch" and self.ledger is None
+                and self.decode_graphs is None and not self.debug and not self.need_sort)
+
     def _decode_write(self, seq_lens, req_pool_indices, req_to_token, num_pages: int,
                       claimed: bool) -> DecodeAllocation:
         """The decode step after the capacity check: one launch, or one graph replay."""
@@ -508,29 +515,19 @@ class TokenToKVPoolAllocator(BaseAllocator):
         return self._decode_write(seq_lens, req_pool_indices, req_to_token, bs, claimed)
 
 
-    @property
-    def runs_decode(self) -> bool:
-        """`alloc_decode_run_write` can serve this allocator: host memory, the torch backend,
-        no observer, no graphs, no debug checks, no release list."""
-        return (self._buf_host is not None and self.backend == "torch" and self.ledger is None
-                and self.decode_graphs is None and not self.debug and not self.need_sort)
-
     def alloc_decode_run_write(self, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
-                               req_to_token: torch.Tensor, steps: int) -> torch.Tensor:
-        """`steps` decode steps of one batch at once (`runs_decode`, the caller having checked
-        that the free list holds them): step s takes the next `bs` entries of the ring and
-        writes them at column `seq_lens_cpu + s`, as `steps` calls of `alloc_decode_write`
-        would. Returns the last step's slots (a copy)."""
+                               req_to_token: torch.Tensor, steps: int, pages: int) -> torch.Tensor:
+        """`steps` decode steps of one batch at once (`runs_decode`; the `pages` = `steps * bs`
+        they take are free): step s takes the next `bs` entries of the ring and writes them
+        at column `seq_lens_cpu + s`, as `steps` calls of `alloc_decode_write` would. Returns
+        the last step's slots (a copy)."""
         bs = seq_lens_cpu.numel()
-        n = bs * steps
-        if n > self._num_free:
-            raise ValueError(f"a run of {steps} decode steps of {bs} requests needs {n} free slots, {self._num_free} are")
-        slots = np.asarray(self._head_host(n)).reshape(steps, bs)
+        slots = np.asarray(self._head_host(pages)).reshape(steps, bs)
         columns = seq_lens_cpu.numpy() + np.arange(steps, dtype=np.int64)[:, None]
         req_to_token.numpy()[req_pool_indices.numpy(), columns] = slots  # int64 -> int32, as the kernel
         out = torch.from_numpy(slots[-1].copy())
-        self._advance(n)
-        self._commit_alloc(n)
+        self._advance(pages)
+        self._commit_alloc(pages)
         return out
 
 
@@ -621,6 +618,33 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         if num_pages > self._num_free and not self._ensure(num_pages):
             return None
         return self._decode_write(seq_lens, req_pool_indices, req_to_token, num_pages, claimed)
+
+    def alloc_decode_run_write(self, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
+                               req_to_token: torch.Tensor, steps: int, pages: int) -> torch.Tensor:
+        """`steps` decode steps of one batch at once (`runs_decode`; the `pages` they open are
+        free), as `steps` calls of `alloc_decode_write` would: step s writes position
+        `seq_lens_cpu + s` of each row, a request whose position starts a page taking the
+        next free page (page-takers in step, then batch order), the others the slot after
+        their last one. Returns the last step's slots."""
+        ps, lengths = self.page_size, seq_lens_cpu.numpy()
+        bs, rows = lengths.shape[0], req_pool_indices.numpy()
+        table = req_to_token.numpy()
+        positions = lengths + np.arange(steps, dtype=np.int64)[:, None]  # (steps, bs)
+        offset = positions % ps
+        taker = np.cumsum(offset.reshape(-1) == 0).reshape(steps, bs) - 1  # each page-taker's place
+        opened_at = positions - offset - lengths  # the run step that opened the position's page (< 0: before)
+        new = 0  # no page opens in the run: every position continues its row's last page
+        if pages:
+            page = self._buf_host[self._head : self._head + pages]
+            new = page[taker[np.maximum(opened_at, 0), np.arange(bs)]] * ps + offset
+        last = table[rows, np.maximum(lengths - 1, 0)].astype(np.int64)
+        slots = np.where(opened_at >= 0, new, last + positions - lengths + 1)
+        table[rows, positions] = slots
+        out = torch.from_numpy(slots[-1].copy())
+        self._advance(pages)
+        self._commit_alloc(pages)
+        return out
+
 
 def make_allocator(size: int, page_size: int, device: torch.device, backend: str,
                    need_sort: bool = False, debug: bool = False) -> BaseAllocator:

@@ -391,24 +391,43 @@ class MemoryManager:
                 req.kv.kv_allocated_len += 1
         return written
 
-    def decode_run_room(self, num_reqs: int) -> int:
-        """How many decode steps of `num_reqs` requests `alloc_decode_run` can take now
-        without any eviction, merge or check in between (0: it cannot serve this stack)."""
-        allocator = self.allocator
-        if self.page_size != 1 or self.tree_cache.page_size != 1 or not num_reqs \
-                or not getattr(allocator, "runs_decode", False):
+    def decode_run_pages(self, seq_lens_cpu: torch.Tensor, steps: int) -> np.ndarray:
+        """The pages each of the next `steps` decode steps of the batch with lengths
+        `seq_lens_cpu` opens (step s opens a page for every request whose length then,
+        `seq_lens + s`, is a multiple of the page size)."""
+        ps, bs = self.page_size, seq_lens_cpu.numel()
+        if ps == 1:
+            return np.full(steps, bs, dtype=np.int64)
+        by_residue = np.bincount(seq_lens_cpu.numpy() % ps, minlength=ps)
+        return by_residue[(-np.arange(steps)) % ps]
+
+    def decode_run_steps(self, seq_lens_cpu: torch.Tensor, estimate: Optional[np.ndarray], limit: int) -> int:
+        """How many of the next decode steps of this batch (at most `limit`) `alloc_decode_run`
+        can take at once: each step's check (`can_decode` of the pages SGLang's overlap
+        estimate counts, `estimate[r]` requests of estimated length = r modulo the page size;
+        None: the exact pages) and its allocation find the pages free, with no eviction, merge
+        or check in between (0: this stack cannot take runs)."""
+        allocator, ps = self.allocator, self.page_size
+        if ps != self.tree_cache.page_size or not seq_lens_cpu.numel() or not getattr(allocator, "runs_decode", False):
             return 0
-        return allocator.available_size() // num_reqs
+        pages = self.decode_run_pages(seq_lens_cpu, limit)
+        estimated = pages if estimate is None or ps == 1 else estimate[(-np.arange(limit)) % ps]
+        need = np.maximum(estimated, seq_lens_cpu.numel() if self.tree_cache.evict_rule.page_per_request and ps > 1
+                          else pages) * ps
+        free_before = allocator.available_size() - ps * (np.cumsum(pages) - pages)
+        short = np.flatnonzero(free_before < need)
+        return int(short[0]) if len(short) else limit
 
     def alloc_decode_run(self, reqs: list, *, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
                          steps: int) -> torch.Tensor:
         """`steps` consecutive `alloc_decode` calls for the same requests, which
-        `decode_run_room` allows: the same slots in the same rows, each record `steps` slots
+        `decode_run_steps` allows: the same slots in the same rows, each record `steps` slots
         longer. Returns the last step's slots."""
-        if steps > self.decode_run_room(len(reqs)):
+        pages = int(self.decode_run_pages(seq_lens_cpu, steps).sum())
+        if pages * self.page_size > self.allocator.available_size():
             raise ValueError(f"{steps} decode steps of {len(reqs)} requests do not fit without eviction")
         out = self.allocator.alloc_decode_run_write(seq_lens_cpu, req_pool_indices, self.req_to_token_pool.req_to_token,
-                                                    steps)
+                                                    steps, pages)
         for req in reqs:
             req.kv.kv_allocated_len += steps
         return out

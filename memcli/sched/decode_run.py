@@ -17,8 +17,8 @@ iterations is then fixed in advance, and `DecodeRuns.take` applies it at once:
 
 so that everything the plain loop leaves (tree, free list, rows, requests, records, the
 batch in flight) is the same. What a run needs of the stack, and the configurations it
-leaves to the plain loop (checks every step, a host tier, forced retractions, page sizes
-above 1, the triton backend), are in `steady`.
+leaves to the plain loop (checks every step, a host tier, forced retractions, the triton
+backend), are in `steady` and `MemoryManager.decode_run_steps`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 from operator import attrgetter
 from typing import Optional
+
+import numpy as np
 
 from memcli.mem_cache.manager import Usage
 from memcli.sched.overlap import InFlight
@@ -60,17 +62,23 @@ class DecodeRuns:
                 or not s.gate.quiet(bool(s.waiting), False) or any(map(_finished, reqs)) \
                 or (s.pending and s.pending[0].arrival_ms <= s.clock_ms):
             return 0
-        room = min(limit, s.memory.decode_run_room(len(reqs)))
-        return room if room >= MIN_RUN and (room := min(room, self._finish_room(reqs))) >= MIN_RUN else 0
+        room, estimate = self._batch_room(reqs)
+        if min(room, limit) < MIN_RUN:
+            return 0
+        steps = s.memory.decode_run_steps(batch.seq_lens_cpu, estimate, min(room, limit))
+        return steps if steps >= MIN_RUN else 0
 
-    def _finish_room(self, reqs: list) -> int:
-        """The most results every request in `reqs` can take without finishing (by length
-        or by its EOS)."""
-        first = len(reqs[0].output_ids)
+    def _batch_room(self, reqs: list) -> tuple[int, Optional[np.ndarray]]:
+        """The most results every request in `reqs` can take without finishing (by length or
+        by its EOS), and (page size > 1) how many requests have each residue of SGLang's
+        overlap page estimate (`input_len + len(output_ids)` modulo the page size)."""
+        first, ps = len(reqs[0].output_ids), self.sched.page_size
         cached = self._room
         if cached is not None and cached[0] is reqs and cached[1] == len(reqs):
-            return cached[3] - (first - cached[2])
-        room = math.inf
+            gained = first - cached[2]
+            estimate = None if cached[4] is None else np.roll(cached[4], gained)
+            return cached[3] - gained, estimate
+        room, residues = math.inf, []
         for req in reqs:
             n = len(req.output_ids)
             left = req.max_new_tokens - n - 1
@@ -78,8 +86,11 @@ class DecodeRuns:
                 left = req.eos_len - n - 1
             if left < room:
                 room = left
-        self._room = (reqs, len(reqs), first, room)
-        return room
+            if ps > 1:
+                residues.append((req.input_len + n) % ps)
+        estimate = np.bincount(residues, minlength=ps) if ps > 1 else None
+        self._room = (reqs, len(reqs), first, room, estimate)
+        return room, estimate
 
     def take(self, steps: int, until_ms: float) -> int:
         """Apply the next `steps` steady iterations (`steady`), stopping after the first step
@@ -99,6 +110,7 @@ class DecodeRuns:
             clocks.append(clock)
         steps = len(clocks)
         held, start = s._held_tokens(), memory.usage()
+        taken = memory.page_size * np.cumsum(memory.decode_run_pages(batch.seq_lens_cpu, steps))
         batch.decode_run(steps)
         self._results(flight, reqs, steps)
         for _ in range(steps):
@@ -107,7 +119,7 @@ class DecodeRuns:
         stats.decode_steps += steps
         stats.allocations += steps
         stats.allocated_tokens += steps * bs
-        self._records(clocks, bs, held, start)
+        self._records(clocks, bs, held, start, taken.tolist())
         s.progress_guard.after_step(s, before)
         return steps
 
@@ -124,7 +136,7 @@ class DecodeRuns:
         s.overlap.result_queue[0] = InFlight("decode", list(reqs), s.running.seq_lens_cpu.tolist(),
                                              range(last, last + bs))
 
-    def _records(self, clocks: list, bs: int, held: int, start: Usage) -> None:
+    def _records(self, clocks: list, bs: int, held: int, start: Usage, taken: list) -> None:
         """One record per step, as `Scheduler._record` makes it (with the step's batch and
         its allocation event when those are recorded), handed to `on_step`."""
         s = self.sched
@@ -135,7 +147,7 @@ class DecodeRuns:
             if s.record_events:  # the allocation comes before the launch moves the clock
                 s.events.append(Event(s.step_count, s.clock_ms, "alloc", "", bs))
             s.clock_ms = clock
-            usage = Usage(start.available - j * bs, evictable, protected)
+            usage = Usage(start.available - taken[j - 1], evictable, protected)
             record = StepRecord(s.step_count, clock, "decode", bs, bs, bs, waiting, usage.available, evictable,
                                 protected, held + j * bs, memory.held_pages(usage), batch=batch)
             s.records.append(record)

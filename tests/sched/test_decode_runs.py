@@ -26,9 +26,10 @@ WALL = ("wall", "per_s", "check_s")  # wall-clock fields: the only ones allowed 
 CASES = [
     ("0.5.23", CONVERSATION, ["--engine", "sglang-0.5.23"], True),
     ("0.5.23 small pool", CONVERSATION, ["--engine", "sglang-0.5.23", *SMALL], True),
-    ("0.5.23 ps16", CONVERSATION, ["--engine", "sglang-0.5.23", "--set", "memory.page_size=16"], False),
+    ("0.5.23 ps16", CONVERSATION, ["--engine", "sglang-0.5.23", "--set", "memory.page_size=16"], True),
     ("0.5.23 ps16 small pool", CONVERSATION, ["--engine", "sglang-0.5.23", "--set", "memory.page_size=16", *SMALL],
-     False),
+     True),
+    ("0.5.5 ps4 small pool", SYNTHETIC, ["--engine", "sglang-0.5.5", "--set", "memory.page_size=4", *SMALL], True),
     ("0.5.23 normal loop", CONVERSATION, ["--engine", "sglang-0.5.23", "--set", "semantics.event_loop=normal"], False),
     ("0.5.23 hiradix", CONVERSATION, ["--engine", "sglang-0.5.23", "--set", "cache.kind=hiradix"], False),
     ("0.5.23 checked", CONVERSATION, ["--engine", "sglang-0.5.23", "--check", *SMALL], False),
@@ -119,8 +120,10 @@ def _digest(tensor) -> bytes:
 
 
 @pytest.mark.parametrize("args", [["--engine", "sglang-0.5.23"], ["--engine", "sglang-0.5.5"],
-                                  ["--engine", "sglang-0.5.23", "--set", "cache.eviction_policy=lfu"]],
-                         ids=["0.5.23", "0.5.5", "0.5.23 lfu"])
+                                  ["--engine", "sglang-0.5.23", "--set", "cache.eviction_policy=lfu"],
+                                  ["--engine", "sglang-0.5.23", "--set", "memory.page_size=16"],
+                                  ["--engine", "sglang-0.5.5", "--set", "memory.page_size=8"]],
+                         ids=["0.5.23", "0.5.5", "0.5.23 lfu", "0.5.23 ps16", "0.5.5 ps8"])
 def test_after_every_run_the_state_is_the_plain_loops(args, monkeypatch):
     # After each run (and each plain step) the whole loop state is recorded by step; the
     # fast replay's states must be the plain replay's at the same steps.
