@@ -217,6 +217,10 @@ class BasePrefixCache(abc.ABC):
     def finish_copies(self) -> None:
         """Wait for every copy in flight and acknowledge it (end of a replay)."""
 
+    def pending_transfer_stall_ms(self) -> float:
+        """What `take_transfer_stall_ms` would hand over now (0 without a host tier)."""
+        return 0.0
+
     def take_transfer_stall_ms(self) -> float:
         """Time the caller must wait for copies it depends on (write-backs during eviction),
         accumulated since the last call; 0 for caches without a host tier."""

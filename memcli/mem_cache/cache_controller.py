@@ -144,6 +144,11 @@ class CacheController:
             ids.extend(ack.node_ids)
         return ids
 
+    @property
+    def pending_stall_ms(self) -> float:
+        """The wait for write-backs that `take_stall_ms` would hand over now."""
+        return max(self._pending_stall, 0.0)
+
     def take_stall_ms(self) -> float:
         """The wait for write-backs since the last call (the step that evicted pays it)."""
         stall, self._pending_stall = max(self._pending_stall, 0.0), 0.0

@@ -632,6 +632,9 @@ class HiRadixCache(RadixCache):
     def host_tier(self) -> HostTierCounters:
         return self._counters
 
+    def pending_transfer_stall_ms(self) -> float:
+        return self.controller.pending_stall_ms
+
     def take_transfer_stall_ms(self) -> float:
         return self.controller.take_stall_ms()
 

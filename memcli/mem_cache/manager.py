@@ -27,6 +27,7 @@ increments its `seq_lens` afterwards.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -653,6 +654,16 @@ class MemoryManager:
     def start_load_backs(self) -> Optional[float]:
         """Start the load-backs queued by admission; when they end (None: none queued)."""
         return self.tree_cache.ready_to_load_host_cache()
+
+    def host_quiet_until(self) -> float:
+        """Until when (simulated ms) the host tier leaves a decode step alone: the end of the
+        first copy in flight (inf: none, or no host tier); 0 while a write-back wait is still
+        to be paid."""
+        tree = self.tree_cache
+        if tree.pending_transfer_stall_ms() > 0:
+            return 0.0
+        end = tree.next_copy_end()
+        return math.inf if end is None else end
 
     def take_transfer_stall_ms(self) -> float:
         return self.tree_cache.take_transfer_stall_ms()

@@ -17,8 +17,9 @@ iterations is then fixed in advance, and `DecodeRuns.take` applies it at once:
 
 so that everything the plain loop leaves (tree, free list, rows, requests, records, the
 batch in flight) is the same. What a run needs of the stack, and the configurations it
-leaves to the plain loop (checks every step, a host tier, forced retractions, the triton
-backend), are in `steady` and `MemoryManager.decode_run_steps`.
+leaves to the plain loop (checks every step, forced retractions, the triton backend, a host
+tier with a copy ending or a write-back wait to pay), are in `steady` and
+`MemoryManager.decode_run_steps`.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ class DecodeRuns:
         s = self.sched
         loop = s.overlap
         if loop is None or loop.last_kind != "decode" or len(loop.result_queue) != 1 or s.chunked_req is not None \
-                or s.chunk_to_cache is not None or s.retract_every \
-                or s.hierarchical or s.checker.reads_holders(False):
+                or s.chunk_to_cache is not None or s.retract_every or s.checker.reads_holders(False):
+            return 0
+        # A host tier: no write-back wait to pay, and (acknowledged every step) no copy ending now.
+        if s.hierarchical and s.memory.host_quiet_until() <= (s.clock_ms if s.ack_every_step else 0.0):
             return 0
         flight, batch = loop.result_queue[0], s.running
         reqs = batch.reqs
@@ -102,6 +105,8 @@ class DecodeRuns:
         bs = len(reqs)
         if s.pending:  # added, not yet arrived: admitted by the first iteration the clock reaches it
             until_ms = min(until_ms, s.pending[0].arrival_ms)
+        if s.hierarchical and s.ack_every_step:  # a copy ending: acknowledged at the next step's start
+            until_ms = min(until_ms, memory.host_quiet_until())
         before = s.progress_guard.marks(s)
         clocks, clock, kv_read = [], s.clock_ms, batch.seq_lens_sum()
         while len(clocks) < steps and (not clocks or clock < until_ms):
@@ -142,6 +147,8 @@ class DecodeRuns:
         s = self.sched
         memory, waiting = s.memory, len(s.waiting)
         evictable, protected = start.evictable, start.protected
+        host = memory.host_tier()  # no copy is issued in a run: the host pool and its bytes stay
+        host_used = 0 if host is None else host.used
         batch = StepBatch(tuple(r.rid for r in s.running.reqs), (0,) * bs, (1,) * bs) if s.record_batches else None
         for j, clock in enumerate(clocks, 1):
             if s.record_events:  # the allocation comes before the launch moves the clock
@@ -149,7 +156,7 @@ class DecodeRuns:
             s.clock_ms = clock
             usage = Usage(start.available - taken[j - 1], evictable, protected)
             record = StepRecord(s.step_count, clock, "decode", bs, bs, bs, waiting, usage.available, evictable,
-                                protected, held + j * bs, memory.held_pages(usage), batch=batch)
+                                protected, held + j * bs, memory.held_pages(usage), host_used, batch=batch)
             s.records.append(record)
             s.step_count += 1
             if s.on_step is not None:

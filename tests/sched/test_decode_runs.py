@@ -31,13 +31,19 @@ CASES = [
      True),
     ("0.5.5 ps4 small pool", SYNTHETIC, ["--engine", "sglang-0.5.5", "--set", "memory.page_size=4", *SMALL], True),
     ("0.5.23 normal loop", CONVERSATION, ["--engine", "sglang-0.5.23", "--set", "semantics.event_loop=normal"], False),
-    ("0.5.23 hiradix", CONVERSATION, ["--engine", "sglang-0.5.23", "--set", "cache.kind=hiradix"], False),
+    ("0.5.23 hiradix", CONVERSATION, ["--engine", "sglang-0.5.23", "--set", "cache.kind=hiradix"], True),
+    ("0.5.23 hiradix write_back small pool", CONVERSATION, ["--engine", "sglang-0.5.23", "--set", "cache.kind=hiradix",
+                                                            "--set", "cache.write_policy=write_back", *SMALL], True),
+    ("0.5.5 hiradix ps16", CONVERSATION, ["--engine", "sglang-0.5.5", "--set", "cache.kind=hiradix",
+                                          "--set", "memory.page_size=16"], True),
     ("0.5.23 checked", CONVERSATION, ["--engine", "sglang-0.5.23", "--check", *SMALL], False),
     ("0.5.23 lfu", SYNTHETIC, ["--engine", "sglang-0.5.23", "--set", "cache.eviction_policy=lfu", *SMALL], True),
     ("0.5.5", CONVERSATION, ["--engine", "sglang-0.5.5"], True),
     ("0.5.5 small pool", CONVERSATION, ["--engine", "sglang-0.5.5", *SMALL], True),
     ("0.5.5 normal loop hiradix", CONVERSATION, ["--engine", "sglang-0.5.5", "--set", "semantics.event_loop=normal",
                                                  "--set", "cache.kind=hiradix"], False),
+    ("0.5.5 hiradix small pool", CONVERSATION, ["--engine", "sglang-0.5.5", "--set", "cache.kind=hiradix", *SMALL],
+     True),
     ("memcli profile", CONVERSATION, ["--set", "semantics.profile=memcli"], False),  # the normal loop
     ("memcli profile, overlap", CONVERSATION, ["--set", "semantics.profile=memcli", "--set",
                                                "semantics.event_loop=overlap"], True),
@@ -107,12 +113,14 @@ def _state(sched) -> tuple:
                     for r in sched.running.reqs)
     flights = tuple((f.kind, tuple(r.rid for r in f.reqs), tuple(f.seq_lens), tuple(f.tokens), len(f.extra))
                     for f in loop.result_queue)
-    allocator = memory.allocator
+    allocator, host = memory.allocator, memory.host_tier()
     stats = sched.stats
+    host_state = None if host is None else (host.used, host.d2h_bytes, host.h2d_bytes, sched._host_seen)
     return (sched.clock_ms, sched.new_token_ratio, sched.next_token, stats.decode_steps, stats.allocations,
             stats.allocated_tokens, loop.last_kind, flights, running, sched.running.seq_lens_cpu.tolist(),
             sched.running.seq_lens.tolist(), sched.running.req_pool_indices.tolist(), allocator.free_head,
-            _digest(allocator._free_list()), memory.usage(), sched.gate.full, sched.progress_guard.stalled_steps)
+            _digest(allocator._free_list()), memory.usage(), sched.gate.full, sched.progress_guard.stalled_steps,
+            host_state)
 
 
 def _digest(tensor) -> bytes:
@@ -122,8 +130,11 @@ def _digest(tensor) -> bytes:
 @pytest.mark.parametrize("args", [["--engine", "sglang-0.5.23"], ["--engine", "sglang-0.5.5"],
                                   ["--engine", "sglang-0.5.23", "--set", "cache.eviction_policy=lfu"],
                                   ["--engine", "sglang-0.5.23", "--set", "memory.page_size=16"],
-                                  ["--engine", "sglang-0.5.5", "--set", "memory.page_size=8"]],
-                         ids=["0.5.23", "0.5.5", "0.5.23 lfu", "0.5.23 ps16", "0.5.5 ps8"])
+                                  ["--engine", "sglang-0.5.5", "--set", "memory.page_size=8"],
+                                  ["--engine", "sglang-0.5.23", "--set", "cache.kind=hiradix"],
+                                  ["--engine", "sglang-0.5.5", "--set", "cache.kind=hiradix"]],
+                         ids=["0.5.23", "0.5.5", "0.5.23 lfu", "0.5.23 ps16", "0.5.5 ps8", "0.5.23 hiradix",
+                              "0.5.5 hiradix"])
 def test_after_every_run_the_state_is_the_plain_loops(args, monkeypatch):
     # After each run (and each plain step) the whole loop state is recorded by step; the
     # fast replay's states must be the plain replay's at the same steps.
@@ -138,7 +149,7 @@ def test_after_every_run_the_state_is_the_plain_loops(args, monkeypatch):
 
     monkeypatch.setattr(runner._Run, "_after_step", record)
     for plain in (True, False):
-        result = CliRunner().invoke(app, ["replay", str(CONVERSATION), *args, *SMALL, "--limit", "150", "--json",
+        result = CliRunner().invoke(app, ["replay", str(CONVERSATION), *args, *SMALL, "--limit", "100", "--json",
                                           *(["--plain-loop"] if plain else [])])
         assert result.exit_code == 0, result.output
     fast, slow = states[False], states[True]
