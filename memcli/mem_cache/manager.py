@@ -402,19 +402,18 @@ class MemoryManager:
         by_residue = np.bincount(seq_lens_cpu.numpy() % ps, minlength=ps)
         return by_residue[(-np.arange(steps)) % ps]
 
-    def decode_run_steps(self, seq_lens_cpu: torch.Tensor, estimate: Optional[np.ndarray], limit: int) -> int:
+    def decode_run_steps(self, seq_lens_cpu: torch.Tensor, limit: int) -> int:
         """How many of the next decode steps of this batch (at most `limit`) `alloc_decode_run`
-        can take at once: each step's check (`can_decode` of the pages SGLang's overlap
-        estimate counts, `estimate[r]` requests of estimated length = r modulo the page size;
-        None: the exact pages) and its allocation find the pages free, with no eviction, merge
-        or check in between (0: this stack cannot take runs)."""
-        allocator, ps = self.allocator, self.page_size
-        if ps != self.tree_cache.page_size or not seq_lens_cpu.numel() or not getattr(allocator, "runs_decode", False):
+        can take at once: each step's check (`can_decode`) and its allocation find the pages
+        it opens free, with no eviction, merge or check in between (0: this stack cannot
+        take runs)."""
+        allocator, ps, bs = self.allocator, self.page_size, seq_lens_cpu.numel()
+        if ps != self.tree_cache.page_size or not bs or not getattr(allocator, "runs_decode", False):
             return 0
+        if ps == 1:
+            return min(limit, allocator.available_size() // bs)
         pages = self.decode_run_pages(seq_lens_cpu, limit)
-        estimated = pages if estimate is None or ps == 1 else estimate[(-np.arange(limit)) % ps]
-        need = np.maximum(estimated, seq_lens_cpu.numel() if self.tree_cache.evict_rule.page_per_request and ps > 1
-                          else pages) * ps
+        need = (bs if self.tree_cache.evict_rule.page_per_request else pages) * ps
         free_before = allocator.available_size() - ps * (np.cumsum(pages) - pages)
         short = np.flatnonzero(free_before < need)
         return int(short[0]) if len(short) else limit
@@ -424,7 +423,9 @@ class MemoryManager:
         """`steps` consecutive `alloc_decode` calls for the same requests, which
         `decode_run_steps` allows: the same slots in the same rows, each record `steps` slots
         longer. Returns the last step's slots."""
-        pages = int(self.decode_run_pages(seq_lens_cpu, steps).sum())
+        pages = seq_lens_cpu.numel() * steps
+        if self.page_size > 1:
+            pages = int(self.decode_run_pages(seq_lens_cpu, steps).sum())
         if pages * self.page_size > self.allocator.available_size():
             raise ValueError(f"{steps} decode steps of {len(reqs)} requests do not fit without eviction")
         out = self.allocator.alloc_decode_run_write(seq_lens_cpu, req_pool_indices, self.req_to_token_pool.req_to_token,

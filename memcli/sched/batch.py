@@ -19,6 +19,14 @@ from memcli.mem_cache.manager import ExtendPlan, MemoryManager, Release
 _finished = attrgetter("finished")
 
 
+def _decode_end(req) -> int:
+    """`ScheduleBatch.decode_ends` of one request."""
+    finish = req.max_new_tokens
+    if 0 < req.eos_len < finish:
+        finish = req.eos_len
+    return req.input_len + finish - 1
+
+
 class ScheduleBatch:
     def __init__(self, reqs: list, memory: MemoryManager, enable_overlap: bool = False):
         self.reqs = list(reqs)
@@ -32,6 +40,7 @@ class ScheduleBatch:
         self.out_cache_loc: torch.Tensor | None = None
         self._page_hist: _PageHistogram | None = None
         self._len_sum: tuple[torch.Tensor, int] | None = None  # (lengths, their sum): see `seq_lens_sum`
+        self._ends: tuple[list, int, np.ndarray] | None = None  # (reqs, their number, `decode_ends`)
         # SGLang's `enable_overlap`: the next decode's page estimate reads `req.seqlen`, whose
         # outputs lag one step behind the KV (see `estimated_decode_pages`).
         self.enable_overlap = enable_overlap
@@ -107,6 +116,17 @@ class ScheduleBatch:
         if len_sum is not None and len_sum[0] is before:
             self._len_sum = (self.seq_lens_cpu, len_sum[1] + steps * before.numel())
 
+    def decode_ends(self) -> np.ndarray:
+        """Per request, the length its row reaches with the slot of its last output but one:
+        `input_len + finish - 1`, `finish` the output count that finishes it (its EOS when it
+        has one before `max_new_tokens`). Kept with the request list it was read from:
+        carried through `filter_batch` and `merge_batch`, read again for any other list."""
+        cached, reqs = self._ends, self.reqs
+        if cached is None or cached[0] is not reqs or cached[1] != len(reqs):
+            ends = np.fromiter(map(_decode_end, reqs), np.int64, len(reqs))
+            cached = self._ends = (reqs, len(reqs), ends)
+        return cached[2]
+
     def seq_lens_sum(self) -> int:
         """`int(self.seq_lens_cpu.sum())`, in O(1) per decode step.
 
@@ -142,24 +162,31 @@ class ScheduleBatch:
             keep_indices = [i for i, r in enumerate(self.reqs) if not r.finished]
         if len(keep_indices) == len(self.reqs) and keep_indices == list(range(len(self.reqs))):
             return
-        self.reqs = [self.reqs[i] for i in keep_indices]
+        ends, before = self._ends, self.reqs
+        self.reqs = [before[i] for i in keep_indices]
         if not self.reqs:
             self._set_lengths([], [])
             return
         self.out_cache_loc = None
+        index_np = np.array(keep_indices, dtype=np.int64)
+        if ends is not None and ends[0] is before and ends[1] == len(before):
+            self._ends = (self.reqs, len(self.reqs), ends[2][index_np])
         if self.device.type == "cpu":  # numpy over the tensors' memory: about half the cost of torch's indexing
-            index_np = np.array(keep_indices, dtype=np.int64)
             self.seq_lens_cpu = torch.from_numpy(self.seq_lens_cpu.numpy()[index_np])
             self.seq_lens = torch.from_numpy(self.seq_lens.numpy()[index_np])
             self.req_pool_indices = torch.from_numpy(self.req_pool_indices.numpy()[index_np])
             return
-        index_cpu = torch.tensor(keep_indices, dtype=torch.int64)
+        index_cpu = torch.from_numpy(index_np)
         self.seq_lens_cpu = self.seq_lens_cpu[index_cpu]
         index = index_cpu.to(self.device, non_blocking=True)
         self.seq_lens = self.seq_lens[index]
         self.req_pool_indices = self.req_pool_indices[index]
 
     def merge_batch(self, other: "ScheduleBatch") -> None:
+        ends = self._ends
+        if ends is not None and ends[0] is self.reqs and ends[1] == len(self.reqs):
+            more = np.fromiter(map(_decode_end, other.reqs), np.int64, len(other.reqs))
+            self._ends = (self.reqs, len(self.reqs) + len(other.reqs), np.concatenate([ends[2], more]))
         self.reqs.extend(other.reqs)
         self.out_cache_loc = None
         self.seq_lens_cpu = torch.cat([self.seq_lens_cpu, other.seq_lens_cpu])

@@ -24,9 +24,7 @@ tier with a copy ending or a write-back wait to pay), are in `steady` and
 
 from __future__ import annotations
 
-import math
 from operator import attrgetter
-from typing import Optional
 
 import numpy as np
 
@@ -43,10 +41,6 @@ class DecodeRuns:
 
     def __init__(self, sched):
         self.sched = sched
-        # (running list, its length, its first request's outputs then, the run room then):
-        # every running request gains one output per decode result, so the room of the whole
-        # batch falls with the first request's outputs while the list stays the same.
-        self._room: Optional[tuple] = None
 
     def steady(self, limit: int) -> int:
         """How many of the next iterations are steady, at most `limit` (0: the next one is
@@ -65,35 +59,15 @@ class DecodeRuns:
                 or not s.gate.quiet(bool(s.waiting), False) or any(map(_finished, reqs)) \
                 or (s.pending and s.pending[0].arrival_ms <= s.clock_ms):
             return 0
-        room, estimate = self._batch_room(reqs)
+        # Every running request's row holds its prompt and all its outputs but the one in
+        # flight (`len(seq_lens_cpu) == input_len + len(output_ids)`), so its results to go
+        # before it finishes are `decode_ends - seq_lens_cpu`, and SGLang's overlap page
+        # estimate (which reads `input_len + len(output_ids)`) counts the exact pages.
+        room = int((batch.decode_ends() - batch.seq_lens_cpu.numpy()).min())
         if min(room, limit) < MIN_RUN:
             return 0
-        steps = s.memory.decode_run_steps(batch.seq_lens_cpu, estimate, min(room, limit))
+        steps = s.memory.decode_run_steps(batch.seq_lens_cpu, min(room, limit))
         return steps if steps >= MIN_RUN else 0
-
-    def _batch_room(self, reqs: list) -> tuple[int, Optional[np.ndarray]]:
-        """The most results every request in `reqs` can take without finishing (by length or
-        by its EOS), and (page size > 1) how many requests have each residue of SGLang's
-        overlap page estimate (`input_len + len(output_ids)` modulo the page size)."""
-        first, ps = len(reqs[0].output_ids), self.sched.page_size
-        cached = self._room
-        if cached is not None and cached[0] is reqs and cached[1] == len(reqs):
-            gained = first - cached[2]
-            estimate = None if cached[4] is None else np.roll(cached[4], gained)
-            return cached[3] - gained, estimate
-        room, residues = math.inf, []
-        for req in reqs:
-            n = len(req.output_ids)
-            left = req.max_new_tokens - n - 1
-            if n < req.eos_len <= n + left:
-                left = req.eos_len - n - 1
-            if left < room:
-                room = left
-            if ps > 1:
-                residues.append((req.input_len + n) % ps)
-        estimate = np.bincount(residues, minlength=ps) if ps > 1 else None
-        self._room = (reqs, len(reqs), first, room, estimate)
-        return room, estimate
 
     def take(self, steps: int, until_ms: float) -> int:
         """Apply the next `steps` steady iterations (`steady`), stopping after the first step
@@ -115,7 +89,9 @@ class DecodeRuns:
             clocks.append(clock)
         steps = len(clocks)
         held, start = s._held_tokens(), memory.usage()
-        taken = memory.page_size * np.cumsum(memory.decode_run_pages(batch.seq_lens_cpu, steps))
+        ps = memory.page_size  # the slots the run has taken after each step
+        taken = range(bs, bs * steps + 1, bs) if ps == 1 else \
+            (ps * np.cumsum(memory.decode_run_pages(batch.seq_lens_cpu, steps))).tolist()
         batch.decode_run(steps)
         self._results(flight, reqs, steps)
         for _ in range(steps):
@@ -124,7 +100,7 @@ class DecodeRuns:
         stats.decode_steps += steps
         stats.allocations += steps
         stats.allocated_tokens += steps * bs
-        self._records(clocks, bs, held, start, taken.tolist())
+        self._records(clocks, bs, held, start, taken)
         s.progress_guard.after_step(s, before)
         return steps
 
@@ -141,7 +117,7 @@ class DecodeRuns:
         s.overlap.result_queue[0] = InFlight("decode", list(reqs), s.running.seq_lens_cpu.tolist(),
                                              range(last, last + bs))
 
-    def _records(self, clocks: list, bs: int, held: int, start: Usage, taken: list) -> None:
+    def _records(self, clocks: list, bs: int, held: int, start: Usage, taken) -> None:
         """One record per step, as `Scheduler._record` makes it (with the step's batch and
         its allocation event when those are recorded), handed to `on_step`."""
         s = self.sched

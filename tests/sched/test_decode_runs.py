@@ -156,3 +156,31 @@ def test_after_every_run_the_state_is_the_plain_loops(args, monkeypatch):
     assert len(fast) < 0.6 * len(slow)  # runs were taken: fewer states recorded
     for step, state in fast.items():
         assert state == slow[step], f"step {step}"
+
+
+def test_a_run_starts_only_where_every_row_holds_its_prompt_and_outputs(monkeypatch):
+    # `steady` reads each request's room from its row length: it may only do so where the
+    # row holds the prompt and every output but the one in flight, and then the room is the
+    # one counted from the outputs (by length and by EOS), and the page estimate exact.
+    seen = []
+    steady = decode_run.DecodeRuns.steady
+
+    def checked(self, limit):
+        steps = steady(self, limit)
+        if steps:
+            batch, ps = self.sched.running, self.sched.page_size
+            lengths = batch.seq_lens_cpu.tolist()
+            outs = [len(r.output_ids) for r in batch.reqs]
+            assert lengths == [r.input_len + n for r, n in zip(batch.reqs, outs)]
+            rooms = [min(r.max_new_tokens, r.eos_len if r.eos_len > n else r.max_new_tokens) - n - 1
+                     for r, n in zip(batch.reqs, outs)]
+            assert steps <= min(rooms)
+            assert [(r.input_len + n) % ps == 0 for r, n in zip(batch.reqs, outs)] == [x % ps == 0 for x in lengths]
+            seen.append(steps)
+        return steps
+
+    monkeypatch.setattr(decode_run.DecodeRuns, "steady", checked)
+    for args in (["--set", "memory.page_size=16"], SMALL, ["--engine", "sglang-0.5.5", *SMALL]):
+        result = CliRunner().invoke(app, ["replay", str(CONVERSATION), *args, "--limit", "150", "--json"])
+        assert result.exit_code == 0, result.output
+    assert len(seen) > 100
