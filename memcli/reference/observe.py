@@ -118,7 +118,10 @@ def observe_reference(loop: ReferenceLoop) -> StepObservation:
 class MemcliSide:
     """memcli's stack and `Scheduler` over the same requests, observed step by step."""
 
-    def __init__(self, config: Config, requests: Sequence[RequestSpec], arrivals: str, output_token_base: int):
+    def __init__(self, config: Config, requests: Sequence[RequestSpec], arrivals: str, output_token_base: int,
+                 plain_loop: bool = False):
+        self.plain_loop = plain_loop  # `steps` never takes a run of decode steps at once
+        self.run_rows: Optional[tuple[int, ...]] = None  # the request rows of the run `steps` took last
         self.stack = build_stack(config)
         if self.stack.host_pool is not None:
             # SGLang's side runs a synchronous cache controller: copies take no time there, nor here.
@@ -178,10 +181,36 @@ class MemcliSide:
                                tuple(r.rid for r in sched.waiting), tuple(r.rid for r in sched.running.reqs),
                                chunked, sched.new_token_ratio, self._host_used())
 
+    def steps(self, limit: int) -> list[StepObservation]:
+        """The next step, or, where the fast path takes one (`memcli.sched.decode_run`), a run
+        of up to `limit` steady decode steps, each observed as `step` observes it: the slots
+        each step wrote are read off the request rows, the sizes off the run's records."""
+        sched = self.scheduler
+        runs = None if self.plain_loop else sched.decode_runs
+        steps = 0 if runs is None or limit < 2 else runs.steady(limit)
+        self.run_rows = None
+        if not steps:
+            return [self.step()]
+        batch = sched.running
+        self.run_rows = tuple(batch.req_pool_indices.tolist())
+        rids, rows, lengths = tuple(r.rid for r in batch.reqs), batch.req_pool_indices.numpy(), batch.seq_lens_cpu.numpy()
+        ratio, running = sched.new_token_ratio, tuple(r.rid for r in batch.reqs)
+        taken = runs.take(steps, math.inf)
+        table = self.stack.memory.req_to_token_pool.req_to_token.numpy()
+        waiting, host_used, seen = tuple(r.rid for r in sched.waiting), self._host_used(), []
+        for j, record in enumerate(sched.records[-taken:]):
+            ratio = max(ratio - sched.new_token_ratio_decay, sched.min_new_token_ratio)
+            seen.append(StepObservation(record.step, "decode", rids, (), (), _ints(table[rows, lengths + j]), 0, (), (),
+                                        record.available, record.evictable, record.protected, record.time_ms,
+                                        waiting, running, None, ratio, host_used))
+        return seen
+
     def _host_used(self) -> int:
         host = self.stack.host_pool
         return host.used_size() if host is not None else 0
 
+
+MAX_RUN_STEPS = 1024  # the longest run of steady decode steps memcli takes at once
 
 HOST_COPIES_NOTE = ("host tier: every copy between the device and the host finishes when it is issued, on both sides"
                     " (SGLang's cache controller runs as a synchronous stand-in): sim.host_bandwidth_gbps and"
@@ -202,35 +231,39 @@ class StepDiff(NamedTuple):
 
 def run_side_by_side(config: Config, requests: Sequence[RequestSpec], arrivals: str, output_token_base: int,
                      max_steps: Optional[int] = None, ref: Any = None,
-                     on_step: Optional[Callable[[StepObservation, StepObservation], None]] = None) -> StepDiff:
+                     on_step: Optional[Callable[[StepObservation, StepObservation], None]] = None,
+                     plain_loop: bool = False) -> StepDiff:
     """Step SGLang's loop (normal or overlap, as `semantics.event_loop` says) and memcli's
     scheduler together until both are done, one of them
     is done early (a divergence in `kind`), or their observations differ. `on_step(sglang,
-    memcli)` sees both observations of every step taken, the divergent one included."""
+    memcli)` sees both observations of every step taken, the divergent one included. memcli
+    takes steady decode runs at once unless `plain_loop`; each of their steps is compared."""
     loop = reference_loop(config, requests, arrivals, output_token_base, ref=ref)
     notes = (HOST_COPIES_NOTE,) if config.cache.kind == "hiradix" else ()
     try:
-        mem = MemcliSide(config, requests, arrivals, output_token_base)
+        mem = MemcliSide(config, requests, arrivals, output_token_base, plain_loop)
         steps, ref_s, mem_s = 0, 0.0, 0.0
         while not (loop.is_done() and mem.is_done()) and (max_steps is None or steps < max_steps):
-            start = time.perf_counter()
-            side = "SGLang's loop"
-            try:
-                ref_obs = _idle_observation(loop.step_count, loop) if loop.is_done() else _step(loop)
-                middle = time.perf_counter()
-                side = "memcli's scheduler"
-                mem_obs = _idle_observation(mem.scheduler.step_count, None) if mem.is_done() else mem.step()
+            side = "memcli's scheduler"
+            try:  # memcli first: a run of decode steps is compared step by step with SGLang's steps
+                start = time.perf_counter()
+                limit = MAX_RUN_STEPS if max_steps is None else max_steps - steps
+                seen = [_idle_observation(mem.scheduler.step_count, None)] if mem.is_done() else mem.steps(limit)
+                mem_s += time.perf_counter() - start
+                for mem_obs in seen:
+                    side, start = "SGLang's loop", time.perf_counter()
+                    ref_obs = _idle_observation(loop.step_count, loop) if loop.is_done() else _step(loop)
+                    ref_s += time.perf_counter() - start
+                    steps += 1
+                    if on_step is not None:
+                        on_step(ref_obs, mem_obs)
+                    if ref_obs != mem_obs or (mem_obs is seen[-1] and loop.is_done() != mem.is_done()):
+                        return StepDiff(steps, (ref_obs, mem_obs), ref_s, mem_s, config.behaviour.event_loop, notes)
             except RAISED as exc:  # a side's own check: a finding, not a crash (memcli.reference.failure)
                 if debugging():
                     raise
                 failure = raised_at(side, steps, what_raised(exc))
                 return StepDiff(steps, None, ref_s, mem_s, config.behaviour.event_loop, notes, failure)
-            ref_s, mem_s = ref_s + middle - start, mem_s + time.perf_counter() - middle
-            steps += 1
-            if on_step is not None:
-                on_step(ref_obs, mem_obs)
-            if ref_obs != mem_obs or loop.is_done() != mem.is_done():
-                return StepDiff(steps, (ref_obs, mem_obs), ref_s, mem_s, config.behaviour.event_loop, notes)
         return StepDiff(steps, None, ref_s, mem_s, config.behaviour.event_loop, notes)
     finally:
         loop.close()

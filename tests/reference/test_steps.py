@@ -153,3 +153,40 @@ def test_requests_finishing_on_eos(ref, event_loop):
                 for i, r in enumerate(plain)]
     result = run_side_by_side(config, requests, case.arrivals, base, ref=ref)
     assert result.divergence is None, result.divergence
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=[CASES[0].name, CASES[4].name])
+def test_decode_runs_are_compared_step_by_step(ref, case, monkeypatch):
+    # memcli's fast path takes steady decode runs at once; each of their steps is compared with
+    # SGLang's, in order, and a slot written wrong inside a run is found at its step.
+    from memcli.mem_cache import allocator
+    from memcli.sched import decode_run
+
+    taken, compared = [], []
+    take = decode_run.DecodeRuns.take
+    monkeypatch.setattr(decode_run.DecodeRuns, "take", lambda self, *a: taken.append(take(self, *a)) or taken[-1])
+    config, requests, base = _load(case, "overlap")
+    fast = run_side_by_side(config, requests, case.arrivals, base, ref=ref,
+                            on_step=lambda sglang, memcli: compared.append(memcli.step))
+    assert fast.divergence is None and fast.failure is None
+    assert max(taken) >= 3 and sum(taken) > 0.1 * fast.steps and compared == list(range(fast.steps))
+    plain = run_side_by_side(config, requests, case.arrivals, base, ref=ref, plain_loop=True)
+    assert plain.divergence is None and plain.steps == fast.steps
+
+    cls = allocator.TokenToKVPoolAllocator if case.settings[0] == "memory.page_size=1" \
+        else allocator.PagedTokenToKVPoolAllocator
+    write = cls.alloc_decode_run_write
+
+    def wrong(self, seq_lens_cpu, req_pool_indices, req_to_token, steps, pages):
+        out = write(self, seq_lens_cpu, req_pool_indices, req_to_token, steps, pages)
+        if steps >= 3 and seq_lens_cpu.numel() >= 2:  # the run's second step: two rows' slots swapped
+            row = req_to_token.numpy()
+            a, b = req_pool_indices.numpy()[:2]
+            la, lb = seq_lens_cpu.numpy()[:2] + 1
+            row[a, la], row[b, lb] = row[b, lb], row[a, la]
+        return out
+
+    monkeypatch.setattr(cls, "alloc_decode_run_write", wrong)
+    broken = run_side_by_side(config, requests, case.arrivals, base, ref=ref)
+    sglang, memcli = broken.divergence
+    assert memcli.kind == "decode" and memcli.differing(sglang) == ["out_cache_loc"]

@@ -140,3 +140,41 @@ def test_a_prefill_results_frees_are_one_group(worker0523):
     diff = compare_steps(steps, one_by_one, trace.requests, "burst", base)
     assert diff.failure is None and diff.divergence is not None and diff.divergence[0].step == 2
     assert diff.divergence[0].differing(diff.divergence[1]) == ["out_cache_loc"]
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=[CASES[1].name, CASES[3].name])
+def test_decode_runs_are_compared_step_by_step_0523(worker0523, case, monkeypatch):
+    # memcli's steady decode runs, taken at once, are compared with 0.5.23's steps one by one:
+    # the same result as the plain loop, every step seen, a slot written wrong inside a run found.
+    from memcli.mem_cache import allocator
+    from memcli.sched import decode_run
+
+    config, requests, base = _case(case, "overlap")
+    steps = reference_steps(worker0523, config, requests, case.arrivals, base)
+    taken, compared = [], []
+    take = decode_run.DecodeRuns.take
+    monkeypatch.setattr(decode_run.DecodeRuns, "take", lambda self, *a: taken.append(take(self, *a)) or taken[-1])
+    fast = compare_steps(steps, config, requests, case.arrivals, base,
+                         on_step=lambda sglang, memcli: compared.append(memcli.step))
+    assert fast.failure is None and fast.divergence is None and fast.steps == len(steps)
+    assert max(taken) >= 3 and sum(taken) > 0.1 * len(steps) and compared == list(range(len(steps)))
+    plain = compare_steps(steps, config, requests, case.arrivals, base, plain_loop=True)
+    assert plain.failure is None and plain.divergence is None
+
+    cls = allocator.TokenToKVPoolAllocator if case.settings[0] == "memory.page_size=1" \
+        else allocator.PagedTokenToKVPoolAllocator
+    write = cls.alloc_decode_run_write
+
+    def wrong(self, seq_lens_cpu, req_pool_indices, req_to_token, run_steps, pages):
+        out = write(self, seq_lens_cpu, req_pool_indices, req_to_token, run_steps, pages)
+        if run_steps >= 3 and seq_lens_cpu.numel() >= 2:  # the run's second step: two rows' slots swapped
+            row = req_to_token.numpy()
+            a, b = req_pool_indices.numpy()[:2]
+            la, lb = seq_lens_cpu.numpy()[:2] + 1
+            row[a, la], row[b, lb] = row[b, lb], row[a, la]
+        return out
+
+    monkeypatch.setattr(cls, "alloc_decode_run_write", wrong)
+    broken = compare_steps(steps, config, requests, case.arrivals, base)
+    sglang, memcli = broken.divergence
+    assert memcli.kind == "decode" and memcli.differing(sglang) == ["out_cache_loc"]

@@ -82,28 +82,35 @@ def watch_rows(mem: MemcliSide) -> list:
 
 def compare_steps(reference: list[ReferenceStep], config: Config, requests: Sequence[RequestSpec], arrivals: str,
                   output_token_base: int, ref_s: float = 0.0, reference_failure: Optional[str] = None,
-                  on_step: Optional[Callable[[StepObservation, StepObservation], None]] = None) -> StepDiff:
-    """Step memcli beside the reference's steps; the first step whose compared fields (or,
+                  on_step: Optional[Callable[[StepObservation, StepObservation], None]] = None,
+                  plain_loop: bool = False) -> StepDiff:
+    """Step memcli beside the reference's steps (its steady decode runs taken at once unless
+    `plain_loop`, each of their steps compared); the first step whose compared fields (or,
     as a failure, whose request rows) differ ends it, as does a memcli step that raises
     (`memcli.reference.failure`; re-raised under `MEMCLI_DEBUG=1`), or, after its last step,
     `reference_failure` (the step the reference raised at). `on_step(sglang, memcli)` sees
     both observations of every step compared, the divergent one included."""
-    mem = MemcliSide(config, requests, arrivals, output_token_base)
+    mem = MemcliSide(config, requests, arrivals, output_token_base, plain_loop)
     rows = watch_rows(mem)
     start = time.perf_counter()
     loop = config.behaviour.event_loop
+    index, seen = 0, []
     for index, (ref_obs, ref_rows) in enumerate(reference):
-        if mem.is_done():
-            return StepDiff(index + 1, None, ref_s, time.perf_counter() - start, loop,
-                            failure=f"memcli's scheduler finished before SGLang's step {ref_obs.step}")
-        rows[0] = ()
-        try:
-            mem_obs = mem.step()
-        except RAISED as exc:
-            if debugging():
-                raise
-            return StepDiff(index, None, ref_s, time.perf_counter() - start, loop,
-                            failure=raised_at(MEMCLI_SIDE, index, what_raised(exc)))
+        if not seen:  # memcli's next step, or its next run of decode steps (compared one by one)
+            if mem.is_done():
+                return StepDiff(index + 1, None, ref_s, time.perf_counter() - start, loop,
+                                failure=f"memcli's scheduler finished before SGLang's step {ref_obs.step}")
+            rows[0] = ()
+            try:
+                seen = mem.steps(len(reference) - index)
+                if mem.run_rows is not None:  # a run: every step's batch is the running batch
+                    rows[0] = mem.run_rows
+            except RAISED as exc:
+                if debugging():
+                    raise
+                return StepDiff(index, None, ref_s, time.perf_counter() - start, loop,
+                                failure=raised_at(MEMCLI_SIDE, index, what_raised(exc)))
+        mem_obs = seen.pop(0)
         if on_step is not None:
             on_step(ref_obs, mem_obs)
         if ref_obs.differing(mem_obs):
@@ -122,7 +129,8 @@ def compare_steps(reference: list[ReferenceStep], config: Config, requests: Sequ
 
 def run_side_by_side_0523(config: Config, requests: Sequence[RequestSpec], arrivals: str, output_token_base: int,
                           max_steps: Optional[int] = None, worker: Any = None,
-                          on_step: Optional[Callable[[StepObservation, StepObservation], None]] = None) -> StepDiff:
+                          on_step: Optional[Callable[[StepObservation, StepObservation], None]] = None,
+                          plain_loop: bool = False) -> StepDiff:
     """The reference's run in the 0.5.23 worker (`worker`, or one of its own), then memcli's
     beside its steps (`compare_steps`, `on_step` as there). Raises `MemcliError` for settings
     the reference cannot share, or where it cannot run, before either side runs."""
@@ -147,7 +155,7 @@ def run_side_by_side_0523(config: Config, requests: Sequence[RequestSpec], arriv
         if own:
             worker.close()
     return compare_steps(reference.steps, config, requests, arrivals, output_token_base, ref_s, reference.failure,
-                         on_step)
+                         on_step, plain_loop)
 
 
 __all__ = ["COMPARED", "ReferenceRun", "ReferenceStep", "compare_steps", "reference_run", "reference_steps",
