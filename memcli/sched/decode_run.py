@@ -59,9 +59,9 @@ class DecodeRuns:
                 or not s.gate.quiet(bool(s.waiting), False) or any(map(_finished, reqs)) \
                 or (s.pending and s.pending[0].arrival_ms <= s.clock_ms):
             return 0
-        # Every running request's row holds its prompt and all its outputs but the one in
-        # flight (`len(seq_lens_cpu) == input_len + len(output_ids)`), so its results to go
-        # before it finishes are `decode_ends - seq_lens_cpu`, and SGLang's overlap page
+        # Here every running request's row holds its prompt and all its outputs but the one in
+        # flight (its length in `seq_lens_cpu` is `input_len + len(output_ids)`), so its results
+        # to go before it finishes are `decode_ends - seq_lens_cpu`, and SGLang's overlap page
         # estimate (which reads `input_len + len(output_ids)`) counts the exact pages.
         room = int((batch.decode_ends() - batch.seq_lens_cpu.numpy()).min())
         if min(room, limit) < MIN_RUN:

@@ -159,7 +159,6 @@ def test_requests_finishing_on_eos(ref, event_loop):
 def test_decode_runs_are_compared_step_by_step(ref, case, monkeypatch):
     # memcli's fast path takes steady decode runs at once; each of their steps is compared with
     # SGLang's, in order, and a slot written wrong inside a run is found at its step.
-    from memcli.mem_cache import allocator
     from memcli.sched import decode_run
 
     taken, compared = [], []
@@ -173,20 +172,28 @@ def test_decode_runs_are_compared_step_by_step(ref, case, monkeypatch):
     plain = run_side_by_side(config, requests, case.arrivals, base, ref=ref, plain_loop=True)
     assert plain.divergence is None and plain.steps == fast.steps
 
-    cls = allocator.TokenToKVPoolAllocator if case.settings[0] == "memory.page_size=1" \
+    break_runs(monkeypatch, case)
+    broken = run_side_by_side(config, requests, case.arrivals, base, ref=ref)
+    sglang, memcli = broken.divergence
+    assert memcli.kind == "decode" and memcli.differing(sglang) == ["out_cache_loc"]
+
+
+def break_runs(monkeypatch, case) -> None:
+    """Make every decode run of three steps or more write two rows' slots of its second step
+    swapped (`case`'s page size picks the allocator)."""
+    from memcli.mem_cache import allocator
+
+    cls = allocator.TokenToKVPoolAllocator if "memory.page_size=1" in case.settings \
         else allocator.PagedTokenToKVPoolAllocator
     write = cls.alloc_decode_run_write
 
     def wrong(self, seq_lens_cpu, req_pool_indices, req_to_token, steps, pages):
         out = write(self, seq_lens_cpu, req_pool_indices, req_to_token, steps, pages)
-        if steps >= 3 and seq_lens_cpu.numel() >= 2:  # the run's second step: two rows' slots swapped
-            row = req_to_token.numpy()
+        if steps >= 3 and seq_lens_cpu.numel() >= 2:
+            table = req_to_token.numpy()
             a, b = req_pool_indices.numpy()[:2]
             la, lb = seq_lens_cpu.numpy()[:2] + 1
-            row[a, la], row[b, lb] = row[b, lb], row[a, la]
+            table[a, la], table[b, lb] = table[b, lb], table[a, la]
         return out
 
     monkeypatch.setattr(cls, "alloc_decode_run_write", wrong)
-    broken = run_side_by_side(config, requests, case.arrivals, base, ref=ref)
-    sglang, memcli = broken.divergence
-    assert memcli.kind == "decode" and memcli.differing(sglang) == ["out_cache_loc"]

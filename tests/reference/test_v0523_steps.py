@@ -10,7 +10,7 @@ import pytest
 
 from memcli.config import replace
 from memcli.reference.v0523.diff import compare_steps, reference_steps
-from tests.reference.test_steps import CASES, _load
+from tests.reference.test_steps import CASES, _load, break_runs
 
 ENGINE = {"engine": "sglang-0.5.23", "profile": "sglang-0.5.23", "event_loop": "normal"}
 
@@ -146,7 +146,6 @@ def test_a_prefill_results_frees_are_one_group(worker0523):
 def test_decode_runs_are_compared_step_by_step_0523(worker0523, case, monkeypatch):
     # memcli's steady decode runs, taken at once, are compared with 0.5.23's steps one by one:
     # the same result as the plain loop, every step seen, a slot written wrong inside a run found.
-    from memcli.mem_cache import allocator
     from memcli.sched import decode_run
 
     config, requests, base = _case(case, "overlap")
@@ -161,20 +160,7 @@ def test_decode_runs_are_compared_step_by_step_0523(worker0523, case, monkeypatc
     plain = compare_steps(steps, config, requests, case.arrivals, base, plain_loop=True)
     assert plain.failure is None and plain.divergence is None
 
-    cls = allocator.TokenToKVPoolAllocator if case.settings[0] == "memory.page_size=1" \
-        else allocator.PagedTokenToKVPoolAllocator
-    write = cls.alloc_decode_run_write
-
-    def wrong(self, seq_lens_cpu, req_pool_indices, req_to_token, run_steps, pages):
-        out = write(self, seq_lens_cpu, req_pool_indices, req_to_token, run_steps, pages)
-        if run_steps >= 3 and seq_lens_cpu.numel() >= 2:  # the run's second step: two rows' slots swapped
-            row = req_to_token.numpy()
-            a, b = req_pool_indices.numpy()[:2]
-            la, lb = seq_lens_cpu.numpy()[:2] + 1
-            row[a, la], row[b, lb] = row[b, lb], row[a, la]
-        return out
-
-    monkeypatch.setattr(cls, "alloc_decode_run_write", wrong)
+    break_runs(monkeypatch, case)
     broken = compare_steps(steps, config, requests, case.arrivals, base)
     sglang, memcli = broken.divergence
     assert memcli.kind == "decode" and memcli.differing(sglang) == ["out_cache_loc"]
