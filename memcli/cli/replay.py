@@ -44,6 +44,10 @@ StrictLimitsOpt: bool = typer.Option(
     False, "--strict-limits",
     help="Refuse a trace with a request past the engine's limits (exit 2) instead of aborting or clipping it"
     " as the engine does")
+PlainLoopOpt: bool = typer.Option(
+    False, "--plain-loop",
+    help="Take every step as one loop iteration, never a run of steady decode steps at once: the same documents,"
+    " slower (to check the fast path, or to time it against)")
 
 
 def replay_command(
@@ -91,10 +95,7 @@ def replay_command(
         help="Write a timeline of steps, pool occupancy, requests and evictions (Chrome trace events: ui.perfetto.dev)"),
     progress: bool = ProgressOpt,
     strict_limits: bool = StrictLimitsOpt,
-    plain_loop: bool = typer.Option(
-        False, "--plain-loop",
-        help="Take every step as one loop iteration, never a run of steady decode steps at once: the same"
-        " documents, slower (to check the fast path, or to time it against)"),
+    plain_loop: bool = PlainLoopOpt,
 ) -> None:
     """Replay a trace through the memory stack and the scheduler with continuous batching.
 

@@ -52,8 +52,7 @@ class Scheduler:
         self.on_step = hooks.on_step
         self.on_admission = hooks.on_admission
         self.next_token = hooks.output_token_base
-        self.clock_ms = 0.0
-        self.step_count = 0
+        self.clock_ms, self.step_count = 0.0, 0
         self.pending: deque[Req] = deque()
         self.waiting: list[Req] = []
         behaviour = config.behaviour
@@ -92,8 +91,7 @@ class Scheduler:
         self.chunk_to_cache: Req | None = None  # a chunk that enters the tree next step (deferred)
         self.progress_guard = ProgressGuard()
         self.overlap = OverlapLoop(self) if self.enable_overlap else None
-        # The fast path: steady decode iterations of the overlap loop taken in one go.
-        self.decode_runs = DecodeRuns(self) if self.enable_overlap else None
+        self.decode_runs = DecodeRuns(self) if self.enable_overlap else None  # the fast path (sched/decode_run.py)
         memory.set_clock(lambda: self.clock_ms)
         # Host tier: when finished copies are acknowledged (SGLang: when a prefill is tried).
         self.hierarchical = memory.host_tier() is not None
