@@ -1078,22 +1078,26 @@ def _alloc_extend_write_device(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu
         # No last slot to look up: the prefixes alone, without the paged path's sentinel.
         prefix_flat = prefixes[0] if len(prefixes) == 1 else torch.cat([*prefixes, free_pages[:0]])
         total_prefix = prefix_flat.shape[0]
-        new_pages = extend_num_tokens
+        out = _flat_slots(free_pages, free_start, extend_num_tokens, num_free)
     else:
         prefix_flat = torch.cat([*prefixes, free_pages.new_full((1,), -1)])
         total_prefix = prefix_flat.shape[0] - 1
         new_pages = int((cdiv(seq_lens_cpu.numpy(), page_size) - cdiv(pre, page_size)).sum())
-    head = _ring_slice(free_pages, free_start, min(new_pages, num_free))  # past num_free: page -1
-    if page_size == 1:
-        missing = extend_num_tokens - head.shape[0]
-        out = torch.cat([head, head.new_full((missing,), -1)]) if missing else head.clone()
-    else:
+        head = _ring_slice(free_pages, free_start, min(new_pages, num_free))  # past num_free: page -1
         # last_loc: the slot before each request's new tokens, -1 (the sentinel) without a prefix.
         last_index = torch.from_numpy(np.where(pre > 0, np.cumsum(pre) - 1, total_prefix)).to(device)
         out = _extend_slots_torch(prefix_lens, seq_lens, prefix_flat[last_index], head, page_size,
                                   extend_num_tokens)
     _write_rows_torch(req_to_token, rows_t, prefix_lens, seq_lens, out, prefix_flat[:total_prefix])
     return ExtendWrite(out, rows_t, prefix_lens, seq_lens)
+
+
+def _flat_slots(free_pages, free_start: int, n: int, num_free: int) -> torch.Tensor:
+    """Page size 1: the next `n` entries of the ring of `num_free` from `free_start` (a copy),
+    slot -1 past `num_free`."""
+    head = _ring_slice(free_pages, free_start, min(n, num_free))
+    missing = n - head.shape[0]
+    return torch.cat([head, head.new_full((missing,), -1)]) if missing else head.clone()
 
 
 def _alloc_extend_write_cpu(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
@@ -1103,9 +1107,7 @@ def _alloc_extend_write_cpu(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, p
     copy a numpy slice."""
     pre, seq = prefix_lens_cpu.tolist(), seq_lens_cpu.tolist()
     if page_size == 1:
-        head = _ring_slice(free_pages, free_start, min(extend_num_tokens, num_free))  # past num_free: slot -1
-        missing = extend_num_tokens - head.shape[0]
-        out = torch.cat([head, head.new_full((missing,), -1)]) if missing else head.clone()
+        out = _flat_slots(free_pages, free_start, extend_num_tokens, num_free)
     else:
         # last_loc: the slot before each request's new tokens, -1 without a prefix.
         last = torch.tensor([int(p[n - 1]) if n else -1 for p, n in zip(prefixes, pre)], dtype=torch.int64)

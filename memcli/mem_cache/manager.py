@@ -419,20 +419,19 @@ class MemoryManager:
         return int(short[0]) if len(short) else limit
 
     def alloc_decode_run(self, reqs: list, *, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
-                         steps: int) -> torch.Tensor:
+                         steps: int) -> tuple[torch.Tensor, np.ndarray]:
         """`steps` consecutive `alloc_decode` calls for the same requests, which
         `decode_run_steps` allows: the same slots in the same rows, each record `steps` slots
-        longer. Returns the last step's slots."""
-        pages = seq_lens_cpu.numel() * steps
-        if self.page_size > 1:
-            pages = int(self.decode_run_pages(seq_lens_cpu, steps).sum())
+        longer. Returns the last step's slots and the pages each step opened."""
+        opened = self.decode_run_pages(seq_lens_cpu, steps)
+        pages = int(opened.sum())
         if pages * self.page_size > self.allocator.available_size():
             raise ValueError(f"{steps} decode steps of {len(reqs)} requests do not fit without eviction")
         out = self.allocator.alloc_decode_run_write(seq_lens_cpu, req_pool_indices, self.req_to_token_pool.req_to_token,
                                                     steps, pages)
         for req in reqs:
             req.kv.kv_allocated_len += steps
-        return out
+        return out, opened
 
     # -- computed KV and release ----------------------------------------------------------
     def commit(self, req: Any, kv_len: int) -> None:

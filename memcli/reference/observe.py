@@ -194,15 +194,15 @@ class MemcliSide:
         batch = sched.running
         self.run_rows = tuple(batch.req_pool_indices.tolist())
         rids, rows, lengths = tuple(r.rid for r in batch.reqs), batch.req_pool_indices.numpy(), batch.seq_lens_cpu.numpy()
-        ratio, running = sched.new_token_ratio, tuple(r.rid for r in batch.reqs)
+        ratio = sched.new_token_ratio
         taken = runs.take(steps, math.inf)
         table = self.stack.memory.req_to_token_pool.req_to_token.numpy()
         waiting, host_used, seen = tuple(r.rid for r in sched.waiting), self._host_used(), []
         for j, record in enumerate(sched.records[-taken:]):
-            ratio = max(ratio - sched.new_token_ratio_decay, sched.min_new_token_ratio)
+            ratio = sched.decayed_token_ratio(ratio)
             seen.append(StepObservation(record.step, "decode", rids, (), (), _ints(table[rows, lengths + j]), 0, (), (),
                                         record.available, record.evictable, record.protected, record.time_ms,
-                                        waiting, running, None, ratio, host_used))
+                                        waiting, rids, None, ratio, host_used))
         return seen
 
     def _host_used(self) -> int:

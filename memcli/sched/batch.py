@@ -101,13 +101,14 @@ class ScheduleBatch:
         if len_sum is not None and len_sum[0] is before:
             self._len_sum = (self.seq_lens_cpu, len_sum[1] + before.numel())
 
-    def decode_run(self, steps: int) -> None:
+    def decode_run(self, steps: int) -> np.ndarray:
         """`steps` calls of `prepare_for_decode` at once, where memory can take them with no
-        eviction (`MemoryManager.decode_run_room`): the same slots, lengths and caches."""
+        eviction (`MemoryManager.decode_run_steps`): the same slots, lengths and caches.
+        Returns the pages each step opened."""
         self.forward_mode = "decode"
         before = self.seq_lens_cpu
-        self.out_cache_loc = self.memory.alloc_decode_run(self.reqs, seq_lens_cpu=before,
-                                                          req_pool_indices=self.req_pool_indices, steps=steps)
+        self.out_cache_loc, opened = self.memory.alloc_decode_run(self.reqs, seq_lens_cpu=before,
+                                                                  req_pool_indices=self.req_pool_indices, steps=steps)
         self.seq_lens, self.seq_lens_cpu = self.seq_lens + steps, before + steps
         hist = self._page_hist
         if hist is not None and hist.lengths is before:
@@ -115,6 +116,7 @@ class ScheduleBatch:
         len_sum = self._len_sum
         if len_sum is not None and len_sum[0] is before:
             self._len_sum = (self.seq_lens_cpu, len_sum[1] + steps * before.numel())
+        return opened
 
     def decode_ends(self) -> np.ndarray:
         """Per request, the length its row reaches with the slot of its last output but one:

@@ -89,13 +89,10 @@ class DecodeRuns:
             clocks.append(clock)
         steps = len(clocks)
         held, start = s._held_tokens(), memory.usage()
-        ps = memory.page_size  # the slots the run has taken after each step
-        taken = range(bs, bs * steps + 1, bs) if ps == 1 else \
-            (ps * np.cumsum(memory.decode_run_pages(batch.seq_lens_cpu, steps))).tolist()
-        batch.decode_run(steps)
+        taken = (memory.page_size * np.cumsum(batch.decode_run(steps))).tolist()  # the slots taken after each step
         self._results(flight, reqs, steps)
         for _ in range(steps):
-            s.new_token_ratio = max(s.new_token_ratio - s.new_token_ratio_decay, s.min_new_token_ratio)
+            s.new_token_ratio = s.decayed_token_ratio(s.new_token_ratio)
         stats = s.stats
         stats.decode_steps += steps
         stats.allocations += steps
@@ -117,7 +114,7 @@ class DecodeRuns:
         s.overlap.result_queue[0] = InFlight("decode", list(reqs), s.running.seq_lens_cpu.tolist(),
                                              range(last, last + bs))
 
-    def _records(self, clocks: list, bs: int, held: int, start: Usage, taken) -> None:
+    def _records(self, clocks: list, bs: int, held: int, start: Usage, taken: list) -> None:
         """One record per step, as `Scheduler._record` makes it (with the step's batch and
         its allocation event when those are recorded), handed to `on_step`."""
         s = self.sched

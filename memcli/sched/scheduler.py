@@ -443,7 +443,7 @@ class Scheduler:
                 self._abort_running_oom()
                 return None
         else:
-            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+            self.new_token_ratio = self.decayed_token_ratio(self.new_token_ratio)
         batch.prepare_for_decode()
         if self.record_batches:
             n = batch.batch_size
@@ -550,6 +550,10 @@ class Scheduler:
             self.memory.record_load_wait(load_end - self.clock_ms - compute)
             compute = load_end - self.clock_ms
         return compute + self.memory.take_transfer_stall_ms()
+
+    def decayed_token_ratio(self, ratio: float) -> float:
+        """The new-token ratio one decode step after `ratio`."""
+        return max(ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
 
     def decode_cost_ms(self, batch: ScheduleBatch) -> float:
         return self.decode_step_ms(batch.batch_size, batch.seq_lens_sum())
