@@ -34,6 +34,9 @@ class Req:
         self.device = device
         self.kv = ReqKV(device)
         self.output_ids: list[int] = []
+        self._tokens: np.ndarray | None = None  # prompt + outputs, for `token_ids` past the prompt
+        self._tokens_of: list[int] | None = None  # the output list `_tokens` copies
+        self._tokens_out = 0  # outputs copied into `_tokens`
         self.fill_ids = self.origin_input_ids
         self.first_host_skipped: int | None = None  # kv.host_skipped_len of the round that first admitted it
         self.extend_input_len = 0
@@ -62,11 +65,40 @@ class Req:
         return self.input_len + len(self.output_ids)
 
     def token_ids(self, n: int) -> np.ndarray:
-        """The first `n` tokens of prompt + output."""
-        if n <= len(self.origin_input_ids):
+        """The first `n` tokens of prompt + output (a view: callers do not write it).
+
+        Past the prompt the tokens come from one buffer that holds the prompt and the outputs
+        copied so far: only the outputs added since the last call are copied (outputs are
+        only ever appended), where joining prompt and outputs would copy the whole prompt
+        every time a long request is checkpointed."""
+        input_len = self.input_len
+        if n <= input_len:
             return self.origin_input_ids[:n]
-        out = np.asarray(self.output_ids[: n - len(self.origin_input_ids)], dtype=np.int64)
-        return np.concatenate([self.origin_input_ids, out])
+        out = self.output_ids
+        n = min(n, input_len + len(out))
+        buf = self._tokens
+        if buf is None or self._tokens_of is not out or n > buf.shape[0]:
+            buf = self._token_buffer(n)
+        copied = input_len + self._tokens_out
+        if n > copied:
+            buf[copied:n] = out[copied - input_len : n - input_len]
+            self._tokens_out = n - input_len
+        return buf[:n]
+
+    def _token_buffer(self, n: int) -> np.ndarray:
+        """A new buffer for at least `n` tokens, holding the prompt (room doubles as outputs grow,
+        up to `max_new_tokens`); a replaced output list is copied again from its start."""
+        input_len = self.input_len
+        room = max(n - input_len, min(self.max_new_tokens, max(64, 2 * (n - input_len))))
+        buf = np.empty(input_len + room, dtype=np.int64)
+        buf[:input_len] = self.origin_input_ids
+        if self._tokens is not None and self._tokens_of is self.output_ids:
+            kept = input_len + self._tokens_out
+            buf[input_len:kept] = self._tokens[input_len:kept]
+        else:
+            self._tokens_out = 0
+        self._tokens, self._tokens_of = buf, self.output_ids
+        return buf
 
     def init_next_round_input(self, memory=None) -> None:
         """Set `fill_ids` and, with `memory` (a `MemoryManager`), match the prefix.
