@@ -18,7 +18,7 @@ Slot 0 (page 0 when paged) is padding and never handed out.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Protocol
+from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 import numpy as np
 import torch
@@ -26,6 +26,9 @@ import torch
 from memcli import kernels
 from memcli.check_result import CheckResult, IntegrityReport
 from memcli.mem_cache.pages import decode_new_pages
+
+# Claims one step of a decode run taken at once: (step of the run, the slots it wrote, in batch order).
+RunObserver = Callable[[int, np.ndarray], None]
 
 
 class AllocatorState(NamedTuple):
@@ -150,9 +153,24 @@ class BaseAllocator:
     @property
     def runs_decode(self) -> bool:
         """`alloc_decode_run_write` can serve this allocator: host memory, the torch backend,
-        no observer, no graphs, no debug checks, no release list."""
-        return (self._buf_host is not None and self.backend == "torch" and self.ledger is None
-                and self.decode_graphs is None and not self.debug and not self.need_sort)
+        no graphs, no debug checks, no release list (an observer is told step by step)."""
+        return (self._buf_host is not None and self.backend == "torch" and self.decode_graphs is None
+                and not self.debug and not self.need_sort)
+
+    def _took_run(self, slots: np.ndarray, opened: np.ndarray, observe: Optional[RunObserver]) -> None:
+        """A run of decode steps wrote `slots` (one line per step) into the rows: the free
+        list's head moves past the `opened` pages of each step. Without an observer in one
+        move; with one, step by step as the steps one by one would (each step's hand-out
+        claimed at once), `observe(step, slots)` making each step's claim."""
+        if self.ledger is None:
+            pages = int(opened.sum())
+            self._advance(pages)
+            self._commit_alloc(pages)
+            return
+        for step, pages in enumerate(opened.tolist()):
+            self._advance(pages, claimed=True)
+            self._commit_alloc(pages)
+            observe(step, slots[step])
 
     def _decode_write(self, seq_lens, req_pool_indices, req_to_token, num_pages: int,
                       claimed: bool) -> DecodeAllocation:
@@ -516,18 +534,19 @@ class TokenToKVPoolAllocator(BaseAllocator):
 
 
     def alloc_decode_run_write(self, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
-                               req_to_token: torch.Tensor, steps: int, pages: int) -> torch.Tensor:
-        """`steps` decode steps of one batch at once (`runs_decode`; the `pages` = `steps * bs`
-        they take are free): step s takes the next `bs` entries of the ring and writes them
-        at column `seq_lens_cpu + s`, as `steps` calls of `alloc_decode_write` would. Returns
-        the last step's slots (a copy)."""
-        bs = seq_lens_cpu.numel()
-        slots = np.asarray(self._head_host(pages)).reshape(steps, bs)
+                               req_to_token: torch.Tensor, opened: np.ndarray,
+                               observe: Optional[RunObserver] = None) -> torch.Tensor:
+        """`len(opened)` decode steps of one batch at once (`runs_decode`; the `bs` pages each
+        step opens are free): step s takes the next `bs` entries of the ring and writes them
+        at column `seq_lens_cpu + s`, as that many calls of `alloc_decode_write` would. With
+        an observer attached, `observe` claims each step's slots (`_took_run`). Returns the
+        last step's slots (a copy)."""
+        bs, steps = seq_lens_cpu.numel(), len(opened)
+        slots = np.asarray(self._head_host(steps * bs)).reshape(steps, bs)
         columns = seq_lens_cpu.numpy() + np.arange(steps, dtype=np.int64)[:, None]
         req_to_token.numpy()[req_pool_indices.numpy(), columns] = slots  # int64 -> int32, as the kernel
         out = torch.from_numpy(slots[-1].copy())
-        self._advance(pages)
-        self._commit_alloc(pages)
+        self._took_run(slots if self.ledger is None else slots.copy(), opened, observe)  # the claims outlive the ring
         return out
 
 
@@ -620,13 +639,16 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         return self._decode_write(seq_lens, req_pool_indices, req_to_token, num_pages, claimed)
 
     def alloc_decode_run_write(self, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
-                               req_to_token: torch.Tensor, steps: int, pages: int) -> torch.Tensor:
-        """`steps` decode steps of one batch at once (`runs_decode`; the `pages` they open are
-        free), as `steps` calls of `alloc_decode_write` would: step s writes position
-        `seq_lens_cpu + s` of each row, a request whose position starts a page taking the
-        next free page (page-takers in step, then batch order), the others the slot after
-        their last one. Returns the last step's slots."""
-        ps, lengths = self.page_size, seq_lens_cpu.numpy()
+                               req_to_token: torch.Tensor, opened: np.ndarray,
+                               observe: Optional[RunObserver] = None) -> torch.Tensor:
+        """`len(opened)` decode steps of one batch at once (`runs_decode`; the pages they open,
+        `opened[s]` at step s, are free), as that many calls of `alloc_decode_write` would: step
+        s writes position `seq_lens_cpu + s` of each row, a request whose position starts a
+        page taking the next free page (page-takers in step, then batch order), the others the
+        slot after their last one. With an observer attached, `observe` claims each step's
+        slots (`_took_run`). Returns the last step's slots."""
+        ps, lengths, steps = self.page_size, seq_lens_cpu.numpy(), len(opened)
+        pages = int(opened.sum())
         bs, rows = lengths.shape[0], req_pool_indices.numpy()
         table = req_to_token.numpy()
         positions = lengths + np.arange(steps, dtype=np.int64)[:, None]  # (steps, bs)
@@ -641,8 +663,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         slots = np.where(opened_at >= 0, new, last + positions - lengths + 1)
         table[rows, positions] = slots
         out = torch.from_numpy(slots[-1].copy())
-        self._advance(pages)
-        self._commit_alloc(pages)
+        self._took_run(slots, opened, observe)
         return out
 
 

@@ -422,13 +422,24 @@ class MemoryManager:
                          steps: int) -> tuple[torch.Tensor, np.ndarray]:
         """`steps` consecutive `alloc_decode` calls for the same requests, which
         `decode_run_steps` allows: the same slots in the same rows, each record `steps` slots
-        longer. Returns the last step's slots and the pages each step opened."""
+        longer. Returns the last step's slots and the pages each step opened.
+
+        When checking, the ledger is told each step on its own, under its step number (the
+        ledger's step when the run starts is its first): the same hand-outs, claims, history
+        and errors as the steps one by one."""
         opened = self.decode_run_pages(seq_lens_cpu, steps)
-        pages = int(opened.sum())
-        if pages * self.page_size > self.allocator.available_size():
+        if int(opened.sum()) * self.page_size > self.allocator.available_size():
             raise ValueError(f"{steps} decode steps of {len(reqs)} requests do not fit without eviction")
+        ledger, observe = self.allocator.ledger, None
+        if ledger is not None:
+            first = ledger.step
+
+            def observe(step: int, slots: np.ndarray) -> None:
+                ledger.step = first + step
+                ledger.decoded(req_pool_indices, seq_lens_cpu + step, slots)
+
         out = self.allocator.alloc_decode_run_write(seq_lens_cpu, req_pool_indices, self.req_to_token_pool.req_to_token,
-                                                    steps, pages)
+                                                    opened, observe)
         for req in reqs:
             req.kv.kv_allocated_len += steps
         return out, opened

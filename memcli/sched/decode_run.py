@@ -17,9 +17,11 @@ iterations is then fixed in advance, and `DecodeRuns.take` applies it at once:
 
 so that everything the plain loop leaves (tree, free list, rows, requests, records, the
 batch in flight) is the same. What a run needs of the stack, and the configurations it
-leaves to the plain loop (checks every step, forced retractions, the triton backend, a host
-tier with a copy ending or a write-back wait to pay), are in `steady` and
-`MemoryManager.decode_run_steps`.
+leaves to the plain loop (the full walk every step, forced retractions, the triton backend, a
+host tier with a copy ending or a write-back wait to pay), are in `steady` and
+`MemoryManager.decode_run_steps`. Under the incremental check (`--check`) the ledger is told
+each step of a run under its own number, and one check after the run covers what all its
+steps changed (`IntegrityChecker.after_run`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class DecodeRuns:
         s = self.sched
         loop = s.overlap
         if loop is None or loop.last_kind != "decode" or len(loop.result_queue) != 1 or s.chunked_req is not None \
-                or s.chunk_to_cache is not None or s.retract_every or s.checker.reads_holders(False):
+                or s.chunk_to_cache is not None or s.retract_every or not s.checker.checks_runs:
             return 0
         # A host tier: no write-back wait to pay, and (acknowledged every step) no copy ending now.
         if s.hierarchical and s.memory.host_quiet_until() <= (s.clock_ms if s.ack_every_step else 0.0):
@@ -97,8 +99,10 @@ class DecodeRuns:
         stats.decode_steps += steps
         stats.allocations += steps
         stats.allocated_tokens += steps * bs
+        first = s.step_count
         self._records(clocks, bs, held, start, taken)
         s.progress_guard.after_step(s, before)
+        s.stats.checks_run += s.checker.after_run(first, steps, s.memory_holders())
         return steps
 
     def _results(self, flight: InFlight, reqs: list, steps: int) -> None:

@@ -187,9 +187,9 @@ def break_runs(monkeypatch, case) -> None:
         else allocator.PagedTokenToKVPoolAllocator
     write = cls.alloc_decode_run_write
 
-    def wrong(self, seq_lens_cpu, req_pool_indices, req_to_token, steps, pages):
-        out = write(self, seq_lens_cpu, req_pool_indices, req_to_token, steps, pages)
-        if steps >= 3 and seq_lens_cpu.numel() >= 2:
+    def wrong(self, seq_lens_cpu, req_pool_indices, req_to_token, opened, observe=None):
+        out = write(self, seq_lens_cpu, req_pool_indices, req_to_token, opened, observe)
+        if len(opened) >= 3 and seq_lens_cpu.numel() >= 2:
             table = req_to_token.numpy()
             a, b = req_pool_indices.numpy()[:2]
             la, lb = seq_lens_cpu.numpy()[:2] + 1

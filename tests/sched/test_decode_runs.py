@@ -1,7 +1,8 @@
 """The fast path (steady decode runs taken at once, `memcli.sched.decode_run`) against the
 plain loop (`memcli replay --plain-loop`): the same document, step log and request rows, on
 the bundled traces, for every engine and event loop, page sizes 1 and 16, radix and hiradix,
-pools that force eviction and retraction, with and without per-step checks."""
+pools that force eviction and retraction, with and without per-step checks (the incremental
+check covers runs too; the full walk every step leaves every step to the plain loop)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,12 @@ CASES = [
                                                             "--set", "cache.write_policy=write_back", *SMALL], True),
     ("0.5.5 hiradix ps16", CONVERSATION, ["--engine", "sglang-0.5.5", "--set", "cache.kind=hiradix",
                                           "--set", "memory.page_size=16"], True),
-    ("0.5.23 checked", CONVERSATION, ["--engine", "sglang-0.5.23", "--check", *SMALL], False),
+    ("0.5.23 checked", CONVERSATION, ["--engine", "sglang-0.5.23", "--check", *SMALL], True),
+    ("0.5.23 ps16 checked", CONVERSATION, ["--engine", "sglang-0.5.23", "--check", "--set", "memory.page_size=16"],
+     True),
+    ("0.5.5 hiradix ps4 checked", SYNTHETIC, ["--engine", "sglang-0.5.5", "--check", "--set", "cache.kind=hiradix",
+                                              "--set", "memory.page_size=4", *SMALL], True),
+    ("0.5.23 full walk every step", SYNTHETIC, ["--engine", "sglang-0.5.23", "--check", "full", *SMALL], False),
     ("0.5.23 lfu", SYNTHETIC, ["--engine", "sglang-0.5.23", "--set", "cache.eviction_policy=lfu", *SMALL], True),
     ("0.5.5", CONVERSATION, ["--engine", "sglang-0.5.5"], True),
     ("0.5.5 small pool", CONVERSATION, ["--engine", "sglang-0.5.5", *SMALL], True),
@@ -184,3 +190,83 @@ def test_a_run_starts_only_where_every_row_holds_its_prompt_and_outputs(monkeypa
         result = CliRunner().invoke(app, ["replay", str(CONVERSATION), *args, "--limit", "150", "--json"])
         assert result.exit_code == 0, result.output
     assert len(seen) > 100
+
+
+def _swap(table, rows, positions) -> None:
+    """Two rows' slots at their positions, exchanged (a decode write gone wrong)."""
+    (a, b), (la, lb) = rows, positions
+    table[a, la], table[b, lb] = table[b, lb], table[a, la]
+
+
+def _checked_failure(args: list, tmp_path, plain: bool) -> dict:
+    result = CliRunner().invoke(app, ["replay", str(CONVERSATION), *args, "--check", "--json",
+                                      *(["--plain-loop"] if plain else [])])
+    assert result.exit_code == 1, result.output
+    integrity = json.loads(result.stdout)["integrity"]
+    assert not integrity["ok"]
+    return integrity
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_slot_written_wrong_inside_a_run_is_found_at_its_step_as_by_the_plain_loop(page_size, tmp_path,
+                                                                                    monkeypatch):
+    # The fast path under --check: the first run of three steps or more writes two rows' slots
+    # of its second step swapped. The plain loop is then broken the same way at that step: both
+    # must stop at that step, by the same check, with the same message and the same history.
+    from memcli.mem_cache import allocator
+
+    args = ["--engine", "sglang-0.5.23", "--set", f"memory.page_size={page_size}", *SMALL]
+    cls = allocator.TokenToKVPoolAllocator if page_size == 1 else allocator.PagedTokenToKVPoolAllocator
+    run_write, step_write = cls.alloc_decode_run_write, cls.alloc_decode_write
+    broken = {}
+
+    def wrong_run(self, seq_lens_cpu, req_pool_indices, req_to_token, opened, observe=None):
+        first = self.ledger.step
+        out = run_write(self, seq_lens_cpu, req_pool_indices, req_to_token, opened, observe)
+        if not broken and len(opened) >= 3 and seq_lens_cpu.numel() >= 2:
+            rows = req_pool_indices.numpy()[:2].tolist()
+            broken.update(step=first + 1, rows=rows)
+            _swap(req_to_token.numpy(), rows, (seq_lens_cpu.numpy()[:2] + 1).tolist())
+        return out
+
+    monkeypatch.setattr(cls, "alloc_decode_run_write", wrong_run)
+    fast = _checked_failure(args, tmp_path, plain=False)
+    expected = "page_sharing" if page_size == 1 else "row_layout"  # a paged row's slot off its page's run
+    assert broken and fast["failure_step"] == broken["step"] and fast["failure_check"] == expected
+
+    def wrong_step(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token, *rest, **kw):
+        out = step_write(self, seq_lens, seq_lens_cpu, req_pool_indices, req_to_token, *rest, **kw)
+        if self.ledger.step == broken["step"]:
+            rows = req_pool_indices.numpy().tolist()
+            at = [rows.index(r) for r in broken["rows"]]
+            _swap(req_to_token.numpy(), broken["rows"], seq_lens_cpu.numpy()[at].tolist())
+        return out
+
+    monkeypatch.setattr(cls, "alloc_decode_run_write", run_write)
+    monkeypatch.setattr(cls, "alloc_decode_write", wrong_step)
+    plain = _checked_failure(args, tmp_path, plain=True)
+    for key in ("failure_step", "failure_check", "failure", "history"):
+        assert fast[key] == plain[key], key
+
+
+def test_a_count_gone_wrong_inside_a_run_names_the_run(tmp_path, monkeypatch):
+    # A run whose allocator moves the free list's head one page too far: the pages are lost,
+    # which the check after the run finds, naming the run's steps (no position tells which).
+    from memcli.mem_cache import allocator
+
+    cls = allocator.TokenToKVPoolAllocator
+    took = cls._took_run
+    runs = []
+
+    def lose_one(self, slots, opened, observe):
+        took(self, slots, opened, observe)
+        if not runs:
+            runs.append((self.ledger.step, len(opened)))
+            self._advance(1)  # one page out of the free list, told to the ledger, claimed by nobody
+            self._commit_alloc(1)
+
+    monkeypatch.setattr(cls, "_took_run", lose_one)
+    integrity = _checked_failure(["--engine", "sglang-0.5.23", *SMALL], tmp_path, plain=False)
+    last, steps = runs[0]
+    assert integrity["failure_check"] == "lost_page" and integrity["failure_step"] == last
+    assert integrity["failure"].startswith(f"steps {last - steps + 1}-{last} (a decode run checked at its end")

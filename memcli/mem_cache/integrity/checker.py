@@ -103,6 +103,28 @@ class IntegrityChecker:
         not build it): always with the ledger or a walk every step, else on idle steps."""
         return idle or self.ledger is not None or self.policy.every_step in ("full", "both")
 
+    @property
+    def checks_runs(self) -> bool:
+        """Whether a run of decode steps taken at once can be checked (`after_run`): with no
+        check every step, or the incremental one; not the full walk every step."""
+        return self.policy.every_step in ("none", "incremental")
+
+    def after_run(self, first: int, steps: int, running: list) -> int:
+        """Check a run of `steps` decode steps taken at once, `first` the first one's number,
+        as `after_step` would have checked each: one incremental check of what the whole run
+        changed (the ledger was told each step under its own number, and what a step leaves
+        in a run stays to its end: a run frees nothing). A failure names the step that wrote
+        the position it finds, else the run's steps (`OwnershipError.step`: the last). Returns
+        the steps checked (0 without the ledger: a run has no idle step to walk)."""
+        if self.ledger is None:
+            return 0
+        last = first + steps - 1
+        self.ledger.step = last + 1
+        self._incremental(last, running, run=(first, steps))
+        self.stats.incremental += steps - 1  # one per step covered, as the steps one by one
+        self.stats.steps_checked += steps
+        return steps
+
     def after_step(self, step: int, running: list, idle: bool) -> bool:
         """Check step `step` (0-based) as the policy says; True when some check ran."""
         mode, ran = self.policy.every_step, False
@@ -120,18 +142,26 @@ class IntegrityChecker:
             self.stats.steps_checked += 1
         return ran
 
-    def _incremental(self, step: int, running: list) -> None:
+    def _incremental(self, step: int, running: list, run: Optional[tuple[int, int]] = None) -> None:
         start = time.perf_counter()
         result = step_failure(self.ledger, self.stack, running)
         if result is not None:
-            raise self._failure(step, result, running)
+            raise self._failure(step, result, running, run)
         self.stats.incremental += 1
         self.stats.incremental_s += time.perf_counter() - start
 
-    def _failure(self, step: int, result: CheckResult, running: list) -> OwnershipError:
-        """The error of a failed step check, with the history of the pages it names."""
+    def _failure(self, step: int, result: CheckResult, running: list,
+                 run: Optional[tuple[int, int]] = None) -> OwnershipError:
+        """The error of a failed step check, with the history of the pages it names; after a
+        run (`run`: its first step and length), at the step that wrote the position it names."""
         touches = self.ledger.history_of(suspect_pages(self.ledger, result, running))
-        return OwnershipError(f"step {step}: {result.name}: {result.detail}", step, result.name, tuple(touches),
+        where = f"step {step}"
+        if run is not None:
+            first, steps = run
+            at = run_step_of(result, running, first, steps)
+            step, where = (step, f"steps {first}-{step} (a decode run checked at its end; --plain-loop checks each"
+                                 f" step on its own)") if at is None else (at, f"step {at}")
+        return OwnershipError(f"{where}: {result.name}: {result.detail}", step, result.name, tuple(touches),
                               self.ledger.story_of(touches))
 
     def _walk_due(self) -> bool:
@@ -156,6 +186,21 @@ class IntegrityChecker:
         self._idle_since_walk = 0
         self.stats.full_walks += 1
         self.stats.walk_s += time.perf_counter() - start
+
+
+def run_step_of(result: CheckResult, running: list, first: int, steps: int) -> Optional[int]:
+    """The step of a run (`first`, `steps` long) that wrote the position a failed check names:
+    step `first + j` of the run wrote position `length_before + j` of every running row; None
+    when the check names no position, or one written before the run."""
+    if not result.positions:
+        return None
+    pos = max(result.positions)
+    held = [r for r in running if result.rid is not None and hasattr(r, "kv_allocated_len")
+            and str(r.rid) == result.rid]
+    if not held:
+        return None
+    j = pos - (held[0].kv_allocated_len - steps)
+    return first + j if 0 <= j < steps else None
 
 
 def suspect_pages(ledger: OwnershipLedger, result: CheckResult, running: list) -> list[int]:

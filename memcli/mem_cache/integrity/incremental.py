@@ -225,14 +225,14 @@ def _written_rows(ledger: OwnershipLedger, stack: Any, held: _Held, quiet: bool)
             return [layout, None, None]
         return [layout, passed("slot_range", _range_detail(ledger, slots)),
                 passed("page_sharing", f"{len(slots)} written positions owned by the tree or their request")]
-    in_range = _range(ledger, slots, spans)
+    in_range = _range(ledger, slots, spans, rids)
     if not in_range.ok:
         return [passed("row_layout", "not checked: a slot is out of range"), in_range,
                 passed("page_sharing", "not checked: a slot is out of range")]
     sharing = failed("page_sharing", f"row {spans.row_at(i)} position {spans.pos_at(i)}: {ledger.page_label(int(pages[i]))}"
                                      f" is owned by {owner_name(int(found[i]))}, expected"
                                      f" {owner_name(spans.expected_at(i))}",
-                     positions=(spans.pos_at(i),), slots=(int(slots[i]),))
+                     rids[spans.span(i)], positions=(spans.pos_at(i),), slots=(int(slots[i]),))
     return [layout, in_range, sharing]
 
 
@@ -406,12 +406,12 @@ def _range_detail(ledger: OwnershipLedger, slots: np.ndarray) -> str:
     return f"{len(slots)} written slots in [{ps}, {(ledger.num_pages + 1) * ps})"
 
 
-def _range(ledger: OwnershipLedger, slots: np.ndarray, spans: _Spans) -> CheckResult:
+def _range(ledger: OwnershipLedger, slots: np.ndarray, spans: _Spans, rids: "_Rids") -> CheckResult:
     ps = ledger.page_size
     bad = np.flatnonzero((slots < ps) | (slots >= (ledger.num_pages + 1) * ps))
     if not len(bad):
         return passed("slot_range", _range_detail(ledger, slots))
     i = int(bad[0])
     return failed("slot_range", f"written slot {int(slots[i])} (position {spans.pos_at(i)}) is outside"
-                                f" [{ps}, {(ledger.num_pages + 1) * ps})", positions=(spans.pos_at(i),),
-                  slots=(int(slots[i]),))
+                                f" [{ps}, {(ledger.num_pages + 1) * ps})", rids[spans.span(i)],
+                  positions=(spans.pos_at(i),), slots=(int(slots[i]),))
