@@ -6,7 +6,9 @@ host noise falls on every point alike. A point's figure is the median of its rou
 times (`summary.wall_s`: stack build, every step, the final integrity check; not the trace
 read). Each round also replays the point through the plain loop (every step one loop
 iteration, `memcli replay --plain-loop`) right after the fast path, and the table gives the
-ratio of the two medians (`--no-plain` skips them). Every replay of a point must give the
+ratio of the two medians (`--no-plain` skips them); with `--check`, each round also replays the
+point under the incremental integrity check every step (`memcli replay --check`, the fast path),
+and the table gives its median over the unchecked one. Every replay of a point must give the
 same steps, hits, clock and evictions, or the bench stops: a replay's document depends
 neither on its speed nor on the path. The machine (CPU count, model name) and its load
 average before and after are printed with the figures, since on a shared host they say how
@@ -27,7 +29,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple, Optional, Sequence
+from typing import Iterable, NamedTuple, Optional, Sequence
 
 from memcli.config import load_config
 from memcli.errors import MemcliError
@@ -56,11 +58,18 @@ class BenchPoint:
     step_times: dict  # the median round's wall time by kind of step (`StepTimes.to_dict`)
     plain_s: Optional[float] = None  # median of the plain loop's rounds
     plain_rounds_s: tuple[float, ...] = ()
+    checked_s: Optional[float] = None  # median of the rounds under `--check` (incremental, every step)
+    checked_rounds_s: tuple[float, ...] = ()
 
     @property
     def speedup(self) -> Optional[float]:
         """Plain loop time over fast path time, medians of the same rounds."""
         return None if self.plain_s is None else self.plain_s / self.replay_s
+
+    @property
+    def check_cost(self) -> Optional[float]:
+        """Checked time over unchecked time (both the fast path), medians of the same rounds."""
+        return None if self.checked_s is None else self.checked_s / self.replay_s
 
 
 def machine() -> dict:
@@ -77,32 +86,38 @@ def machine() -> dict:
 
 
 def run_bench(trace_path: Path, points: Sequence[str], engine: str, limit: Optional[int] = None,
-              rounds: int = 1, plain: bool = True) -> list[BenchPoint]:
+              rounds: int = 1, plain: bool = True, check: bool = False) -> list[BenchPoint]:
     """Replay every point `rounds` times (interleaved; with `plain`, each time also through
-    the plain loop); raises `MemcliError` for bad input or when two replays of one point
-    disagree on the steps, the hits, the clock or the evictions."""
+    the plain loop; with `check`, also under the incremental check every step); raises
+    `MemcliError` for bad input or when two replays of one point disagree on the steps, the
+    hits, the clock or the evictions, or a checked replay finds a failure."""
     trace = read_trace(trace_path, limit=limit)
     shared = shared_prefix_lens(trace)
     configs = [load_config(None, [*point.split(), f"semantics.engine={engine}"], builtin="replay") for point in points]
-    modes = [ReplayOptions(default_arrivals(trace), step_times=True)]
+    arrivals = default_arrivals(trace)
+    modes = {"fast": ReplayOptions(arrivals, step_times=True)}
     if plain:
-        modes.append(ReplayOptions(default_arrivals(trace), step_times=True, plain_loop=True))
+        modes["plain"] = ReplayOptions(arrivals, step_times=True, plain_loop=True)
+    if check:
+        modes["checked"] = ReplayOptions(arrivals, check_every_step=True, step_times=True)
     for config in configs:
-        check_options(trace, config, modes[0])
-    runs: list[list[list[_Round]]] = [[[] for _ in modes] for _ in points]
+        check_options(trace, config, modes["fast"])
+    runs: list[dict[str, list[_Round]]] = [{mode: [] for mode in modes} for _ in points]
     for _ in range(rounds):
         for i, config in enumerate(configs):
-            for m, options in enumerate(modes):
-                runs[i][m].append(_replay_round(points[i], config, trace, options, shared, runs[i]))
+            for mode, options in modes.items():
+                runs[i][mode].append(_replay_round(points[i], config, trace, options, shared, runs[i].values()))
     rows = []
-    for point, (fast, *slow) in zip(points, runs):
+    for point, by_mode in zip(points, runs):
+        fast = by_mode["fast"]
         samples = [r.wall_s for r in fast]
         median = statistics.median(samples)
         middle = fast[sorted(range(len(samples)), key=samples.__getitem__)[(len(samples) - 1) // 2]]
-        plain_rounds = tuple(r.wall_s for r in slow[0]) if slow else ()
+        plain_rounds, checked_rounds = (tuple(r.wall_s for r in by_mode.get(m, ())) for m in ("plain", "checked"))
         rows.append(BenchPoint(point, trace.num_requests, middle.outcome[0], middle.outcome[1], median, tuple(samples),
                                trace.num_requests / median, middle.outcome[0] / median, middle.step_times.to_dict(),
-                               statistics.median(plain_rounds) if plain_rounds else None, plain_rounds))
+                               statistics.median(plain_rounds) if plain_rounds else None, plain_rounds,
+                               statistics.median(checked_rounds) if checked_rounds else None, checked_rounds))
     return rows
 
 
@@ -112,7 +127,7 @@ class _Round(NamedTuple):
     step_times: StepTimes
 
 
-def _replay_round(point: str, config, trace, options: ReplayOptions, shared, earlier: list) -> _Round:
+def _replay_round(point: str, config, trace, options: ReplayOptions, shared, earlier: Iterable) -> _Round:
     result = replay(config, trace, options, None, shared)
     if result.stop is not None or result.integrity.failure is not None:
         raise MemcliError(f"point {point!r}: the replay did not finish cleanly", "run it with memcli replay to see why")
@@ -128,22 +143,30 @@ def _replay_round(point: str, config, trace, options: ReplayOptions, shared, ear
 
 def format_table(rows: Sequence[BenchPoint], before: dict, after: dict, engine: str) -> str:
     plain = any(r.plain_s is not None for r in rows)
+    checked = any(r.checked_s is not None for r in rows)
     lines = [f"replay speed, engine {engine}: {before['cpus']} CPUs ({before['cpu']}),"
              f" load average {before['load_avg_1m']} before, {after['load_avg_1m']} after",
              f"{'point':<42} {'requests':>9} {'steps':>8} {'replay s':>9} {'requests/s':>11} {'steps/s':>9}"
-             + (f" {'plain s':>8} {'speed-up':>8}" if plain else "") + "  rounds (s)"]
+             + (f" {'plain s':>8} {'speed-up':>8}" if plain else "")
+             + (f" {'checked s':>9} {'check x':>7}" if checked else "") + "  rounds (s)"]
     for r in rows:
         line = (f"{r.point:<42} {r.requests:>9,} {r.steps:>8,} {r.replay_s:>9.2f} {r.requests_per_s:>11,.0f}"
                 f" {r.steps_per_s:>9,.0f}")
         if plain:
             line += f" {r.plain_s:>8.2f} {r.speedup:>7.2f}x" if r.plain_s is not None else f" {'':>8} {'':>8}"
+        if checked:
+            line += f" {r.checked_s:>9.2f} {r.check_cost:>6.2f}x" if r.checked_s is not None else f" {'':>9} {'':>7}"
         rounds = " ".join(f"{t:.2f}" for t in r.rounds_s)
-        if r.plain_rounds_s:
-            rounds += " | plain " + " ".join(f"{t:.2f}" for t in r.plain_rounds_s)
+        for name, times in (("plain", r.plain_rounds_s), ("checked", r.checked_rounds_s)):
+            if times:
+                rounds += f" | {name} " + " ".join(f"{t:.2f}" for t in times)
         lines.append(f"{line}  {rounds}")
     if plain:
         lines.append("plain s: the same replay with every step one loop iteration (--plain-loop), its rounds"
                      " interleaved with the fast path's; speed-up = plain s / replay s")
+    if checked:
+        lines.append("checked s: the same replay under --check (the incremental check after every step), its rounds"
+                     " interleaved; check x = checked s / replay s")
     return "\n".join(lines)
 
 
@@ -173,6 +196,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="replay the first N requests")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--no-plain", action="store_true", help="skip the plain-loop replays (and the speed-up)")
+    parser.add_argument("--check", action="store_true", help="also replay under --check (its cost over unchecked)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -181,14 +205,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     before = machine()
     try:
         rows = run_bench(args.trace, args.point or DEFAULT_POINTS, args.engine, args.limit, args.rounds,
-                         plain=not args.no_plain)
+                         plain=not args.no_plain, check=args.check)
     except MemcliError as exc:
         print(f"error: {exc.message}" + (f"\nhint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
         return exc.exit_code
     after = machine()
     if args.json:
         print(json.dumps({"engine": args.engine, "machine": before, "load_avg_1m_after": after["load_avg_1m"],
-                          "points": [{**asdict(r), "speedup": r.speedup} for r in rows]}, indent=1))
+                          "points": [{**asdict(r), "speedup": r.speedup, "check_cost": r.check_cost} for r in rows]},
+                         indent=1))
     else:
         print(format_table(rows, before, after, args.engine))
         print()

@@ -69,3 +69,25 @@ def test_bench_prints_where_the_time_goes(capsys):
     split = rows[0].step_times
     assert sum(k["steps"] for k in split["kinds"].values()) == rows[0].steps
     assert split["loop_wall_s"] <= max(rows[0].rounds_s)
+
+
+def test_bench_check_replays_each_point_under_the_incremental_check(capsys):
+    rows = run_bench(CONVERSATION, [POINT], "sglang-0.5.23", limit=30, rounds=2, plain=False, check=True)
+    row = rows[0]
+    assert row.plain_s is None and len(row.checked_rounds_s) == 2
+    assert min(row.checked_rounds_s) <= row.checked_s <= max(row.checked_rounds_s)
+    assert row.check_cost == row.checked_s / row.replay_s
+    assert main([str(CONVERSATION), "--limit", "10", "--point", POINT, "--check", "--no-plain"]) == 0
+    out = capsys.readouterr().out
+    assert "checked s" in out and "check x = checked s / replay s" in out and "plain s" not in out
+
+
+def test_bench_stops_when_a_checked_replay_fails(capsys, monkeypatch):
+    from memcli.mem_cache.integrity import checker
+
+    def fails(self, step, running, run=None):
+        raise self._failure(step, checker.failed("free_list", "a planted failure"), running, run)
+
+    monkeypatch.setattr(checker.IntegrityChecker, "_incremental", fails)
+    assert main([str(CONVERSATION), "--limit", "10", "--point", POINT, "--check", "--no-plain"]) == 2
+    assert "did not finish cleanly" in capsys.readouterr().err
