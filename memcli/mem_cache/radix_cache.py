@@ -781,18 +781,22 @@ class RadixCache(BasePrefixCache):
         tree's `tree` (where the tree had them already, the insert freed `own`'s)."""
         end = start + len(tree)
         ledger = getattr(self.allocator, "ledger", None)
-        if ledger is None and tree.data_ptr() == own.data_ptr() and tree.shape == own.shape \
-                and tree.stride() == own.stride():
-            return  # the tree kept the row's own slots (a new leaf views them): the row holds them already
-        if ledger is not None:
-            if own.is_cpu and tree.is_cpu:  # the compare and the mask in numpy: no torch dispatch
-                own_host = own.numpy()
-                ledger.move(own_host[tree.numpy() == own_host], row_id, TREE, "checkpoint")
-            else:
-                ledger.move(own[tree == own], row_id, TREE, "checkpoint")
-        self._write_row(row, start, tree)
-        if ledger is not None:
-            ledger.wrote(row_id, start, end)
+        # The tree kept the row's own slots (a new leaf views them): the row holds them already.
+        kept = tree.data_ptr() == own.data_ptr() and tree.shape == own.shape and tree.stride() == own.stride()
+        if ledger is None:
+            if not kept:
+                self._write_row(row, start, tree)
+            return
+        if kept:  # every one of them passes to the tree
+            ledger.move(own.numpy() if own.is_cpu else own, row_id, TREE, "checkpoint")
+        elif own.is_cpu and tree.is_cpu:  # the compare and the mask in numpy: no torch dispatch
+            own_host = own.numpy()
+            ledger.move(own_host[tree.numpy() == own_host], row_id, TREE, "checkpoint")
+            self._write_row(row, start, tree)
+        else:
+            ledger.move(own[tree == own], row_id, TREE, "checkpoint")
+            self._write_row(row, start, tree)
+        ledger.wrote(row_id, start, end)  # checked at the step's end, as every position the step wrote
 
     @staticmethod
     def _write_row(row: torch.Tensor, start: int, slots: torch.Tensor) -> None:
