@@ -66,10 +66,13 @@ def shrink_mooncake(src: Path, dst: Path, num_requests: int, block_size: int = 8
 
 
 def plant_leak(monkeypatch, after_step: int) -> None:
-    """Make the scheduler take one page after step `after_step` that nobody will ever free."""
+    """Make the scheduler take one page after step `after_step` that nobody will ever free.
+    The step before it is left to the plain loop (a decode run taken at once ends before it),
+    so the page is taken at that step whichever loop the replay runs."""
+    from memcli.sched.decode_run import DecodeRuns
     from memcli.sched.scheduler import Scheduler
 
-    step = Scheduler.step
+    step, steady = Scheduler.step, DecodeRuns.steady
 
     def leaky_step(self):
         record = step(self)
@@ -77,4 +80,9 @@ def plant_leak(monkeypatch, after_step: int) -> None:
             self.memory.allocator.alloc(self.page_size)
         return record
 
+    def steady_before_the_leak(self, limit):
+        before = after_step - 1 - self.sched.step_count  # steps a run may take before the leaking one
+        return steady(self, min(limit, before) if before >= 0 else limit)
+
     monkeypatch.setattr(Scheduler, "step", leaky_step)
+    monkeypatch.setattr(DecodeRuns, "steady", steady_before_the_leak)
