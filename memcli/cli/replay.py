@@ -67,7 +67,8 @@ def replay_command(
     check: Optional[str] = typer.Option(
         None, "--check", metavar="[incremental|full]",
         help="Check integrity after every step, incrementally (what the step changed, plus sampled"
-        " full walks on idle steps); `--check full`: the full walk of the pool after every step (slow on large pools)"),
+        " full walks on idle steps; a decode run taken at once is checked after it, for every step it"
+        " took); `--check full`: the full walk of the pool after every step (slow on large pools)"),
     sweep: List[str] = SweepOpt,
     sweep_file: Optional[Path] = SweepFileOpt,
     jobs: Optional[int] = JobsOpt,
