@@ -546,7 +546,7 @@ class TokenToKVPoolAllocator(BaseAllocator):
         columns = seq_lens_cpu.numpy() + np.arange(steps, dtype=np.int64)[:, None]
         req_to_token.numpy()[req_pool_indices.numpy(), columns] = slots  # int64 -> int32, as the kernel
         out = torch.from_numpy(slots[-1].copy())
-        self._took_run(slots if self.ledger is None else slots.copy(), opened, observe)  # the claims outlive the ring
+        self._took_run(slots, opened, observe)
         return out
 
 

@@ -783,20 +783,19 @@ class RadixCache(BasePrefixCache):
         ledger = getattr(self.allocator, "ledger", None)
         # The tree kept the row's own slots (a new leaf views them): the row holds them already.
         kept = tree.data_ptr() == own.data_ptr() and tree.shape == own.shape and tree.stride() == own.stride()
-        if ledger is None:
-            if not kept:
-                self._write_row(row, start, tree)
-            return
-        if kept:  # every one of them passes to the tree
-            ledger.move(own.numpy() if own.is_cpu else own, row_id, TREE, "checkpoint")
-        elif own.is_cpu and tree.is_cpu:  # the compare and the mask in numpy: no torch dispatch
-            own_host = own.numpy()
-            ledger.move(own_host[tree.numpy() == own_host], row_id, TREE, "checkpoint")
+        if ledger is not None:  # the row's own slots the tree kept pass to it (all of them when kept)
+            if kept:
+                moved = own
+            elif own.is_cpu and tree.is_cpu:  # the compare and the mask in numpy: no torch dispatch
+                own_host = own.numpy()
+                moved = own_host[tree.numpy() == own_host]
+            else:
+                moved = own[tree == own]
+            ledger.move(moved, row_id, TREE, "checkpoint")
+        if not kept:
             self._write_row(row, start, tree)
-        else:
-            ledger.move(own[tree == own], row_id, TREE, "checkpoint")
-            self._write_row(row, start, tree)
-        ledger.wrote(row_id, start, end)  # checked at the step's end, as every position the step wrote
+        if ledger is not None:
+            ledger.wrote(row_id, start, end)  # checked at the step's end, as every position the step wrote
 
     @staticmethod
     def _write_row(row: torch.Tensor, start: int, slots: torch.Tensor) -> None:

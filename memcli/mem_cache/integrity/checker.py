@@ -157,10 +157,12 @@ class IntegrityChecker:
         touches = self.ledger.history_of(suspect_pages(self.ledger, result, running))
         where = f"step {step}"
         if run is not None:
-            first, steps = run
-            at = run_step_of(result, running, first, steps)
-            step, where = (step, f"steps {first}-{step} (a decode run checked at its end; --plain-loop checks each"
-                                 f" step on its own)") if at is None else (at, f"step {at}")
+            at = run_step_of(result, running, *run)
+            if at is None:
+                where = (f"steps {run[0]}-{step} (a decode run checked at its end; --plain-loop checks each step"
+                         " on its own)")
+            else:
+                step, where = at, f"step {at}"
         return OwnershipError(f"{where}: {result.name}: {result.detail}", step, result.name, tuple(touches),
                               self.ledger.story_of(touches))
 
