@@ -419,9 +419,11 @@ class BaseAllocator:
         """Free list in range, no duplicate, page 0 never free, available + in use == size."""
         pages = self.free_page_ids().cpu().numpy()
         n = len(pages)
-        in_range = bool(((pages >= 1) & (pages <= self.num_pages)).all()) if n else True
-        dup = n - _distinct_count(pages, self.num_pages) if n else 0
-        zero = bool((pages == 0).any()) if n else False
+        # Two reductions over the list, and the element-wise masks only when one fails.
+        low, high = (int(pages.min()), int(pages.max())) if n else (1, self.num_pages)
+        in_range = low >= 1 and high <= self.num_pages
+        dup = n - _distinct_count(pages, self.num_pages, in_range) if n else 0
+        zero = low <= 0 and bool((pages == 0).any())
         avail, used = self.available_size(), self.in_use_tokens
         unit = "pages" if self.page_size > 1 else "slots"
         return IntegrityReport(
@@ -438,10 +440,15 @@ class BaseAllocator:
         )
 
 
-def _distinct_count(ids: np.ndarray, num_pages: int) -> int:
+def _distinct_count(ids: np.ndarray, num_pages: int, in_range: bool = False) -> int:
     """`len(np.unique(ids))` for page ids, in one pass: ids in [0, num_pages] are marked in
     a scratch array (a sort of a 4 Mi-slot free list costs a quarter of a second), the rare
-    ids outside it are counted by `np.unique`."""
+    ids outside it are counted by `np.unique`. `in_range`: every id is known to be in
+    [1, num_pages] (no mask needed)."""
+    if in_range:
+        marks = np.zeros(num_pages + 1, dtype=np.bool_)
+        marks[ids] = True
+        return int(np.count_nonzero(marks))
     inside = (ids >= 0) & (ids <= num_pages)
     marks = np.zeros(num_pages + 1, dtype=np.bool_)
     marks[ids[inside]] = True

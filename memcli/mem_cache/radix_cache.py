@@ -55,6 +55,18 @@ def _request_key(req: Any, tokens: np.ndarray) -> RadixKey:
     return RadixKey(tokens, req.extra_key, getattr(req, "rid", None))
 
 
+def _leaf_tokens(tokens: np.ndarray, start: int, end: int) -> np.ndarray:
+    """A new leaf's key, `tokens[start:end]`: a view when it covers at least half of the
+    array the tokens live in (a prompt, or a request's prompt-and-outputs buffer, neither
+    ever rewritten), else a compact copy, so that the keys never keep more than twice the
+    tree's tokens alive (the rule `RadixCache.insert` applies to keys and slots)."""
+    whole = tokens if tokens.base is None else tokens.base
+    leaf = tokens[start:end]
+    if not isinstance(whole, np.ndarray) or 2 * (end - start) < whole.size:
+        return leaf.copy()
+    return leaf
+
+
 class _Slots(NamedTuple):
     """An insert's slots for the tokens [start, start + len(value)) of its key."""
 
@@ -391,10 +403,12 @@ class RadixCache(BasePrefixCache):
                 self._count_insert_hit(child)
             node, pos = child, pos + matched
         if pos < aligned:
-            leaf_value = slots.get(pos, aligned).to(self.device, torch.int64)
+            leaf_value = slots.get(pos, aligned)
+            if leaf_value.dtype != torch.int64 or leaf_value.device != self.device:
+                leaf_value = leaf_value.to(self.device, torch.int64)
             if not owned or 2 * (aligned - pos) < value.shape[0]:
                 leaf_value = leaf_value.clone()  # a short view would keep the caller's whole array alive
-            node = self._add_leaf(node, tokens[pos:aligned].copy(), leaf_value, key.extra_key, now, key.origin)
+            node = self._add_leaf(node, _leaf_tokens(tokens, pos, aligned), leaf_value, key.extra_key, now, key.origin)
             if aligned > inserted_len:
                 self._count_insert_hit(node)
         self._touched(node)

@@ -181,6 +181,9 @@ def _unique_slot_check(values: torch.Tensor, page_size: int) -> CheckResult:
 def _free_slot_check(allocator: Any, values: torch.Tensor) -> CheckResult:
     if allocator is None:
         return CheckResult("slots_not_free", True, "no allocator to compare with")
+    if not len(values):  # an empty tree (the idle walk before the first request): no free list to gather
+        return CheckResult("slots_not_free", True, f"0 of 0 tree slots are also in the allocator's"
+                                                   f" {allocator.available_size()} free slots")
     free = allocator.free_slot_ids().to(values.device)
     both = values[:0]
     if len(values) and len(free):
