@@ -115,30 +115,32 @@ def _alloc_extend_rows_cpu(prefix_lens, seq_lens, last_loc, free_pages, page_siz
     nothing. A request's new tokens are the rest of its last prefix page (the slots after
     ``last_loc``), then a run of its new pages laid out slot by slot; with every new page
     expanded once, that run is one slice. So two slice copies per request replace a dozen
-    passes over every token. Pages past the free list read as page -1, as in the vectorised
-    path; tokens past ``extend_num_tokens`` are not written."""
+    passes over every token, all in numpy over the tensors' memory (torch's cost per small
+    operation was most of a paged extend's). Pages past the free list read as page -1, as in
+    the vectorised path; tokens past ``extend_num_tokens`` are not written."""
     ps = page_size
-    pre, seq, last = prefix_lens.tolist(), seq_lens.tolist(), last_loc.tolist()
-    new_pages = [cdiv(s, ps) - cdiv(p, ps) for p, s in zip(pre, seq)]
+    pre, seq = prefix_lens.tolist(), seq_lens.tolist()
+    last = last_loc.tolist() if isinstance(last_loc, torch.Tensor) else last_loc
+    new_pages = [-(-s // ps) + (p // -ps) for p, s in zip(pre, seq)]  # cdiv(s) - cdiv(p)
     total = sum(new_pages)
-    pages = free_pages[:total]
+    pages = free_pages.numpy()[:total]
     if pages.shape[0] < total:
-        pages = torch.cat([pages, pages.new_full((total - pages.shape[0],), -1)])
-    expanded = (pages[:, None] * ps + torch.arange(ps, dtype=pages.dtype)).reshape(-1)
-    out = torch.full((extend_num_tokens,), -1, dtype=torch.int64)
+        pages = np.concatenate([pages, np.full(total - pages.shape[0], -1, dtype=pages.dtype)])
+    expanded = (pages[:, None] * ps + np.arange(ps, dtype=pages.dtype)).reshape(-1)
+    out = np.full(extend_num_tokens, -1, dtype=np.int64)
     off = page_off = 0
     for p, s, loc, taken in zip(pre, seq, last, new_pages):
         if off >= extend_num_tokens:
             break
         n = min(s - p, extend_num_tokens - off)
-        part1 = min(n, cdiv(p, ps) * ps - p)  # the rest of the prefix's last page
+        part1 = min(n, -(p // -ps) * ps - p)  # the rest of the prefix's last page
         if part1:
-            out[off : off + part1] = torch.arange(loc + 1, loc + 1 + part1)
+            out[off : off + part1] = np.arange(loc + 1, loc + 1 + part1)
         if n > part1:
             out[off + part1 : off + n] = expanded[page_off * ps : page_off * ps + n - part1]
         off += n
         page_off += taken
-    return out
+    return torch.from_numpy(out)
 
 
 def _gather_or_minus_one(values: torch.Tensor, idx: torch.Tensor, start: int = 0,
@@ -418,23 +420,26 @@ def _alloc_decode_write_flat_cpu(seq_lens_before, req_pool_indices, req_to_token
 def _alloc_decode_write_cpu(seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size: int,
                             free_start: int, num_free: int) -> torch.Tensor:
     """``alloc_decode_write_torch`` on a CPU, in numpy over the tensors' own memory: the paged
-    step is a dozen small array operations, and numpy's cost per operation is a fraction of
+    step is a few small array operations, and numpy's cost per operation is a fraction of
     torch's (page size 1 with the pages at hand: ``_alloc_decode_write_flat_cpu``). The same
-    slots: a request whose length is a multiple of the page size takes the next page of the
-    ring of ``num_free`` entries from ``free_start`` (page -1 past it), the others the slot
-    after their last one."""
+    slots: the requests whose length is a multiple of the page size take, in batch order, the
+    next pages of the ring of ``num_free`` entries from ``free_start`` (page -1 past it), the
+    others the slot after their last one."""
     seq, rows, table = seq_lens_before.numpy(), req_pool_indices.numpy(), req_to_token.numpy()
     values, cap = free_pages.numpy(), free_pages.shape[0]
-    needs = seq % page_size == 0
-    slot = np.cumsum(needs) - needs  # each page-taker's place among them
-    if cap == 0 or num_free == 0:
-        page = np.full(seq.shape[0], -1, dtype=np.int64)
-    else:
-        ring = np.minimum(slot, num_free - 1) + free_start
-        ring = np.where(ring >= cap, ring - cap, ring)
-        page = np.where(slot < num_free, values[ring], -1)
-    last = table[rows, np.maximum(seq - 1, 0)].astype(np.int64)
-    out = np.where(needs, page * page_size, last + 1)
+    out = table[rows, np.maximum(seq - 1, 0)].astype(np.int64)
+    out += 1
+    takers = np.flatnonzero(seq % page_size == 0)
+    if takers.shape[0]:
+        have = min(takers.shape[0], num_free) if cap else 0
+        end = free_start + have
+        if end <= cap:
+            page = values[free_start:end]
+        else:
+            page = np.concatenate((values[free_start:], values[: end - cap]))
+        if have < takers.shape[0]:
+            page = np.concatenate((page, np.full(takers.shape[0] - have, -1, dtype=page.dtype)))
+        out[takers] = page * page_size
     table[rows, seq] = out
     return torch.from_numpy(out)
 
@@ -1110,10 +1115,11 @@ def _alloc_extend_write_cpu(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, p
         out = _flat_slots(free_pages, free_start, extend_num_tokens, num_free)
     else:
         # last_loc: the slot before each request's new tokens, -1 without a prefix.
-        last = torch.tensor([int(p[n - 1]) if n else -1 for p, n in zip(prefixes, pre)], dtype=torch.int64)
+        last = [int(p.numpy()[n - 1]) if n else -1 for p, n in zip(prefixes, pre)]
         new_pages = sum(cdiv(s, page_size) - cdiv(p, page_size) for p, s in zip(pre, seq))
         head = _ring_slice(free_pages, free_start, min(new_pages, num_free))  # past num_free: page -1
-        out = _extend_slots_torch(prefix_lens_cpu, seq_lens_cpu, last, head, page_size, extend_num_tokens)
+        out = _alloc_extend_rows_cpu(prefix_lens_cpu, seq_lens_cpu, last, head, page_size, extend_num_tokens) \
+            if extend_num_tokens else torch.empty(0, dtype=torch.int64)
     table, new = req_to_token.numpy(), out.numpy()
     off = 0
     for row, p, s, prefix in zip(rows.tolist() if isinstance(rows, torch.Tensor) else rows, pre, seq, prefixes):

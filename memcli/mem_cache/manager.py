@@ -96,7 +96,7 @@ class ExtendPlan:
               page_size: int, host_plan: bool = False) -> "ExtendPlan":
         """The plan of requests whose rows will hold `seq_lens` tokens after their prefixes;
         with `host_plan`, the fused kernel's host plan too (for the triton backend)."""
-        prefix_lens = [len(p) for p in prefix_tensors]
+        prefix_lens = [p.shape[0] for p in prefix_tensors]
         prefix_lens_cpu = torch.tensor(prefix_lens, dtype=torch.int64)
         seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
         extend_num_tokens = sum(seq_lens) - sum(prefix_lens)
@@ -224,7 +224,7 @@ class MemoryManager:
         kv.prefix_indices, kv.last_node = match.device_indices, match.last_node
         kv.last_host_node, kv.host_hit_length = match.last_host_node, match.host_hit_length
         kv.host_skipped_len = 0
-        kv.last_matched_prefix_len = len(kv.prefix_indices)
+        kv.last_matched_prefix_len = kv.prefix_indices.shape[0]
 
     def touch_prefix(self, token_ids: np.ndarray, extra_key: Any = None) -> None:
         """Walk `token_ids` in the tree as a match does (stamps, splits), adopting nothing

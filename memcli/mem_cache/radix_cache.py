@@ -793,7 +793,7 @@ class RadixCache(BasePrefixCache):
                            tree: torch.Tensor) -> None:
         """Request row `row_id`'s positions from `start` held the slots `own`, and now hold the
         tree's `tree` (where the tree had them already, the insert freed `own`'s)."""
-        end = start + len(tree)
+        end = start + tree.shape[0]
         ledger = getattr(self.allocator, "ledger", None)
         # The tree kept the row's own slots (a new leaf views them): the row holds them already.
         kept = tree.data_ptr() == own.data_ptr() and tree.shape == own.shape and tree.stride() == own.stride()
@@ -824,8 +824,9 @@ class RadixCache(BasePrefixCache):
         values = []
         while length > 0:
             value = node.value
-            values.append(value if len(value) <= length else value[len(value) - length :])
-            length -= len(value)
+            size = value.shape[0]
+            values.append(value if size <= length else value[size - length :])
+            length -= size
             node = node.parent
         if not values:
             return self.empty_indices()
@@ -856,7 +857,7 @@ class RadixCache(BasePrefixCache):
     def _free(self, slots: torch.Tensor, row: Any, op: str) -> None:
         """Free the request row `row`'s own `slots` (the ledger, when attached, checks they are);
         with `free_order="row"` as one segment of the row (pages in row order)."""
-        if len(slots) > 0:
+        if slots.shape[0] > 0:
             if getattr(self.allocator, "ledger", None) is not None and row is not None:  # row -> FREE at once
                 self.allocator.free(slots, owner=row, op=op, **self._segment)
             else:

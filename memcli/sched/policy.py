@@ -121,7 +121,7 @@ class PrefillAdder:
             return req, False
         truncated = req.extend_input_len > room
         req.extend_input_len = min(req.extend_input_len, room)
-        req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
+        req.fill_ids = req.fill_ids[: req.prefix_indices.shape[0] + req.extend_input_len]
         self.can_run_list.append(req)
         self._update_budget(req.extend_input_len, 0 if truncated else min(req.max_new_tokens, self.clip))
         return (req if truncated else None), True
@@ -155,7 +155,7 @@ class PrefillAdder:
         if isinstance(shape, AddResult):
             memory.unlock(req.last_node)
             return shape
-        prefix = len(req.prefix_indices)
+        prefix = req.prefix_indices.shape[0]
         extend, chunked = shape
         req.extend_input_len = extend
         if chunked:
@@ -170,8 +170,9 @@ class PrefillAdder:
         """0.5.23's `_select_prefill_admission` with `host_hit` tokens counted as cached: the
         (extend, chunked) shape, or the AddResult that refuses the request."""
         ps = self.page_size
-        full, prefix = len(req.fill_ids), len(req.prefix_indices) + host_hit
-        if full - len(req.prefix_indices) + max_new + ps >= self.rem_total_tokens:
+        held = req.prefix_indices.shape[0]
+        full, prefix = len(req.fill_ids), held + host_hit
+        if full - held + max_new + ps >= self.rem_total_tokens:
             return AddResult.NO_TOKEN
         extend = full - prefix
         paged = align_up(extend, ps)

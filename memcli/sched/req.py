@@ -110,7 +110,7 @@ class Req:
         if memory is not None:
             max_prefix_len = max(len(self.fill_ids) - 1, 0)
             memory.match_prefix(self, self.fill_ids[:max_prefix_len])
-        self.extend_input_len = len(self.fill_ids) - len(self.kv.prefix_indices)
+        self.extend_input_len = len(self.fill_ids) - self.kv.prefix_indices.shape[0]
 
     def reset_for_retract(self) -> None:
         """Back to the waiting state (memory already emptied its record on release)."""

@@ -363,10 +363,10 @@ class Scheduler:
         for req in reqs:
             hit = 0
             if req.first_cached_tokens is None:
-                hit = req.first_cached_tokens = len(req.prefix_indices)
+                hit = req.first_cached_tokens = req.prefix_indices.shape[0]
                 req.first_host_skipped = req.host_skipped_len
                 req.admit_ms = self.clock_ms
-                self._event("admit", req.rid, len(req.prefix_indices))
+                self._event("admit", req.rid, hit)
                 self._admitted(req)
             elif req.retraction_count and req.kv_committed_len == 0:
                 self.stats.recomputed_tokens += req.extend_input_len
@@ -381,7 +381,7 @@ class Scheduler:
 
     def _admitted(self, req: Req) -> None:
         self.stats.admission_queries += req.seqlen
-        self.stats.admission_hits += len(req.prefix_indices)
+        self.stats.admission_hits += req.prefix_indices.shape[0]
         if self.on_admission is not None:
             self.on_admission(req, True)
 
