@@ -126,6 +126,32 @@ def test_alloc_decode_write_random_matches_reference(page_size):
         assert torch.equal(tables["triton"], expected_table)
 
 
+@pytest.mark.parametrize("page_size", [2, 4, 16])
+def test_paged_decode_on_a_cpu_matches_the_ring_gather(page_size):
+    """The CPU decode step (page-takers served from one slice of the ring) gives the slots of
+    the device path's gather (`_decode_slots_torch`) wherever the free list starts, when it
+    wraps past the buffer's end and when it runs short (page -1), and writes them in the rows."""
+    from memcli.kernels.alloc import _decode_slots_torch
+
+    gen = torch.Generator().manual_seed(77 + page_size)
+    cap = 12
+    free_pages = torch.randperm(40, generator=gen)[:cap].to(torch.int64) + 1
+    for bs in (1, 5, 9):
+        seq = torch.randint(0, 6, (bs,), generator=gen) * page_size  # page-takers...
+        seq += torch.randint(0, 2, (bs,), generator=gen) * torch.randint(1, page_size, (bs,), generator=gen)  # ...and not
+        rows = torch.randperm(16, generator=gen)[:bs].to(torch.int64)
+        table = torch.randint(0, 1000, (16, 8 * page_size), generator=gen, dtype=torch.int32)
+        last = table[rows, (seq - 1).clamp(min=0)].to(torch.int64)
+        for free_start in (0, 5, cap - 1):
+            for num_free in (0, 1, 3, cap):
+                expected = _decode_slots_torch(seq % page_size == 0, last, free_pages, page_size, free_start, num_free)
+                written = table.clone()
+                out = alloc_decode_write_torch(seq, rows, written, free_pages, page_size, validate=False,
+                                               free_start=free_start, num_free=num_free)
+                assert torch.equal(out, expected), (bs, free_start, num_free)
+                assert torch.equal(written[rows, seq], expected.to(torch.int32))
+
+
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_row_writes_on_a_cpu_match_the_cell_by_cell_path(page_size):
     """The CPU path of alloc_extend_write's row writes (two slice copies per request) against

@@ -675,6 +675,9 @@ def test_distinct_count_matches_unique():
             ids = rng.integers(-3, num_pages + 4, size=n, dtype=np.int64)
             assert _distinct_count(ids, num_pages) == len(np.unique(ids))
     assert _distinct_count(np.array([3, 3, 3, 9, 9, -1, -1], dtype=np.int32), 4) == 3
+    for n in (1, 5, 300):  # every id known in range (the walk's two reductions said so): no masks
+        ids = rng.integers(1, 65, size=n, dtype=np.int64)
+        assert _distinct_count(ids, 64, in_range=True) == len(np.unique(ids))
 
 
 def test_duplicate_outside_the_range_is_counted():

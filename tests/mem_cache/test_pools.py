@@ -36,6 +36,17 @@ def test_table_shape_and_initial_state():
     assert pool.check_integrity().ok
 
 
+def test_a_large_table_on_a_cpu_reads_zero_and_takes_writes():
+    """The CPU table comes from zeroed pages the OS hands out on first touch (nothing is
+    written at set-up): every entry reads 0, and a write lands in its row only."""
+    pool = ReqToTokenPool(64, 131072, torch.device("cpu"))
+    table = pool.req_to_token
+    assert table.shape == (64, 131072) and table.dtype == torch.int32 and table.is_contiguous()
+    assert int(table[63, 131071]) == 0 and not table[::7, ::4096].any()
+    table[5, 10:20] = torch.arange(10, dtype=torch.int32)
+    assert table[5, 10:20].tolist() == list(range(10)) and int(table.sum()) == 45
+
+
 def test_rows_are_reused_fifo():
     pool = rows_pool(4)
     assert pool.alloc(2) == [0, 1]

@@ -333,3 +333,27 @@ def test_values_live_on_the_allocator_device():
     result = cache.match_prefix(key(1, 2))
     assert result.device_indices.device == cache.allocator.device
     assert np.shares_memory(cache.match_prefix(key(1, 2)).device_indices.numpy(), result.device_indices.numpy()) is False
+
+
+def test_unified_leaf_keys_view_the_callers_tokens_only_where_they_cover_half_of_them():
+    """A 0.5.23 leaf keeps a view of the tokens it was given when it covers at least half of
+    the array they live in (a prompt, never rewritten), else a compact copy: the keys never
+    keep more than twice the tree's tokens alive."""
+    from memcli.mem_cache.radix_cache import _leaf_tokens
+
+    prompt = np.arange(100, 120, dtype=np.int64)
+    wide = _leaf_tokens(prompt[:16], 4, 16)  # 12 of the 20 tokens the prompt holds
+    assert wide.tolist() == list(range(104, 116)) and np.shares_memory(wide, prompt)
+    narrow = _leaf_tokens(prompt[:16], 10, 16)  # 6 of 20
+    assert narrow.tolist() == list(range(110, 116)) and not np.shares_memory(narrow, prompt)
+    foreign = np.frombuffer(prompt.tobytes(), dtype=np.int64)  # memory numpy does not own
+    assert not np.shares_memory(_leaf_tokens(foreign, 0, 20), foreign)
+
+    cache = make_cache(allocator=False, tree_stamps="unified")
+    tokens = np.arange(500, 532, dtype=np.int64)
+    cache.insert_unified(RadixKey(tokens[:24]), torch.arange(24), owned=True)
+    cache.insert_unified(RadixKey(tokens), torch.arange(24, 32), 24, value_start=24, owned=True)  # 8 new of 32: copied
+    first = cache.match_prefix(RadixKey(tokens[:24])).last_node
+    second = cache.match_prefix(RadixKey(tokens)).last_node
+    assert np.shares_memory(first.key, tokens) and first.key.tolist() == list(range(500, 524))
+    assert not np.shares_memory(second.key, tokens) and second.key.tolist() == list(range(524, 532))

@@ -125,3 +125,15 @@ def test_evictable_leaf_missing_from_the_queue():
     cache = build()
     leaf(cache, 7, 8).heap_seq = -5
     assert failed(cache) == {"eviction_queue"}
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_an_empty_tree_names_the_free_slots_without_gathering_them(page_size):
+    """The idle walk before the first request: no tree slot can be free, and the detail gives
+    the free slots (the allocator's count, the length of the list a gather would build)."""
+    allocator = FakeAllocator(64, page_size)
+    cache = RadixCache(None, allocator, page_size)
+    allocator.alloc(2 * page_size)
+    check = cache.check_integrity().check("slots_not_free")
+    assert check.ok and len(allocator.free_slot_ids()) == allocator.available_size()
+    assert check.detail == f"0 of 0 tree slots are also in the allocator's {allocator.available_size()} free slots"
