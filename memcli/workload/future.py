@@ -122,6 +122,11 @@ class FutureUses:
         found = self.users(handle) if handle is not None else None
         return None if found is None else self._last_past(*found)
 
+    def uses(self, handle: Any) -> tuple[Optional[int], Optional[int]]:
+        """(`last_use`, `next_use`) of `handle`, its users looked up once (an evicted leaf's pair)."""
+        found = self.users(handle) if handle is not None else None
+        return (None, None) if found is None else (self._last_past(*found), self._first_future(*found))
+
 
 def check_future_fits(trace: Trace, page_size: int) -> None:
     """Raise `FutureTooLarge` when `build_future` would (before anything is built)."""

@@ -137,8 +137,8 @@ def test_paged_decode_on_a_cpu_matches_the_ring_gather(page_size):
     cap = 12
     free_pages = torch.randperm(40, generator=gen)[:cap].to(torch.int64) + 1
     for bs in (1, 5, 9):
-        seq = torch.randint(0, 6, (bs,), generator=gen) * page_size  # page-takers...
-        seq += torch.randint(0, 2, (bs,), generator=gen) * torch.randint(1, page_size, (bs,), generator=gen)  # ...and not
+        seq = torch.randint(0, 6, (bs,), generator=gen) * page_size  # page-takers, and some not:
+        seq += torch.randint(0, 2, (bs,), generator=gen) * torch.randint(1, page_size, (bs,), generator=gen)
         rows = torch.randperm(16, generator=gen)[:bs].to(torch.int64)
         table = torch.randint(0, 1000, (16, 8 * page_size), generator=gen, dtype=torch.int32)
         last = table[rows, (seq - 1).clamp(min=0)].to(torch.int64)
