@@ -542,7 +542,7 @@ class RadixCache(BasePrefixCache):
             self.eviction_log.append(EvictionRecord(size, now - node.birth_time, node.hit_count))
         else:
             first = self._first_handle(node)
-            last_use, next_use = self.future.uses(first)
+            last_use, next_use = self.future.last_and_next_use(first)
             self.eviction_log.append(EvictionRecord(size, now - node.birth_time, node.hit_count,
                                                     -1 if last_use is None else last_use,
                                                     -1 if next_use is None else next_use))

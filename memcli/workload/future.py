@@ -122,7 +122,7 @@ class FutureUses:
         found = self.users(handle) if handle is not None else None
         return None if found is None else self._last_past(*found)
 
-    def uses(self, handle: Any) -> tuple[Optional[int], Optional[int]]:
+    def last_and_next_use(self, handle: Any) -> tuple[Optional[int], Optional[int]]:
         """(`last_use`, `next_use`) of `handle`, its users looked up once (an evicted leaf's pair)."""
         found = self.users(handle) if handle is not None else None
         return (None, None) if found is None else (self._last_past(*found), self._first_future(*found))

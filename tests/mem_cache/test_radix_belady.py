@@ -31,6 +31,9 @@ class ListFuture:
     def last_use(self, handle):
         return max((j for j in self.uses.get(handle, ()) if j in self.admitted), default=None)
 
+    def last_and_next_use(self, handle):
+        return self.last_use(handle), self.next_use(handle)
+
 
 def make_belady(future, page_size=1):
     cache = ClaimingCache(None, FakeAllocator(256, page_size), page_size, eviction_policy="belady")

@@ -46,10 +46,10 @@ def test_mooncake_next_use_follows_the_hash_chain_and_the_match_cap(tmp_path):
     assert at(5) == 2 and future.frontier == 2
     for end in (4, 5, 6, 8):  # an evicted leaf's pair, its users looked up once
         handle = path_handle(future, tokens[:end])
-        assert future.uses(handle) == (future.last_use(handle), future.next_use(handle))
-    assert future.uses(path_handle(future, tokens[:5])) == (3, 2)
-    assert future.uses(path_handle(future, tokens[:6])) == (3, None)
-    assert future.uses(None) == (None, None)
+        assert future.last_and_next_use(handle) == (future.last_use(handle), future.next_use(handle))
+    assert future.last_and_next_use(path_handle(future, tokens[:5])) == (3, 2)
+    assert future.last_and_next_use(path_handle(future, tokens[:6])) == (3, None)
+    assert future.last_and_next_use(None) == (None, None)
 
 
 def test_mooncake_paths_that_leave_the_trace_have_no_users(tmp_path):
