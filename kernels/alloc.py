@@ -75,7 +75,7 @@ def _extend_slots_torch(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_
     :func:`alloc_extend_write_torch`, on inputs it built (not validated).
 
     Request ``i`` (prefix length ``prefix_lens[i]``, new length ``seq_lens[i]``, ``last_loc[i]``
-    the slot of its last prefix token or -1) gets ``out[off_i : off_i + seq_i - pre_i]`` with
+    the slot of its last prefix token or -1; on a CPU ``last_loc`` may be a list) gets ``out[off_i : off_i + seq_i - pre_i]`` with
     ``off_i = sum(seq_j - pre_j for j < i)``, and consumes
     ``free_pages[page_start_i : page_start_i + new_pages_i]`` where
     ``new_pages_j = cdiv(seq_j, ps) - cdiv(pre_j, ps)`` and ``page_start_i`` is their
@@ -121,7 +121,7 @@ def _alloc_extend_rows_cpu(prefix_lens, seq_lens, last_loc, free_pages, page_siz
     ps = page_size
     pre, seq = prefix_lens.tolist(), seq_lens.tolist()
     last = last_loc.tolist() if isinstance(last_loc, torch.Tensor) else last_loc
-    new_pages = [-(-s // ps) + (p // -ps) for p, s in zip(pre, seq)]  # cdiv(s) - cdiv(p)
+    new_pages = [cdiv(s, ps) - cdiv(p, ps) for p, s in zip(pre, seq)]
     total = sum(new_pages)
     pages = free_pages.numpy()[:total]
     if pages.shape[0] < total:
@@ -133,7 +133,7 @@ def _alloc_extend_rows_cpu(prefix_lens, seq_lens, last_loc, free_pages, page_siz
         if off >= extend_num_tokens:
             break
         n = min(s - p, extend_num_tokens - off)
-        part1 = min(n, -(p // -ps) * ps - p)  # the rest of the prefix's last page
+        part1 = min(n, cdiv(p, ps) * ps - p)  # the rest of the prefix's last page
         if part1:
             out[off : off + part1] = np.arange(loc + 1, loc + 1 + part1)
         if n > part1:
@@ -1118,8 +1118,7 @@ def _alloc_extend_write_cpu(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, p
         last = [int(p.numpy()[n - 1]) if n else -1 for p, n in zip(prefixes, pre)]
         new_pages = sum(cdiv(s, page_size) - cdiv(p, page_size) for p, s in zip(pre, seq))
         head = _ring_slice(free_pages, free_start, min(new_pages, num_free))  # past num_free: page -1
-        out = _alloc_extend_rows_cpu(prefix_lens_cpu, seq_lens_cpu, last, head, page_size, extend_num_tokens) \
-            if extend_num_tokens else torch.empty(0, dtype=torch.int64)
+        out = _extend_slots_torch(prefix_lens_cpu, seq_lens_cpu, last, head, page_size, extend_num_tokens)
     table, new = req_to_token.numpy(), out.numpy()
     off = 0
     for row, p, s, prefix in zip(rows.tolist() if isinstance(rows, torch.Tensor) else rows, pre, seq, prefixes):

@@ -446,13 +446,12 @@ def _distinct_count(ids: np.ndarray, num_pages: int, in_range: bool = False) -> 
     ids outside it are counted by `np.unique`. `in_range`: every id is known to be in
     [1, num_pages] (no mask needed)."""
     if in_range:
-        marks = np.zeros(num_pages + 1, dtype=np.bool_)
-        marks[ids] = True
-        return int(np.count_nonzero(marks))
-    inside = (ids >= 0) & (ids <= num_pages)
+        inside, outside = ids, ids[:0]
+    else:
+        mask = (ids >= 0) & (ids <= num_pages)
+        inside, outside = ids[mask], ids[~mask]
     marks = np.zeros(num_pages + 1, dtype=np.bool_)
-    marks[ids[inside]] = True
-    outside = ids[~inside]
+    marks[inside] = True
     return int(np.count_nonzero(marks)) + (len(np.unique(outside)) if len(outside) else 0)
 
 

@@ -181,16 +181,17 @@ def _unique_slot_check(values: torch.Tensor, page_size: int) -> CheckResult:
 def _free_slot_check(allocator: Any, values: torch.Tensor) -> CheckResult:
     if allocator is None:
         return CheckResult("slots_not_free", True, "no allocator to compare with")
-    if not len(values):  # an empty tree (the idle walk before the first request): no free list to gather
-        return CheckResult("slots_not_free", True, f"0 of 0 tree slots are also in the allocator's"
-                                                   f" {allocator.available_size()} free slots")
-    free = allocator.free_slot_ids().to(values.device)
     both = values[:0]
-    if len(values) and len(free):
-        is_free = torch.zeros(int(max(values.max(), free.max())) + 1, dtype=torch.bool, device=values.device)
-        is_free[free] = True
-        both = values[is_free[values]]
-    detail = f"{len(both)} of {len(values)} tree slots are also in the allocator's {len(free)} free slots"
+    if not len(values):  # an empty tree (the idle walk before the first request): no free list to gather
+        num_free = allocator.available_size()  # the length of `free_slot_ids()`
+    else:
+        free = allocator.free_slot_ids().to(values.device)
+        num_free = len(free)
+        if num_free:
+            is_free = torch.zeros(int(max(values.max(), free.max())) + 1, dtype=torch.bool, device=values.device)
+            is_free[free] = True
+            both = values[is_free[values]]
+    detail = f"{len(both)} of {len(values)} tree slots are also in the allocator's {num_free} free slots"
     if len(both):
         detail += f", e.g. {both[:5].tolist()}"
     return CheckResult("slots_not_free", len(both) == 0, detail)
