@@ -76,6 +76,7 @@ def _walk_checks(view: TreeView, holders: list, what: str, counters: list[CheckR
     walked = sum(len(node.key) for node in holders)
     walked_evictable = sum(len(node.key) for node in holders if node.lock_ref == 0)
     values = view.device_slots(holders)
+    marks = _slot_marks(values)
     sizes = [
         CheckResult("total_size", walked == total, f"{what} hold {walked} tokens, total counter {total}"),
         CheckResult("evictable_plus_protected", evictable + protected == total,
@@ -90,8 +91,8 @@ def _walk_checks(view: TreeView, holders: list, what: str, counters: list[CheckR
         _lock_check(view),
         shape,
         _child_key_check(view),
-        _unique_slot_check(values, view.page_size),
-        _free_slot_check(view.allocator, values),
+        _unique_slot_check(values, view.page_size, marks),
+        _free_slot_check(view.allocator, values, marks),
         *queues,
     ]
     if view.page_size > 1:
@@ -155,15 +156,36 @@ def _child_key_check(view: TreeView) -> CheckResult:
     return CheckResult("child_keys", not bad, _first(bad, len(nodes), "child links"))
 
 
-def _duplicates(ids: torch.Tensor) -> torch.Tensor:
-    """Ids that occur more than once (bincount: linear in len(ids) + max id, no sort)."""
+def _slot_marks(ids: torch.Tensor) -> Optional[np.ndarray]:
+    """On a CPU, one flag per id from 0 to the largest of `ids`, set where an id occurs (one
+    scatter over the tensor's memory); None on a device, for no ids, or for a negative id,
+    which the tensor paths judge."""
+    if not len(ids) or not ids.is_cpu:
+        return None
+    host = ids.numpy()
+    if int(host.min()) < 0:
+        return None
+    marks = np.zeros(int(host.max()) + 1, dtype=np.bool_)
+    marks[host] = True
+    return marks
+
+
+def _duplicates(ids: torch.Tensor, marks: Optional[np.ndarray] = None) -> torch.Tensor:
+    """Ids that occur more than once, ascending (bincount: linear in len(ids) + max id, no
+    sort). On a CPU the marks of `ids` (`_slot_marks`, taken here unless given) answer the
+    usual case, no id twice, with one count: as many ids set as there are ids."""
     if len(ids) == 0:
         return ids
+    if marks is None:
+        marks = _slot_marks(ids)
+    if marks is not None and np.count_nonzero(marks) == len(ids):
+        return ids[:0]
     return torch.nonzero(torch.bincount(ids) > 1).flatten()
 
 
-def _unique_slot_check(values: torch.Tensor, page_size: int) -> CheckResult:
-    dup_slots = _duplicates(values)
+def _unique_slot_check(values: torch.Tensor, page_size: int, marks: Optional[np.ndarray] = None) -> CheckResult:
+    """No slot, and at page size > 1 no page, held by two nodes. `marks`: `_slot_marks(values)`."""
+    dup_slots = _duplicates(values, marks)
     detail = f"{len(dup_slots)} of {len(values)} slots owned by two nodes"
     if len(dup_slots):
         detail += f", e.g. {dup_slots[:5].tolist()}"
@@ -178,7 +200,10 @@ def _unique_slot_check(values: torch.Tensor, page_size: int) -> CheckResult:
     return CheckResult("unique_slots", ok, detail)
 
 
-def _free_slot_check(allocator: Any, values: torch.Tensor) -> CheckResult:
+def _free_slot_check(allocator: Any, values: torch.Tensor, marks: Optional[np.ndarray] = None) -> CheckResult:
+    """No tree slot is in the allocator's free list. `marks`: `_slot_marks(values)`, with which
+    the free slots are looked up in the tree's marks (one gather over the free list) and the
+    tree's slots are gathered only when one is found."""
     if allocator is None:
         return CheckResult("slots_not_free", True, "no allocator to compare with")
     both = values[:0]
@@ -187,7 +212,7 @@ def _free_slot_check(allocator: Any, values: torch.Tensor) -> CheckResult:
     else:
         free = allocator.free_slot_ids().to(values.device)
         num_free = len(free)
-        if num_free:
+        if num_free and (marks is None or _any_marked(marks, free.numpy())):
             is_free = torch.zeros(int(max(values.max(), free.max())) + 1, dtype=torch.bool, device=values.device)
             is_free[free] = True
             both = values[is_free[values]]
@@ -195,6 +220,13 @@ def _free_slot_check(allocator: Any, values: torch.Tensor) -> CheckResult:
     if len(both):
         detail += f", e.g. {both[:5].tolist()}"
     return CheckResult("slots_not_free", len(both) == 0, detail)
+
+
+def _any_marked(marks: np.ndarray, ids: np.ndarray) -> bool:
+    """Whether any of `ids` is set in `marks` (ids past the marks, or negative, are not)."""
+    if int(ids.min()) >= 0 and int(ids.max()) < len(marks):
+        return bool(np.count_nonzero(marks[ids]))
+    return bool(np.count_nonzero(marks[ids[(ids >= 0) & (ids < len(marks))]]))
 
 
 def _eviction_queue_check(view: TreeView) -> CheckResult:

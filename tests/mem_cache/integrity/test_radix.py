@@ -1,8 +1,11 @@
 """check_integrity: each planted fault is caught by the check that names it, with numbers."""
 
+import numpy as np
 import pytest
+import torch
 
 from memcli.errors import IntegrityError
+from memcli.mem_cache import tree_checks
 from memcli.mem_cache.base_prefix_cache import RadixKey
 from memcli.mem_cache.radix_cache import RadixCache
 from tests.mem_cache.fakes import FakeAllocator
@@ -137,3 +140,57 @@ def test_an_empty_tree_names_the_free_slots_without_gathering_them(page_size):
     check = cache.check_integrity().check("slots_not_free")
     assert check.ok and len(allocator.free_slot_ids()) == allocator.available_size()
     assert check.detail == f"0 of 0 tree slots are also in the allocator's {allocator.available_size()} free slots"
+
+
+# -- the marks behind unique_slots and slots_not_free (CPU) --------------------------------------
+
+def _bincount_duplicates(ids):
+    return torch.nonzero(torch.bincount(ids) > 1).flatten()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_duplicates_by_marks_are_bincounts(seed):
+    """The marks' answer (no id twice) and the bincount's list agree, with and without repeats."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(5000, generator=gen)[:1200] + 1
+    if seed % 2:
+        ids[torch.randint(600, 1200, (seed,), generator=gen)] = ids[:seed].clone()  # a few ids given twice
+    got = tree_checks._duplicates(ids)
+    assert got.tolist() == _bincount_duplicates(ids).tolist()
+    assert (len(got) > 0) == bool(seed % 2)
+
+
+def test_duplicates_of_a_negative_id_go_to_the_tensor_path():
+    ids = torch.tensor([3, -1, 5])
+    assert tree_checks._slot_marks(ids) is None
+    with pytest.raises(RuntimeError):
+        tree_checks._duplicates(ids)
+
+
+def test_any_marked_ignores_ids_outside_the_marks():
+    marks = tree_checks._slot_marks(torch.tensor([2, 5, 9]))
+    assert len(marks) == 10
+    assert not tree_checks._any_marked(marks, np.array([1, 3, 10, 400, -2, -9]))
+    assert tree_checks._any_marked(marks, np.array([400, -1, 9]))  # -1 would read the last flag unmasked
+    assert not tree_checks._any_marked(marks, np.array([-1]))
+
+
+def test_free_slot_found_past_the_marks_fast_path():
+    """A free slot among the tree's: found whether the free list reaches past the tree's largest
+    slot or not, and the detail lists it in tree order."""
+    values = torch.tensor([7, 3, 11, 4])
+    marks = tree_checks._slot_marks(values)
+
+    class Free:
+        def __init__(self, ids):
+            self.ids = torch.tensor(ids)
+
+        def free_slot_ids(self):
+            return self.ids
+
+    clean = tree_checks._free_slot_check(Free([1, 2, 12, 40]), values, marks)
+    assert clean.ok and clean.detail == "0 of 4 tree slots are also in the allocator's 4 free slots"
+    dirty = tree_checks._free_slot_check(Free([40, 4, 11, 1]), values, marks)
+    assert not dirty.ok
+    assert dirty.detail == "2 of 4 tree slots are also in the allocator's 4 free slots, e.g. [11, 4]"
+    assert dirty == tree_checks._free_slot_check(Free([40, 4, 11, 1]), values)  # the tensor path's own answer
