@@ -9,6 +9,7 @@ from here (see `memcli.stack`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 import math
@@ -387,9 +388,10 @@ class Config:
     def page_size(self) -> int:
         return self.memory.page_size
 
-    @property
+    @functools.cached_property
     def behaviour(self) -> SemanticsConfig:
-        """The profile's behaviours with the overrides applied."""
+        """The profile's behaviours with the overrides applied (resolved once per config: the
+        config is frozen, and the limits read it for every request of a trace)."""
         return self.semantics.resolved()
 
     @property

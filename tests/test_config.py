@@ -388,6 +388,15 @@ def test_semantics_profile_sets_every_behaviour_and_overrides_win():
     assert mixed.semantics.overrides() == {"evict_amount": "full_need"}
 
 
+def test_behaviour_is_resolved_once_per_config_and_a_replaced_config_resolves_its_own():
+    config = load_config(None, ["semantics.profile=memcli"])
+    assert config.behaviour is config.behaviour  # resolved once: the limits read it for every request
+    assert config.behaviour.split_stamp == "keep"
+    other = dataclasses.replace(config, semantics=dataclasses.replace(config.semantics, split_stamp="refresh"))
+    assert other.behaviour.split_stamp == "refresh" and config.behaviour.split_stamp == "keep"
+    assert other != config and config == dataclasses.replace(config)  # equality reads the fields alone
+
+
 def test_every_behaviour_has_a_value_in_each_profile():
     from memcli.config import PROFILE_CHOICES, PROFILES, SemanticsConfig
 
