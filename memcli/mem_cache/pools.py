@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import mmap
 from typing import Iterable, Optional, Protocol
 
 import numpy as np
@@ -35,13 +36,34 @@ class RowObserver(Protocol):
 
 
 def _zeroed_table(rows: int, cols: int, device: torch.device) -> torch.Tensor:
-    """A zeroed int32 table. On a CPU from pages the OS hands out already zeroed (numpy's
-    `zeros` takes them from `calloc`), so that only the rows' used columns are ever touched:
-    the replay table is 512 rows of 131,072 columns (256 MiB), of which requests use a tenth,
-    and writing zeros over all of it cost more than a whole short replay."""
+    """A zeroed int32 table. On a CPU from pages the OS hands out already zeroed
+    (`_zeroed_host`), so that only the rows' used columns are ever touched: the replay table is
+    512 rows of 131,072 columns (256 MiB), of which requests use a tenth, and writing zeros over
+    all of it cost more than a whole short replay."""
     if torch.device(device).type == "cpu":
-        return torch.from_numpy(np.zeros((rows, cols), dtype=np.int32))
+        return torch.from_numpy(_zeroed_host(rows, cols))
     return torch.zeros((rows, cols), dtype=torch.int32, device=device)
+
+
+def _zeroed_host(rows: int, cols: int) -> np.ndarray:
+    """A zeroed int32 array of `rows` x `cols` in a private anonymous mapping (zero pages on
+    first touch), advised off transparent huge pages where the OS has them: a row is written
+    only up to its longest request, and where huge pages are on, the first write into each
+    2 MiB of the table zeroes all of it (0.3 to 7 ms on this project's CPU, against 2 us for a
+    4 KiB page). Elsewhere, or when the mapping is refused, numpy's `zeros` (calloc)."""
+    nbytes = rows * cols * 4
+    advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if nbytes == 0 or advice is None:
+        return np.zeros((rows, cols), dtype=np.int32)
+    try:
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return np.zeros((rows, cols), dtype=np.int32)
+    try:
+        buf.madvise(advice)
+    except OSError:  # a kernel without the advice: huge pages or not, the table is the same
+        pass
+    return np.frombuffer(buf, dtype=np.int32).reshape(rows, cols)  # the array keeps the mapping alive
 
 
 class ReqToTokenPool:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +12,7 @@ from memcli.errors import RequestSlotsExhausted
 from types import SimpleNamespace
 
 from memcli.mem_cache.manager import MemoryManager
+from memcli.mem_cache import pools
 from memcli.mem_cache.pools import KVPool, ReqToTokenPool
 
 CPU = torch.device("cpu")
@@ -45,6 +49,37 @@ def test_a_large_table_on_a_cpu_reads_zero_and_takes_writes():
     assert int(table[63, 131071]) == 0 and not table[::7, ::4096].any()
     table[5, 10:20] = torch.arange(10, dtype=torch.int32)
     assert table[5, 10:20].tolist() == list(range(10)) and int(table.sum()) == 45
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The kernel's VmFlags of the mapping of this process that holds `address`."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's header: start-end perms ...
+            lo, hi = (int(part, 16) for part in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_NOHUGEPAGE") or not Path("/proc/self/smaps").exists(),
+                    reason="huge-page advice and /proc/self/smaps are Linux's")
+def test_the_cpu_table_is_a_private_mapping_advised_off_huge_pages():
+    """A first write into a 2 MiB huge page zeroes all of it; the table, written row by row up
+    to each request's length, takes 4 KiB pages. Private: a forked study worker gets its own."""
+    table = ReqToTokenPool(16, 131072, CPU).req_to_token
+    flags = _vm_flags(table.data_ptr())
+    assert "nh" in flags and "sh" not in flags, flags
+    table[15, 131071] = 7
+    assert int(table.sum()) == 7
+
+
+def test_an_empty_table_is_an_empty_array():
+    assert pools._zeroed_host(0, 8).shape == (0, 8)
+    assert pools._zeroed_host(3, 0).shape == (3, 0)
 
 
 def test_rows_are_reused_fifo():
