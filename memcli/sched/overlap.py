@@ -113,7 +113,7 @@ class OverlapLoop:
                 s.running.merge_batch(last)
         if s.gate.relaxed:  # 0.5.23 filters the running batch every step: finished requests leave now
             before = len(s.running.reqs)
-            s.running.filter_batch()
+            s.filter_running()
             if len(s.running.reqs) < before:
                 s.gate.shrank()
         batch = s.get_new_batch_prefill()
@@ -133,7 +133,7 @@ class OverlapLoop:
         if not s.gate.relaxed:
             # Under the relaxed gate `get_next_batch_to_run` filtered the batch this iteration,
             # and a prefill attempt finishes no running request: nothing is left to filter.
-            s.running.filter_batch()
+            s.filter_running()
         finishing = self._finishing_in_flight() if s.skip_finishing_decode else set()
         if finishing:
             s.running.filter_batch([i for i, r in enumerate(s.running.reqs) if r not in finishing])

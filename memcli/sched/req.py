@@ -21,6 +21,13 @@ def _mirror(name: str) -> property:
 
 
 class Req:
+    # Slots: the fields sit in the object itself, which the running batch's per-step passes
+    # read for every request (no per-instance dict to reach through).
+    __slots__ = ("rid", "origin_input_ids", "input_len", "max_new_tokens", "extra_key", "arrival_ms", "ignore_eos",
+                 "eos_len", "device", "kv", "output_ids", "_tokens", "_tokens_of", "_tokens_out", "fill_ids",
+                 "first_host_skipped", "extend_input_len", "finished", "aborted", "retraction_count", "is_retracted",
+                 "first_cached_tokens", "admit_ms", "finish_ms")
+
     def __init__(self, rid: str, input_ids: np.ndarray, max_new_tokens: int, device: torch.device,
                  extra_key: str | None = None, arrival_ms: float = 0.0):
         self.rid = rid

@@ -60,6 +60,10 @@ class Scheduler:
         self.running = ScheduleBatch([], memory, self.enable_overlap)
         self.chunked_req: Req | None = None
         self.finished: list[Req] = []
+        # Requests finished so far (`finish`, `_abort_waiting`), and that count when the running
+        # batch last held no finished request (`filter_running`).
+        self.finish_count = 0
+        self._running_clean_at = 0
         self.events: list[Event] = []
         self.records: list[StepRecord] = []
         self.stats = SchedulerStats()
@@ -131,6 +135,19 @@ class Scheduler:
         if self.overlap is None:
             return self.active_reqs()
         return [*self.active_reqs(), *self.overlap.in_flight_slots()]
+
+    def running_may_hold_finished(self) -> bool:
+        """False when no request finished since the running batch last held none: a request
+        joins the running batch unfinished (a prefill's result keeps only those), and one
+        finishes only through `finish`, which counts it. True is a maybe."""
+        return self._running_clean_at != self.finish_count
+
+    def filter_running(self) -> None:
+        """`running.filter_batch()` (the finished leave), skipping its pass over the running
+        requests when none can have finished since the last one."""
+        if self._running_clean_at != self.finish_count:
+            self.running.filter_batch()
+            self._running_clean_at = self.finish_count
 
     def is_done(self) -> bool:
         busy = self.overlap is not None and self.overlap.busy()
@@ -343,6 +360,7 @@ class Scheduler:
 
     def _abort_waiting(self, req: Req) -> None:
         req.aborted = req.finished = True
+        self.finish_count += 1
         req.finish_ms = self.clock_ms
         self.stats.aborted += 1
         self._event("abort", req.rid, req.input_len)
@@ -500,6 +518,7 @@ class Scheduler:
 
     def finish(self, req: Req) -> None:
         req.finished = True
+        self.finish_count += 1
         req.finish_ms = self.clock_ms
         why = Release.ABORTED if req.aborted else Release.FINISHED
         if self.overlap is not None:
