@@ -116,3 +116,28 @@ def test_a_planted_double_free_of_the_extra_slot_is_caught_at_its_step(monkeypat
     assert f"= {512 + 16} vs size 512" in str(caught.value)  # one page counted twice
     free_list = {r.name: r for r in run_checks(stack, sched.memory_holders())}["free_list"]
     assert not free_list.ok and "freed twice" in free_list.detail
+
+
+def test_the_running_batch_is_filtered_only_after_a_finish(monkeypatch):
+    """`filter_running` passes over the running requests only when some request finished since
+    the batch last held none; the finished request still leaves at the next decode update."""
+    stack, sched = overlap_scheduler(pool=512, semantics__engine="sglang-0.5.23")
+    passes = []
+    real = type(sched.running).filter_batch
+    monkeypatch.setattr(type(sched.running), "filter_batch",
+                        lambda batch, keep=None: (passes.append(keep), real(batch, keep))[1])
+    for start, rid, out in ((0, "a", 3), (100, "b", 6), (200, "c", 9)):
+        sched.add_request(sched.new_req(rid, tokens((start, start + 10)), out))
+    seen_finish = []
+    while not sched.is_done():
+        finishes_before, full_before = sched.finish_count, passes.count(None)
+        may_hold = sched.running_may_hold_finished()
+        sched.step()
+        if not may_hold and sched.finish_count == finishes_before:
+            assert passes.count(None) == full_before  # no finish since the last pass: none taken
+        if sched.finish_count > finishes_before:
+            seen_finish.append(sched.step_count)
+        assert not any(r.finished for r in sched.running.reqs) or sched.running_may_hold_finished()
+    assert sched.finish_count == 3 and len(seen_finish) == 3
+    assert passes.count(None) >= 1  # the finishes were filtered out
+    assert_all_free(stack)
