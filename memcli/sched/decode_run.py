@@ -58,7 +58,8 @@ class DecodeRuns:
         flight, batch = loop.result_queue[0], s.running
         reqs = batch.reqs
         if flight.kind != "decode" or flight.extra or loop.last_batch is not batch or flight.reqs != reqs \
-                or not s.gate.quiet(bool(s.waiting), False) or (s.running_may_hold_finished() and any(map(_finished, reqs))) \
+                or not s.gate.quiet(bool(s.waiting), False) \
+                or (s.running_may_hold_finished() and any(map(_finished, reqs))) \
                 or (s.pending and s.pending[0].arrival_ms <= s.clock_ms):
             return 0
         # Here every running request's row holds its prompt and all its outputs but the one in
