@@ -323,6 +323,15 @@ def _ring_slice(free_pages, free_start, n):
     return torch.cat([free_pages[free_start:], free_pages[: end - free_pages.shape[0]]])
 
 
+def _ring_copy_host(values: np.ndarray, free_start: int, n: int) -> np.ndarray:
+    """``_ring_slice`` of a free list's numpy view, as a new array (the ring positions are
+    rewritten by later frees)."""
+    end = free_start + n
+    if end <= values.shape[0]:
+        return values[free_start:end].copy()
+    return np.concatenate((values[free_start:], values[: end - values.shape[0]]))
+
+
 def _check_alloc_decode_write(
     seq_lens_before, req_pool_indices, req_to_token, free_pages, page_size, free_start, num_free
 ):
@@ -408,11 +417,7 @@ def _alloc_decode_write_flat_cpu(seq_lens_before, req_pool_indices, req_to_token
     memory: measured inside a replay, the views and one fancy assignment take about half the
     time of torch's copy and indexed write (the request rows are scattered over a large
     table, and torch's indexing adds its own setup to every miss)."""
-    values, end = free_pages.numpy(), free_start + bs
-    if end <= values.shape[0]:
-        out = values[free_start:end].copy()
-    else:
-        out = np.concatenate((values[free_start:], values[: end - values.shape[0]]))
+    out = _ring_copy_host(free_pages.numpy(), free_start, bs)
     req_to_token.numpy()[req_pool_indices.numpy(), seq_lens_before.numpy()] = out  # int64 -> int32, as .to()
     return torch.from_numpy(out)
 
@@ -432,11 +437,7 @@ def _alloc_decode_write_cpu(seq_lens_before, req_pool_indices, req_to_token, fre
     takers = np.flatnonzero(seq % page_size == 0)
     if takers.shape[0]:
         have = min(takers.shape[0], num_free) if cap else 0
-        end = free_start + have
-        if end <= cap:
-            page = values[free_start:end]
-        else:
-            page = np.concatenate((values[free_start:], values[: end - cap]))
+        page = _ring_copy_host(values, free_start, have)
         if have < takers.shape[0]:
             page = np.concatenate((page, np.full(takers.shape[0] - have, -1, dtype=page.dtype)))
         out[takers] = page * page_size

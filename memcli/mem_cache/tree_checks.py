@@ -170,20 +170,18 @@ def _slot_marks(ids: torch.Tensor) -> Optional[np.ndarray]:
     return marks
 
 
-def _duplicates(ids: torch.Tensor, marks: Optional[np.ndarray] = None) -> torch.Tensor:
+def _duplicates(ids: torch.Tensor, marks: Optional[np.ndarray]) -> torch.Tensor:
     """Ids that occur more than once, ascending (bincount: linear in len(ids) + max id, no
-    sort). On a CPU the marks of `ids` (`_slot_marks`, taken here unless given) answer the
-    usual case, no id twice, with one count: as many ids set as there are ids."""
+    sort). `marks`: `_slot_marks(ids)`, which on a CPU answers the usual case, no id twice,
+    with one count: as many ids set as there are ids."""
     if len(ids) == 0:
         return ids
-    if marks is None:
-        marks = _slot_marks(ids)
     if marks is not None and np.count_nonzero(marks) == len(ids):
         return ids[:0]
     return torch.nonzero(torch.bincount(ids) > 1).flatten()
 
 
-def _unique_slot_check(values: torch.Tensor, page_size: int, marks: Optional[np.ndarray] = None) -> CheckResult:
+def _unique_slot_check(values: torch.Tensor, page_size: int, marks: Optional[np.ndarray]) -> CheckResult:
     """No slot, and at page size > 1 no page, held by two nodes. `marks`: `_slot_marks(values)`."""
     dup_slots = _duplicates(values, marks)
     detail = f"{len(dup_slots)} of {len(values)} slots owned by two nodes"
@@ -192,7 +190,8 @@ def _unique_slot_check(values: torch.Tensor, page_size: int, marks: Optional[np.
     ok = len(dup_slots) == 0
     if page_size > 1 and len(values) % page_size == 0:
         # One page per page_size run of slots (page_layout checks that the runs are pages).
-        dup_pages = _duplicates(values.view(-1, page_size)[:, 0] // page_size)
+        first_pages = values.view(-1, page_size)[:, 0] // page_size
+        dup_pages = _duplicates(first_pages, _slot_marks(first_pages))
         ok = ok and len(dup_pages) == 0
         detail += f"; {len(dup_pages)} pages owned by two nodes"
         if len(dup_pages):

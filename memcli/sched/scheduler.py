@@ -145,7 +145,7 @@ class Scheduler:
     def filter_running(self) -> None:
         """`running.filter_batch()` (the finished leave), skipping its pass over the running
         requests when none can have finished since the last one."""
-        if self._running_clean_at != self.finish_count:
+        if self.running_may_hold_finished():
             self.running.filter_batch()
             self._running_clean_at = self.finish_count
 

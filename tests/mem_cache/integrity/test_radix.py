@@ -155,7 +155,7 @@ def test_duplicates_by_marks_are_bincounts(seed):
     ids = torch.randperm(5000, generator=gen)[:1200] + 1
     if seed % 2:
         ids[torch.randint(600, 1200, (seed,), generator=gen)] = ids[:seed].clone()  # a few ids given twice
-    got = tree_checks._duplicates(ids)
+    got = tree_checks._duplicates(ids, tree_checks._slot_marks(ids))
     assert got.tolist() == _bincount_duplicates(ids).tolist()
     assert (len(got) > 0) == bool(seed % 2)
 
@@ -164,7 +164,7 @@ def test_duplicates_of_a_negative_id_go_to_the_tensor_path():
     ids = torch.tensor([3, -1, 5])
     assert tree_checks._slot_marks(ids) is None
     with pytest.raises(RuntimeError):
-        tree_checks._duplicates(ids)
+        tree_checks._duplicates(ids, tree_checks._slot_marks(ids))
 
 
 def test_any_marked_ignores_ids_outside_the_marks():
