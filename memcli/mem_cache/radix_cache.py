@@ -151,6 +151,8 @@ class RadixCache(BasePrefixCache):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.req_to_token_pool = req_to_token_pool
+        self._table: Optional[torch.Tensor] = None  # the pool's table and, on a CPU, its numpy view (`_row`)
+        self._table_host: Optional[np.ndarray] = None
         self.allocator = allocator
         self.page_size = page_size
         self.eviction_policy = eviction_policy.lower()
@@ -500,10 +502,20 @@ class RadixCache(BasePrefixCache):
     def _cat(self, values: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(values) if values else self.empty_indices()
 
-    def _row_slots(self, row: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """`row[start:end].to(torch.int64)`: a request row's slots as a new int64 tensor."""
-        if row.is_cpu:
-            return torch.from_numpy(row.numpy()[start:end].astype(np.int64))
+    def _row(self, row_id: int) -> "torch.Tensor | np.ndarray":
+        """Request row `row_id` of the pool's table: on a CPU a numpy view of it (indexing the
+        table's tensor costs ten times more), else the tensor's row."""
+        table = self.req_to_token_pool.req_to_token
+        if table is not self._table:
+            self._table, self._table_host = table, (table.numpy() if table.is_cpu else None)
+        host = self._table_host
+        return table[row_id] if host is None else host[row_id]
+
+    @staticmethod
+    def _row_slots(row: "torch.Tensor | np.ndarray", start: int, end: int) -> torch.Tensor:
+        """`row[start:end].to(torch.int64)`: a request row's slots (`_row`) as a new int64 tensor."""
+        if isinstance(row, np.ndarray):
+            return torch.from_numpy(row[start:end].astype(np.int64))
         return row[start:end].to(torch.int64)
 
     # -- eviction -----------------------------------------------------------------------
@@ -654,6 +666,33 @@ class RadixCache(BasePrefixCache):
         self._touched(node)
         return delta
 
+    def move_lock(self, old: Optional[TreeNode], new: TreeNode) -> None:
+        """`inc_lock_ref(new)` then `dec_lock_ref(old)`: a request's lock moving to `new`.
+
+        Where `old` is on the path to `new` (a checkpoint extends the request's path), the
+        path above `old` is incremented and decremented by the two calls and ends as it was:
+        only the nodes from `new` up to `old` are locked here, and `old` is re-queued as the
+        decrement does. Otherwise, the two calls."""
+        if self.disable or old is None or old is self.root:
+            self.inc_lock_ref(new)
+            self.dec_lock_ref(old)
+            return
+        below, node, root = [], new, self.root
+        while node is not old:
+            if node is root or node is None or node.parent is None:  # not a descendant: the two calls
+                self.inc_lock_ref(new)
+                self.dec_lock_ref(old)
+                return
+            below.append(node)
+            node = node.parent
+        for path_node in below:
+            if path_node.lock_ref == 0:
+                size = len(path_node.key)
+                self._evictable -= size
+                self._protected += size
+            path_node.lock_ref += 1
+        self._touched(old)
+
     # -- requests -----------------------------------------------------------------------
 
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
@@ -677,7 +716,7 @@ class RadixCache(BasePrefixCache):
             return self._release_unified(req, is_insert)
         ps, row, op = self.page_size, req.req_pool_idx, "cache_finished_req"
         allocated = req.kv_allocated_len
-        kv = self._row_slots(self.req_to_token_pool.req_to_token[req.req_pool_idx], 0, allocated)
+        kv = self._row_slots(self._row(req.req_pool_idx), 0, allocated)
         start = align_down(len(req.prefix_indices), ps)
         if self.disable:
             start = 0
@@ -715,7 +754,7 @@ class RadixCache(BasePrefixCache):
         if self.unified and not self.disable:
             self._checkpoint_unified(req, fill_len)
             return
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        row = self._row(req.req_pool_idx)
         kv = self._row_slots(row, 0, fill_len)
         if self.disable:
             req.kv.prefix_indices = kv
@@ -737,8 +776,7 @@ class RadixCache(BasePrefixCache):
             ledger = getattr(self.allocator, "ledger", None)
             if ledger is not None:
                 ledger.wrote(req.req_pool_idx, start, tree_len)
-        self.inc_lock_ref(node)
-        self.dec_lock_ref(req.last_node)
+        self.move_lock(req.last_node, node)
         # The next round's prefix: the tree's slots of [0, tree_len) (the locked prefix's, which the
         # row held from its extend, and those just written) and the row's own tail: the row's
         # first `fill_len` slots now, in one cast-copy.
@@ -759,7 +797,7 @@ class RadixCache(BasePrefixCache):
         request holds its lock). `keep_prefix=False` (a release) leaves `prefix_indices` as it
         was, since nothing reads it once the row is freed."""
         ps, row_id = self.page_size, req.req_pool_idx
-        row = self.req_to_token_pool.req_to_token[row_id]
+        row = self._row(row_id)
         held = req.prefix_indices.shape[0]
         protected = held - held % ps
         # Never below the prefix the request holds from the tree (a request released before
@@ -784,12 +822,11 @@ class RadixCache(BasePrefixCache):
             # tail, which is what the row holds now (it held the locked prefix from the extend
             # that wrote it, and was just pointed at the tree's slots): one cast-copy of it.
             req.kv.prefix_indices = self._row_slots(row, 0, up_to)
-        self.inc_lock_ref(node)
-        self.dec_lock_ref(req.last_node)
+        self.move_lock(req.last_node, node)
         req.kv.last_node = node
         req.kv.last_matched_prefix_len = aligned
 
-    def _point_row_at_tree(self, row: torch.Tensor, row_id: int, start: int, own: torch.Tensor,
+    def _point_row_at_tree(self, row: "torch.Tensor | np.ndarray", row_id: int, start: int, own: torch.Tensor,
                            tree: torch.Tensor) -> None:
         """Request row `row_id`'s positions from `start` held the slots `own`, and now hold the
         tree's `tree` (where the tree had them already, the insert freed `own`'s)."""
@@ -812,10 +849,10 @@ class RadixCache(BasePrefixCache):
             ledger.wrote(row_id, start, end)  # checked at the step's end, as every position the step wrote
 
     @staticmethod
-    def _write_row(row: torch.Tensor, start: int, slots: torch.Tensor) -> None:
+    def _write_row(row: "torch.Tensor | np.ndarray", start: int, slots: torch.Tensor) -> None:
         """`row[start:start + len(slots)] = slots`, cast to the row's dtype (one numpy cast-copy on a CPU)."""
-        if row.is_cpu:
-            row.numpy()[start : start + len(slots)] = slots.numpy()
+        if isinstance(row, np.ndarray):
+            row[start : start + len(slots)] = slots.numpy()
         else:
             row[start : start + len(slots)] = slots.to(row.dtype)
 
@@ -839,7 +876,7 @@ class RadixCache(BasePrefixCache):
         if checkpoint:
             self._checkpoint_unified(req, committed, keep_prefix=False)
         start = req.kv.last_matched_prefix_len
-        row = self._row_slots(self.req_to_token_pool.req_to_token[req.req_pool_idx], start, req.kv_allocated_len)
+        row = self._row_slots(self._row(req.req_pool_idx), start, req.kv_allocated_len)
         self._free(row, req.req_pool_idx, "release_kv_cache")
         self.req_to_token_pool.free(req.req_pool_idx)
         self.dec_lock_ref(req.last_node)

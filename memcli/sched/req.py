@@ -20,6 +20,12 @@ def _mirror(name: str) -> property:
     return property(attrgetter(f"kv.{name}"), doc=f"`kv.{name}` (read-only: memory writes it)")
 
 
+def _holds_prompt(buf: np.ndarray, prompt: np.ndarray) -> bool:
+    """`prompt` is `buf[:len(prompt)]` and `buf` is longer: a token buffer with room for outputs."""
+    return (buf.ndim == 1 and buf.dtype == np.int64 and buf.shape[0] > prompt.shape[0] and prompt.strides == (8,)
+            and buf.__array_interface__["data"][0] == prompt.__array_interface__["data"][0])
+
+
 class Req:
     # Slots: the fields sit in the object itself, which the running batch's per-step passes
     # read for every request (no per-instance dict to reach through).
@@ -44,6 +50,11 @@ class Req:
         self._tokens: np.ndarray | None = None  # prompt + outputs, for `token_ids` past the prompt
         self._tokens_of: list[int] | None = None  # the output list `_tokens` copies
         self._tokens_out = 0  # outputs copied into `_tokens`
+        buf = self.origin_input_ids.base
+        if buf is not None and _holds_prompt(buf, self.origin_input_ids):
+            # The prompt is the start of a buffer with room after it (`RequestSpec.input_ids(room)`):
+            # that buffer is the one `token_ids` reads, the prompt never copied into another.
+            self._tokens, self._tokens_of = buf, self.output_ids
         self.fill_ids = self.origin_input_ids
         self.first_host_skipped: int | None = None  # kv.host_skipped_len of the round that first admitted it
         self.extend_input_len = 0

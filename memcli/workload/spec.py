@@ -100,12 +100,21 @@ class RequestSpec:
             return max(self.hash_ids) * self.block_size + self.block_size - 1
         return max(_run_max(run) for run in self.token_runs)
 
-    def input_ids(self) -> np.ndarray:
-        """The prompt as a new int64 array of `input_len` tokens. Materialises this request only."""
+    def input_ids(self, room: int = 0) -> np.ndarray:
+        """The prompt as a new int64 array of `input_len` tokens. Materialises this request only.
+
+        With `room`, the array is the start of a new buffer with at least `room` entries after
+        the prompt, where the request's outputs go (`Req` takes such a buffer as the one its
+        `token_ids` read, so the prompt is never copied into another)."""
         if self.hash_ids is not None:
-            return mooncake_token_ids(self.hash_ids, self.block_size, self.input_len)
-        parts = [np.arange(r.start, r.stop, dtype=np.int64) if isinstance(r, range) else r for r in self.token_runs]
-        return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+            return mooncake_token_ids(self.hash_ids, self.block_size, self.input_len, room)
+        buf = np.empty(self.input_len + room, dtype=np.int64)
+        pos = 0
+        for run in self.token_runs:
+            end = pos + len(run)
+            buf[pos:end] = np.arange(run.start, run.stop, dtype=np.int64) if isinstance(run, range) else run
+            pos = end
+        return buf[: self.input_len] if room else buf
 
     def block_hashes(self) -> tuple[int, ...]:
         """One id per block of `block_size` tokens; equal prefixes give equal leading ids.
@@ -118,10 +127,14 @@ class RequestSpec:
         return chained_block_hashes(self.input_ids(), self.block_size)
 
 
-def mooncake_token_ids(hash_ids: tuple[int, ...], block_size: int, input_len: int) -> np.ndarray:
-    """Tokens of a Mooncake request: token k of a block with hash h is `h * block_size + k`."""
+def mooncake_token_ids(hash_ids: tuple[int, ...], block_size: int, input_len: int, room: int = 0) -> np.ndarray:
+    """Tokens of a Mooncake request: token k of a block with hash h is `h * block_size + k`.
+    The first `input_len` of a new buffer with at least `room` entries after them."""
+    span = len(hash_ids) * block_size
+    buf = np.empty(max(span, input_len + room), dtype=np.int64)
     blocks = np.asarray(hash_ids, dtype=np.int64)[:, None] * block_size
-    return (blocks + np.arange(block_size, dtype=np.int64)).ravel()[:input_len]
+    np.add(blocks, np.arange(block_size, dtype=np.int64), out=buf[:span].reshape(len(hash_ids), block_size))
+    return buf[:input_len]
 
 
 def chained_block_hashes(ids: np.ndarray, block_size: int) -> tuple[int, ...]:

@@ -357,3 +357,67 @@ def test_unified_leaf_keys_view_the_callers_tokens_only_where_they_cover_half_of
     second = cache.match_prefix(RadixKey(tokens)).last_node
     assert np.shares_memory(first.key, tokens) and first.key.tolist() == list(range(500, 524))
     assert not np.shares_memory(second.key, tokens) and second.key.tolist() == list(range(524, 532))
+
+
+def _lock_state(cache):
+    def path(node):
+        tokens = []
+        while node is not cache.root:
+            tokens[:0] = list(node.key)
+            node = node.parent
+        return tuple(tokens)
+
+    queued = {id(n) for n in cache._iter_nodes() if n.heap_seq in cache._queue.live_seqs()}
+    return (sorted((path(n), n.lock_ref, id(n) in queued) for n in cache._iter_nodes()),
+            cache.evictable_size(), cache.protected_size())
+
+
+@pytest.mark.parametrize("old_path, new_path", [
+    ((1, 2), (1, 2, 3, 4)),  # the lock moves down its path (a checkpoint)
+    ((1, 2, 3, 4), (1, 2, 3, 4)),  # stays
+    ((1, 2, 3, 4), (1, 2, 7)),  # to a sibling path: not a descendant
+    ((1, 2, 7), (1, 2)),  # up: not a descendant
+    (None, (1, 2, 3, 4)),  # from no lock
+])
+def test_move_lock_is_an_increment_then_a_decrement(old_path, new_path):
+    states = []
+    for moved in (False, True):
+        cache = make_cache(allocator=False)
+        cache.insert(key(1, 2))
+        cache.insert(key(1, 2, 3, 4))
+        cache.insert(key(1, 2, 7))
+        old = None if old_path is None else cache.match_prefix(key(*old_path)).last_node
+        new = cache.match_prefix(key(*new_path)).last_node
+        cache.inc_lock_ref(old)
+        cache.inc_lock_ref(cache.match_prefix(key(1, 2, 7)).last_node)  # another holder
+        if moved:
+            cache.move_lock(old, new)
+        else:
+            cache.inc_lock_ref(new)
+            cache.dec_lock_ref(old)
+        assert cache.check_integrity().ok
+        states.append(_lock_state(cache))
+    assert states[0] == states[1]
+
+
+def test_move_lock_from_an_unlocked_node_raises_as_the_decrement_does():
+    cache = make_cache(allocator=False)
+    cache.insert(key(1, 2))
+    cache.insert(key(5, 6))
+    old, new = cache.match_prefix(key(1, 2)).last_node, cache.match_prefix(key(5, 6)).last_node
+    with pytest.raises(IntegrityError, match="lock_ref is 0"):
+        cache.move_lock(old, new)
+
+
+def test_request_rows_are_read_through_numpy_on_a_cpu_and_follow_a_new_table():
+    class Pool:
+        req_to_token = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+
+    cache = RadixCache(Pool(), None, 1)
+    row = cache._row(1)
+    assert isinstance(row, np.ndarray) and row.tolist() == [4, 5, 6, 7]
+    assert cache._row_slots(row, 1, 3).dtype == torch.int64 and cache._row_slots(row, 1, 3).tolist() == [5, 6]
+    cache._write_row(row, 0, torch.tensor([40, 50], dtype=torch.int64))
+    assert Pool.req_to_token[1].tolist() == [40, 50, 6, 7]  # a view: the table itself
+    Pool.req_to_token = torch.zeros((3, 4), dtype=torch.int32)
+    assert cache._row(1).tolist() == [0, 0, 0, 0]

@@ -305,7 +305,8 @@ class _Run:
         sched = self.scheduler
         # A priority only when the trace gives one: an engine without vLLM's priority policy may not take it.
         extra = {"priority": spec.priority} if spec.priority else {}
-        req = sched.new_req(spec.rid, spec.input_ids(), spec.output_len, spec.extra_key, arrival_ms, **extra)
+        ids = spec.input_ids(room=spec.output_len)  # with room for the outputs: the request's token buffer
+        req = sched.new_req(spec.rid, ids, spec.output_len, spec.extra_key, arrival_ms, **extra)
         apply_sampling(req, spec)
         sched.add_request(req)
         if self.instruments is not None:
