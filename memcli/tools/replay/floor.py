@@ -30,7 +30,7 @@ from memcli.tools.replay.ceiling import shared_prefix_lens
 from memcli.workload.readers import read_trace
 from memcli.workload.spec import Trace
 
-ROWS = 64  # request rows the copies cycle through (a replay's default table has as many)
+ROWS = 512  # request rows the copies cycle through: the replay config's max_running_requests
 
 
 def array_work(trace: Trace, shared: np.ndarray) -> float:
@@ -65,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--limit", type=int, default=None, help="the first N requests only")
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        print("error: --rounds must be at least 1", file=sys.stderr)
-        return 2
+    for name, value in (("--rounds", args.rounds), ("--limit", args.limit)):
+        if value is not None and value < 1:
+            print(f"error: {name} must be at least 1, got {value}", file=sys.stderr)
+            return 2
     try:
         trace = read_trace(args.trace, limit=args.limit)
     except MemcliError as exc:
