@@ -8,7 +8,10 @@ read). Each round also replays the point through the plain loop (every step one 
 iteration, `memcli replay --plain-loop`) right after the fast path, and the table gives the
 ratio of the two medians (`--no-plain` skips them); with `--check`, each round also replays the
 point under the incremental integrity check every step (`memcli replay --check`, the fast path),
-and the table gives its median over the unchecked one. Every replay of a point must give the
+and the table gives its median over the unchecked one. Each round also times the floor of the
+trace's array work (`memcli.tools.replay.floor`: the bulk copies a replay makes, and nothing
+else; `--no-floor` skips it), printed below the table with each point's replay time over it.
+Every replay of a point must give the
 same steps, hits, clock and evictions, or the bench stops: a replay's document depends
 neither on its speed nor on the path. The machine (CPU count, model name) and its load
 average before and after are printed with the figures, since on a shared host they say how
@@ -34,11 +37,11 @@ from typing import Iterable, NamedTuple, Optional, Sequence
 from memcli.config import load_config
 from memcli.errors import MemcliError
 from memcli.tools.replay.ceiling import shared_prefix_lens
+from memcli.tools.replay.floor import DEFAULT_TRACE, array_work
 from memcli.tools.replay.runner import ReplayOptions, check_options, default_arrivals, replay
 from memcli.tools.replay.step_times import StepTimes
 from memcli.workload.readers import read_trace
 
-DEFAULT_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
 DEFAULT_POINTS = ("memory.page_size=1", "memory.page_size=16", "memory.page_size=1 cache.kind=hiradix")
 
 
@@ -60,6 +63,8 @@ class BenchPoint:
     plain_rounds_s: tuple[float, ...] = ()
     checked_s: Optional[float] = None  # median of the rounds under `--check` (incremental, every step)
     checked_rounds_s: tuple[float, ...] = ()
+    floor_s: Optional[float] = None  # median of the rounds' array work alone (the trace's, the same for every point)
+    floor_rounds_s: tuple[float, ...] = ()
 
     @property
     def speedup(self) -> Optional[float]:
@@ -70,6 +75,11 @@ class BenchPoint:
     def check_cost(self) -> Optional[float]:
         """Checked time over unchecked time (both the fast path), medians of the same rounds."""
         return None if self.checked_s is None else self.checked_s / self.replay_s
+
+    @property
+    def over_floor(self) -> Optional[float]:
+        """Replay time over the floor of its array work, medians of the same rounds."""
+        return None if self.floor_s is None else self.replay_s / self.floor_s
 
 
 def machine() -> dict:
@@ -86,9 +96,10 @@ def machine() -> dict:
 
 
 def run_bench(trace_path: Path, points: Sequence[str], engine: str, limit: Optional[int] = None,
-              rounds: int = 1, plain: bool = True, check: bool = False) -> list[BenchPoint]:
+              rounds: int = 1, plain: bool = True, check: bool = False, floor: bool = True) -> list[BenchPoint]:
     """Replay every point `rounds` times (interleaved; with `plain`, each time also through
-    the plain loop; with `check`, also under the incremental check every step); raises
+    the plain loop; with `check`, also under the incremental check every step; with `floor`,
+    each round also times the trace's array work alone, `floor.array_work`); raises
     `MemcliError` for bad input or when two replays of one point disagree on the steps, the
     hits, the clock or the evictions, or a checked replay finds a failure."""
     trace = read_trace(trace_path, limit=limit)
@@ -103,10 +114,14 @@ def run_bench(trace_path: Path, points: Sequence[str], engine: str, limit: Optio
     for config in configs:
         check_options(trace, config, modes["fast"])
     runs: list[dict[str, list[_Round]]] = [{mode: [] for mode in modes} for _ in points]
+    floors: list[float] = []
     for _ in range(rounds):
         for i, config in enumerate(configs):
             for mode, options in modes.items():
                 runs[i][mode].append(_replay_round(points[i], config, trace, options, shared, runs[i].values()))
+        if floor:
+            floors.append(array_work(trace, shared))
+    floor_s = statistics.median(floors) if floors else None
     rows = []
     for point, by_mode in zip(points, runs):
         fast = by_mode["fast"]
@@ -117,7 +132,8 @@ def run_bench(trace_path: Path, points: Sequence[str], engine: str, limit: Optio
         rows.append(BenchPoint(point, trace.num_requests, middle.outcome[0], middle.outcome[1], median, tuple(samples),
                                trace.num_requests / median, middle.outcome[0] / median, middle.step_times.to_dict(),
                                statistics.median(plain_rounds) if plain_rounds else None, plain_rounds,
-                               statistics.median(checked_rounds) if checked_rounds else None, checked_rounds))
+                               statistics.median(checked_rounds) if checked_rounds else None, checked_rounds,
+                               floor_s, tuple(floors)))
     return rows
 
 
@@ -167,6 +183,13 @@ def format_table(rows: Sequence[BenchPoint], before: dict, after: dict, engine: 
     if checked:
         lines.append("checked s: the same replay under --check (the incremental check after every step), its rounds"
                      " interleaved; check x = checked s / replay s")
+    floored = [r for r in rows if r.floor_s is not None]
+    if floored:
+        first = floored[0]
+        lines.append(f"floor: the trace's array work alone (python -m memcli.tools.replay.floor: each request's bulk"
+                     f" copies at page size 1, nothing else) {first.floor_s:.3f} s, rounds "
+                     + " ".join(f"{t:.3f}" for t in first.floor_rounds_s) + "; replay s over it: "
+                     + ", ".join(f"{r.point} {r.over_floor:.1f}x" for r in floored))
     return "\n".join(lines)
 
 
@@ -197,6 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--no-plain", action="store_true", help="skip the plain-loop replays (and the speed-up)")
     parser.add_argument("--check", action="store_true", help="also replay under --check (its cost over unchecked)")
+    parser.add_argument("--no-floor", action="store_true", help="skip timing the array work alone (the floor)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -205,14 +229,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     before = machine()
     try:
         rows = run_bench(args.trace, args.point or DEFAULT_POINTS, args.engine, args.limit, args.rounds,
-                         plain=not args.no_plain, check=args.check)
+                         plain=not args.no_plain, check=args.check, floor=not args.no_floor)
     except MemcliError as exc:
         print(f"error: {exc.message}" + (f"\nhint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
         return exc.exit_code
     after = machine()
     if args.json:
         print(json.dumps({"engine": args.engine, "machine": before, "load_avg_1m_after": after["load_avg_1m"],
-                          "points": [{**asdict(r), "speedup": r.speedup, "check_cost": r.check_cost} for r in rows]},
+                          "points": [{**asdict(r), "speedup": r.speedup, "check_cost": r.check_cost,
+                                      "over_floor": r.over_floor} for r in rows]},
                          indent=1))
     else:
         print(format_table(rows, before, after, args.engine))

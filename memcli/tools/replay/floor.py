@@ -25,12 +25,12 @@ from pathlib import Path
 import numpy as np
 
 from memcli.errors import MemcliError
-from memcli.tools.replay.bench import DEFAULT_TRACE
 from memcli.tools.replay.ceiling import shared_prefix_lens
 from memcli.workload.readers import read_trace
 from memcli.workload.spec import Trace
 
-ROWS = 512  # request rows the copies cycle through: the replay config's max_running_requests
+DEFAULT_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")  # the bench's trace too
+ROWS = 64  # request rows the copies cycle through (SGLang 0.5.23 hands out the rows freed last first: few are hot)
 
 
 def array_work(trace: Trace, shared: np.ndarray) -> float:
@@ -40,6 +40,7 @@ def array_work(trace: Trace, shared: np.ndarray) -> float:
     cap = max(2 * longest, 1)
     ring = np.arange(1, cap + 1, dtype=np.int64)
     table = np.zeros((ROWS, max(longest, 1)), dtype=np.int32)
+    table.fill(0)  # its pages faulted in now: the first touch of new memory is not the copies' cost
     head = 0
     start = time.perf_counter()
     for i, (spec, pre) in enumerate(zip(trace.requests, shared.tolist())):

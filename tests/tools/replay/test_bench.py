@@ -91,3 +91,19 @@ def test_bench_stops_when_a_checked_replay_fails(capsys, monkeypatch):
     monkeypatch.setattr(checker.IntegrityChecker, "_incremental", fails)
     assert main([str(CONVERSATION), "--limit", "10", "--point", POINT, "--check", "--no-plain"]) == 2
     assert "did not finish cleanly" in capsys.readouterr().err
+
+
+def test_bench_times_the_floor_of_the_array_work_in_each_round(capsys):
+    rows = run_bench(CONVERSATION, [POINT, POINT + " memory.page_size=16"], "sglang-0.5.23", limit=20, rounds=2,
+                     plain=False)
+    assert len(rows[0].floor_rounds_s) == 2 and rows[0].floor_rounds_s == rows[1].floor_rounds_s  # one per round
+    assert min(rows[0].floor_rounds_s) <= rows[0].floor_s <= max(rows[0].floor_rounds_s)
+    assert rows[1].over_floor == rows[1].replay_s / rows[1].floor_s
+    no_floor = run_bench(CONVERSATION, [POINT], "sglang-0.5.23", limit=20, plain=False, floor=False)[0]
+    assert no_floor.floor_s is None and no_floor.over_floor is None and no_floor.floor_rounds_s == ()
+    assert main([str(CONVERSATION), "--limit", "10", "--point", POINT, "--no-plain"]) == 0
+    out = capsys.readouterr().out
+    assert "floor: the trace's array work alone" in out and out.split("replay s over it: ")[1].startswith(f"{POINT} ")
+    assert main([str(CONVERSATION), "--limit", "10", "--point", POINT, "--no-plain", "--no-floor", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["points"][0]["floor_s"] is None and doc["points"][0]["over_floor"] is None
