@@ -17,6 +17,10 @@ class MemcliError(Exception):
         self.message = message
         self.hint = hint
 
+    def lines(self) -> str:
+        """What the user reads: the `error:` line, then the `hint:` line when there is one."""
+        return f"error: {self.message}" + (f"\nhint: {self.hint}" if self.hint else "")
+
 
 class ConfigError(MemcliError):
     """A config key is unknown, has the wrong type, or describes an impossible stack."""

@@ -84,3 +84,10 @@ def test_ctrl_c_is_exit_130(capsys):
         raise KeyboardInterrupt
 
     assert run_guarded(interrupt) == INTERRUPTED
+
+
+def test_an_error_reads_as_its_error_line_then_its_hint():
+    from memcli.errors import MemcliError
+
+    assert MemcliError("no such file", "check the path").lines() == "error: no such file\nhint: check the path"
+    assert MemcliError("no such file").lines() == "error: no such file"

@@ -34,9 +34,7 @@ def debugging() -> bool:
 
 
 def report_error(exc: MemcliError) -> None:
-    print(f"error: {exc.message}", file=sys.stderr)
-    if exc.hint:
-        print(f"hint: {exc.hint}", file=sys.stderr)
+    print(exc.lines(), file=sys.stderr)
 
 
 def note_ignored(ignored: dict[str, str], command: str) -> None:

@@ -231,7 +231,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows = run_bench(args.trace, args.point or DEFAULT_POINTS, args.engine, args.limit, args.rounds,
                          plain=not args.no_plain, check=args.check, floor=not args.no_floor)
     except MemcliError as exc:
-        print(f"error: {exc.message}" + (f"\nhint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
+        print(exc.lines(), file=sys.stderr)
         return exc.exit_code
     after = machine()
     if args.json:

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trace = read_trace(args.trace, limit=args.limit)
     except MemcliError as exc:
-        print(f"error: {exc.message}" + (f"\nhint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
+        print(exc.lines(), file=sys.stderr)
         return exc.exit_code
     shared = shared_prefix_lens(trace)
     rounds = [array_work(trace, shared) for _ in range(args.rounds)]
