@@ -33,10 +33,14 @@ DEFAULT_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")  # the benc
 ROWS = 64  # request rows the copies cycle through (SGLang 0.5.23 hands out the rows freed last first: few are hot)
 
 
+def new_prompt_tokens(trace: Trace, shared: np.ndarray) -> int:
+    """The prompt tokens past each request's shared prefix (`shared`), over the trace."""
+    return trace.input_tokens - int(shared.sum())
+
+
 def array_work(trace: Trace, shared: np.ndarray) -> float:
     """One pass of the copies over `trace` (see the module docstring); its seconds."""
     longest = max((r.input_len for r in trace.requests), default=0)
-    new_total = int(sum(r.input_len for r in trace.requests) - shared.sum())
     cap = max(2 * longest, 1)
     ring = np.arange(1, cap + 1, dtype=np.int64)
     table = np.zeros((ROWS, max(longest, 1)), dtype=np.int32)
@@ -55,8 +59,8 @@ def array_work(trace: Trace, shared: np.ndarray) -> float:
         ring[at : at + new] = value  # the free
         head += new
     elapsed = time.perf_counter() - start
-    if head != new_total:
-        raise AssertionError(f"copied {head} new tokens, expected {new_total}")
+    if head != new_prompt_tokens(trace, shared):
+        raise AssertionError(f"copied {head} new tokens, expected {new_prompt_tokens(trace, shared)}")
     return elapsed
 
 
@@ -66,19 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--limit", type=int, default=None, help="the first N requests only")
     args = parser.parse_args(argv)
-    for name, value in (("--rounds", args.rounds), ("--limit", args.limit)):
-        if value is not None and value < 1:
-            print(f"error: {name} must be at least 1, got {value}", file=sys.stderr)
-            return 2
     try:
+        for name, value in (("--rounds", args.rounds), ("--limit", args.limit)):
+            if value is not None and value < 1:
+                raise MemcliError(f"{name} must be at least 1, got {value}", f"leave {name} out, or give it 1 or more")
         trace = read_trace(args.trace, limit=args.limit)
     except MemcliError as exc:
         print(exc.lines(), file=sys.stderr)
         return exc.exit_code
     shared = shared_prefix_lens(trace)
     rounds = [array_work(trace, shared) for _ in range(args.rounds)]
-    new = int(sum(r.input_len for r in trace.requests) - shared.sum())
-    print(f"array work of {trace.num_requests:,} requests ({new:,} new prompt tokens): "
+    print(f"array work of {trace.num_requests:,} requests ({new_prompt_tokens(trace, shared):,} new prompt tokens): "
           f"rounds {', '.join(f'{s:.3f}' for s in rounds)} s; fastest {trace.num_requests / min(rounds):,.0f} requests/s")
     return 0
 

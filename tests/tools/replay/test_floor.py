@@ -28,4 +28,5 @@ def test_bad_input_exits_2(capsys, tmp_path):
     assert "error:" in capsys.readouterr().err
     assert main([str(CONVERSATION), "--rounds", "0"]) == 2
     assert main([str(CONVERSATION), "--limit", "-3"]) == 2
-    assert "--limit must be at least 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error: --limit must be at least 1" in err and "\nhint: " in err
