@@ -35,6 +35,7 @@ Two exact indexes, chosen by the trace format:
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_left, bisect_right
 from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -58,15 +59,23 @@ class FutureTooLarge(MemcliError):
 class FutureUses:
     """Past and future users of every page of a trace (see the module docstring)."""
 
-    def __init__(self, num_requests: int, caps: np.ndarray):
+    def __init__(self, num_requests: int, caps: np.ndarray, flat: Sequence[int] = ()):
         self.caps = caps  # per request: how far its match may reach (input_len - 1)
         self.admitted = np.zeros(num_requests, dtype=bool)
         self.frontier = 0  # every request before it is admitted
         self.max_admitted = -1
+        # The scalar lookups of an eviction's pair (`last_and_next_use`) read Python values:
+        # `flat` (every page's users, the index's own order), the caps and the admitted flags
+        # as a list and a bytearray. Each numpy read of one element, and each searchsorted of
+        # a slice, cost more than the whole lookup does this way.
+        self._flat = flat
+        self._caps = caps.tolist()
+        self._admitted = bytearray(num_requests)
 
     # -- the boundary between past and future ----------------------------------------------
     def set_admitted(self, index: int, admitted: bool) -> None:
         self.admitted[index] = admitted
+        self._admitted[index] = admitted
         if admitted:
             self.max_admitted = max(self.max_admitted, index)
             n = len(self.admitted)
@@ -75,21 +84,22 @@ class FutureUses:
         else:
             self.frontier = min(self.frontier, index)
 
-    def _first_future(self, users: np.ndarray, pos: int) -> Optional[int]:
-        """First user not admitted whose match reaches `pos` (users ascending)."""
-        admitted, caps = self.admitted, self.caps
-        for i in range(int(np.searchsorted(users, self.frontier)), len(users)):
-            j = int(users[i])
+    def _first_future(self, lo: int, hi: int, pos: int) -> Optional[int]:
+        """First user of `_flat[lo:hi]` (ascending) not admitted whose match reaches `pos`."""
+        flat, admitted, caps = self._flat, self._admitted, self._caps
+        for i in range(bisect_left(flat, self.frontier, lo, hi), hi):
+            j = flat[i]
             if not admitted[j] and caps[j] >= pos:
-                return j
+                return int(j)
         return None
 
-    def _last_past(self, users: np.ndarray, pos: int) -> Optional[int]:
-        admitted, caps = self.admitted, self.caps
-        for i in range(int(np.searchsorted(users, self.max_admitted, side="right")) - 1, -1, -1):
-            j = int(users[i])
+    def _last_past(self, lo: int, hi: int, pos: int) -> Optional[int]:
+        """Last user of `_flat[lo:hi]` (ascending) admitted whose match reaches `pos`."""
+        flat, admitted, caps = self._flat, self._admitted, self._caps
+        for i in range(bisect_right(flat, self.max_admitted, lo, hi) - 1, lo - 1, -1):
+            j = flat[i]
             if admitted[j] and caps[j] >= pos:
-                return j
+                return int(j)
         return None
 
     # -- implemented by the two indexes ------------------------------------------------------
@@ -101,6 +111,12 @@ class FutureUses:
 
     def users(self, handle: Any) -> Optional[tuple[np.ndarray, int]]:
         """The requests whose prompt holds the path of `handle` (ascending), and the position."""
+        found = self._span(handle)
+        return None if found is None else (np.asarray(self._flat[found[0]:found[1]], dtype=np.int64), found[2])
+
+    def _span(self, handle: Any) -> Optional[tuple[int, int, int]]:
+        """Where the users of `handle` sit in `_flat` (`lo`, `hi`), and the position; None
+        when no prompt holds the path."""
         raise NotImplementedError
 
     def prompt_index(self, rid: str) -> Optional[int]:
@@ -115,16 +131,16 @@ class FutureUses:
         raise NotImplementedError
 
     def next_use(self, handle: Any) -> Optional[int]:
-        found = self.users(handle) if handle is not None else None
+        found = self._span(handle) if handle is not None else None
         return None if found is None else self._first_future(*found)
 
     def last_use(self, handle: Any) -> Optional[int]:
-        found = self.users(handle) if handle is not None else None
+        found = self._span(handle) if handle is not None else None
         return None if found is None else self._last_past(*found)
 
     def last_and_next_use(self, handle: Any) -> tuple[Optional[int], Optional[int]]:
         """(`last_use`, `next_use`) of `handle`, its users looked up once (an evicted leaf's pair)."""
-        found = self.users(handle) if handle is not None else None
+        found = self._span(handle) if handle is not None else None
         return (None, None) if found is None else (self._last_past(*found), self._first_future(*found))
 
 
@@ -154,10 +170,12 @@ class _BlockFuture(FutureUses):
     """Mooncake traces: a trie of hash blocks; a handle is (trie block, path length)."""
 
     def __init__(self, trace: Trace, caps: np.ndarray):
-        super().__init__(trace.num_requests, caps)
-        self.block_size = trace.block_size
         trie = block_trie(trace.requests)
+        # One user per block of every prompt (hundreds of thousands): kept as a list.
+        super().__init__(trace.num_requests, caps, trie.flat.tolist())
+        self.block_size = trace.block_size
         self.roots, self.children, self.block_hash, self.starts, self.flat = trie[:5]
+        self._starts = self.starts.tolist()
         # Each request's trie node at every block of its prompt, for `prompt_handle`.
         self.paths, self.path_starts = trie.paths, trie.path_starts
         self.input_lens = caps + 1
@@ -232,16 +250,16 @@ class _BlockFuture(FutureUses):
                 return None
         return node, pos + len(tokens)
 
-    def users(self, handle: Any) -> Optional[tuple[np.ndarray, int]]:
+    def _span(self, handle: Any) -> Optional[tuple[int, int, int]]:
         node, pos = handle
-        return self.flat[self.starts[node]:self.starts[node + 1]], pos
+        return self._starts[node], self._starts[node + 1], pos
 
 
 class _PageFuture(FutureUses):
     """memcli traces: every page end of every prompt, by the hash of the prompt up to it."""
 
     def __init__(self, trace: Trace, caps: np.ndarray, page_size: int):
-        super().__init__(trace.num_requests, caps)
+        super().__init__(trace.num_requests, caps)  # `_flat` is set below: numpy (up to `MAX_PAGE_ENTRIES`)
         self.page_size = page_size
         _check_pages(sum(whole_pages(max(int(c), 0), page_size) for c in caps.tolist()), page_size)
         keys, owners = [], []
@@ -257,6 +275,7 @@ class _PageFuture(FutureUses):
         owner = np.concatenate(owners) if owners else np.empty(0, dtype=np.int64)
         order = np.lexsort((owner, key))
         key, self.flat = key[order], owner[order]
+        self._flat = self.flat
         self.keys, first = np.unique(key, return_index=True)
         self.starts = np.append(first, len(key)).astype(np.int64)
 
@@ -272,7 +291,7 @@ class _PageFuture(FutureUses):
         body = int(np.multiply(tokens.astype(np.uint64) + np.uint64(1), powers[n - 1::-1]).sum(dtype=np.uint64))
         return (value * pow(_BASE, n, 1 << 64) + body) & _MASK, pos + n
 
-    def users(self, handle: Any) -> Optional[tuple[np.ndarray, int]]:
+    def _span(self, handle: Any) -> Optional[tuple[int, int, int]]:
         value, pos = handle
         if pos == 0 or pos % self.page_size:
             return None
@@ -280,7 +299,7 @@ class _PageFuture(FutureUses):
         i = int(np.searchsorted(self.keys, key))
         if i == len(self.keys) or self.keys[i] != key:
             return None
-        return self.flat[self.starts[i]:self.starts[i + 1]], pos
+        return int(self.starts[i]), int(self.starts[i + 1]), pos
 
 
 class BlockTrie(NamedTuple):

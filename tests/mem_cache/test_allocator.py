@@ -345,6 +345,36 @@ def test_paged_free_group_is_one_free_with_duplicates_removed():
     assert allocator.check_integrity().ok
 
 
+@pytest.mark.parametrize("page_size", [4, 3])  # a power of two (shifted) and not (divided)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_paged_segment_free_puts_row_order_pages_in_front(page_size, dtype, grouped):
+    """`free(..., segment=True)` (0.5.23's free of a row segment): one slot per page taken as
+    it comes, pages put back in row order in front of the free list, not sorted; the same from
+    a strided view of a request table's row (the slots as the table holds them), in a free
+    group (released after the group's other frees), whatever the dtype and page size."""
+    allocator = paged(12 * page_size, page_size)
+    allocator.alloc(12 * page_size)
+    table = torch.zeros(2, 8 * page_size, dtype=dtype)
+    table[1, : 3 * page_size] = page_slots([9, 2, 6], page_size).to(dtype)
+    segment = table[1, : 3 * page_size]  # a view of the row, as the trees free it
+    allocator.free(page_slots([11], page_size))
+    if grouped:
+        allocator.free_group_begin()
+        allocator.free(page_slots([4], page_size))
+    allocator.free(segment, segment=True)
+    allocator.free(page_slots([7, 3], page_size), segment=True)
+    if grouped:
+        assert free_list(allocator) == [11]
+        allocator.free_group_end()
+        # The group's plain frees first (sorted), then its segments in call order, in front.
+        assert free_list(allocator) == [9, 2, 6, 7, 3, 4, 11]
+    else:
+        assert free_list(allocator) == [7, 3, 9, 2, 6, 11]
+    assert table[1, : 3 * page_size].tolist() == page_slots([9, 2, 6], page_size).tolist()  # never written
+    assert allocator.check_integrity().ok
+
+
 def test_token_free_group_keeps_free_order():
     allocator = token(8)
     allocator.alloc(8)

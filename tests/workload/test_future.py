@@ -220,3 +220,42 @@ def test_block_trie_keys_hash_ids_of_any_size():
     roots, children, block_hash, users = _trie_by_walk(requests)
     assert trie.children == children and trie.block_hash.tolist() == block_hash
     assert trie.flat.tolist() == [j for u in users for j in u]
+
+
+def _brute_uses(future, handle, pos):
+    """(last_use, next_use) by definition, over the handle's users as `users` lists them."""
+    users = future.users(handle)[0].tolist()
+    past = [j for j in users if future.admitted[j] and future.caps[j] >= pos]
+    to_come = [j for j in users if not future.admitted[j] and future.caps[j] >= pos]
+    return (max(past) if past else None), (min(to_come) if to_come else None)
+
+
+@pytest.mark.parametrize("kind", ["mooncake", "tokens"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lookups_equal_their_definition_as_admissions_come_and_go(tmp_path, kind, seed):
+    """The eviction's lookups (bisect over the index's users, the flags as bytes) answer as the
+    definition over `users` does, through admissions and retractions in any order."""
+    rng = np.random.default_rng(seed)
+    if kind == "mooncake":
+        rows = [(int(rng.integers(9, 13)), [1, *rng.integers(2, 4, size=2).tolist()]) for _ in range(40)]
+        trace = mooncake(tmp_path, rows)
+        prompts = [mooncake_token_ids(h, 4, n) for n, h in rows]
+    else:
+        prompts = [np.array([1, 2, *rng.integers(3, 5, size=int(rng.integers(2, 8))).tolist()]) for _ in range(40)]
+        trace = Trace(tmp_path / "t.jsonl", "memcli", 512,
+                      [RequestSpec.from_ids(f"r{j}", p.tolist(), 1) for j, p in enumerate(prompts)])
+    future = build_future(trace, page_size=1 if kind == "mooncake" else 2)
+    checked = 0
+    for _ in range(60):
+        j = int(rng.integers(0, 40))
+        future.set_admitted(j, not future.admitted[j])
+        prompt = prompts[int(rng.integers(0, 40))]
+        end = int(rng.integers(1, len(prompt) + 1))
+        handle = path_handle(future, prompt[:end])
+        if handle is None or future.users(handle) is None:
+            continue
+        want = _brute_uses(future, handle, end)
+        assert future.last_and_next_use(handle) == want
+        assert (future.last_use(handle), future.next_use(handle)) == want
+        checked += 1
+    assert checked > 20
