@@ -718,3 +718,50 @@ def test_duplicate_outside_the_range_is_counted():
     allocator.free(i64([6]))
     assert failed_checks(allocator) == {"free list within range", "no duplicate in free list"}
     assert allocator.check_integrity().check("no duplicate in free list").detail == "1 duplicate slots"
+
+
+def _state(allocator):
+    return (free_list(allocator), allocator.available_size(), allocator.num_frees, allocator.freed_tokens,
+            allocator.in_use_tokens)
+
+
+@pytest.mark.parametrize("page_size,segment", [(1, False), (1, True), (4, False), (4, True), (3, True)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_free_each_equals_one_free_per_part(page_size, segment, seed):
+    """An eviction's frees in one go (`free_each`): the free list, the counters (a call per
+    part) and the available size of one `free` per part, in order, for either allocator, row
+    segments or not; an empty part counts no call."""
+    rng = torch.Generator().manual_seed(seed)
+    make = (lambda: token(64)) if page_size == 1 else (lambda: paged(16 * page_size, page_size))
+    one, each = make(), make()
+    for allocator in (one, each):
+        allocator.alloc(allocator.size)
+    pages = torch.randperm(one.num_pages, generator=rng)[:12] + 1  # distinct pages, shuffled
+    parts = [page_slots(chunk.tolist(), page_size) if page_size > 1 else chunk.clone()
+             for chunk in torch.split(pages, [3, 1, 0, 4, 2, 2])]
+    for part in parts:
+        one.free(part, segment=segment)
+    each.free_each(parts, segment=segment)
+    assert _state(each) == _state(one)
+    assert each.num_frees == len(parts) - 1 and each.check_integrity().ok
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_free_each_raises_at_the_double_free_as_the_frees_would(page_size):
+    """A part that frees too much: the parts before it go back, it raises as its own `free`
+    does, and what follows is not freed."""
+    make = (lambda: token(16)) if page_size == 1 else (lambda: paged(4 * page_size, page_size))
+    one, each = make(), make()
+    for allocator in (one, each):
+        allocator.alloc(allocator.size)
+        allocator.free(page_slots([1, 2, 3], page_size) if page_size > 1 else i64([1, 2, 3]))
+    slots = (lambda pages: page_slots(pages, page_size)) if page_size > 1 else i64
+    parts = [slots([4]), slots(list(range(1, 4 if page_size > 1 else 16))), slots([0])]
+    errors = []
+    for allocator, free in ((one, lambda: [one.free(p, segment=True) for p in parts]),
+                            (each, lambda: each.free_each(parts, segment=True))):
+        with pytest.raises(ValueError, match="double free") as info:
+            free()
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]
+    assert _state(each) == _state(one)
