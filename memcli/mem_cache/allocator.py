@@ -286,54 +286,6 @@ class BaseAllocator:
         if self.debug:
             self.check_integrity().raise_if_failed()
 
-    def free_each(self, parts: list[torch.Tensor], *, segment: bool = False) -> None:
-        """`free(part, segment=segment)` of each of `parts`, in order, with one copy into the
-        free list: the same free list, counters (a call per part) and errors. With an
-        observer, a free group, a release list or debug mode (each part seen on its own), or
-        one part, it is those calls."""
-        if len(parts) < 2 or self.ledger is not None or self._group is not None or self.need_sort or self.debug:
-            for part in parts:
-                self.free(part, segment=segment)
-            return
-        entries, pages = [], 0
-        for i, part in enumerate(parts):
-            if part.numel() == 0:
-                continue
-            found, divisor = self._free_entries(part, segment)
-            n = found.numel()
-            if self._in_use_pages - pages - n < 0 or not self._fits_back(pages + n):
-                # A double free: the parts before it go back, then it and the rest one call
-                # each, as they would have (its own call raises).
-                break
-            entries.append((found, divisor))
-            pages += n
-        else:
-            i = len(parts)
-        self._put_each(entries)
-        self._count_frees(len(entries), pages)
-        for part in parts[i:]:
-            self.free(part, segment=segment)
-
-    def _free_entries(self, slots: torch.Tensor, segment: bool) -> tuple[torch.Tensor, int]:
-        """What `free` puts back for `slots` (outside a group): (entries, divisor)."""
-        if segment and self.page_size > 1:
-            return self._page_starts(slots), self.page_size
-        return self._freed_entries(slots, False)
-
-    def _count_frees(self, calls: int, pages: int) -> None:
-        self._in_use_pages -= pages
-        self.num_frees += calls
-        self.freed_tokens += pages * self.page_size
-
-    def _fits_back(self, n: int) -> bool:
-        """Whether `n` more entries fit the free list (`_put` raises otherwise)."""
-        return self._num_free + n <= self.num_pages
-
-    def _put_each(self, entries: list[tuple[torch.Tensor, int]]) -> None:
-        """`_put` of each (entries, divisor), in order."""
-        for found, divisor in entries:
-            self._put(found, divisor)
-
     def _page_starts(self, slots: torch.Tensor) -> torch.Tensor:
         """`slots.reshape(-1)[::page_size]`: one slot per page of a page-aligned run, as a view.
         On a CPU the view is taken in numpy (a strided torch slice costs ten times more)."""
@@ -570,13 +522,6 @@ class TokenToKVPoolAllocator(BaseAllocator):
             self._buf[: n - first] = flat[first:]
         self._num_free += n
 
-    def _put_each(self, entries: list[tuple[torch.Tensor, int]]) -> None:
-        # The free list's tail takes each in turn: on a CPU, their concatenation in one copy.
-        if len(entries) > 1 and all(found.is_cpu for found, _ in entries):
-            self._put(torch.from_numpy(np.concatenate([found.numpy().reshape(-1) for found, _ in entries])))
-        else:
-            super()._put_each(entries)
-
     def _free_rows_dest(self, n: int) -> int:
         cap = self.num_pages
         if self._num_free + n > cap:
@@ -669,15 +614,6 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         else:  # the division writes straight into the free list
             torch.floor_divide(pages, divisor, out=dest)
         self._num_free += n
-
-    def _put_each(self, entries: list[tuple[torch.Tensor, int]]) -> None:
-        # Each goes in front of the one before: on a CPU, the last first, in one copy.
-        divisor = entries[0][1] if entries else 1
-        if len(entries) > 1 and all(d == divisor and found.is_cpu for found, d in entries):
-            pages = np.concatenate([found.numpy().reshape(-1) for found, _ in reversed(entries)])
-            self._put(torch.from_numpy(pages), divisor)
-        else:
-            super()._put_each(entries)
 
     def _free_rows_dest(self, n: int) -> int:
         if n > self._head:

@@ -530,29 +530,17 @@ class RadixCache(BasePrefixCache):
             return 0
         now = self._begin()
         freed = 0
-        # Without a ledger the leaves' slots are freed together once the leaves are chosen
-        # (`free_each`: the free list and counters of one free per leaf, in eviction order);
-        # nothing between reads the allocator. The ledger sees each leaf's free on its own.
-        allocator = self.allocator
-        free_each = getattr(allocator, "free_each", None) if getattr(allocator, "ledger", None) is None else None
-        values = [] if free_each is not None else None
         while freed < num_tokens:
             node = self._queue.pop()
             if node is None:
                 break
-            freed += self._delete_leaf(node, now, values)
-        if values:
-            free_each(values, **self._segment)
+            freed += self._delete_leaf(node, now)
         self.evicted_tokens_total += freed
         return freed
 
-    def _delete_leaf(self, node: TreeNode, now: float, values: Optional[list] = None) -> int:
-        """Take the leaf `node` out of the tree; its slots are freed now, or appended to
-        `values` for the caller to free (`evict`)."""
+    def _delete_leaf(self, node: TreeNode, now: float) -> int:
         size = len(node.key)
-        if values is not None:
-            values.append(node.value)
-        elif self.allocator is not None:
+        if self.allocator is not None:
             if getattr(self.allocator, "ledger", None) is not None:  # TREE -> FREE in one transition
                 self.allocator.free(node.value, owner=TREE, op="evict", **self._segment)
             else:
