@@ -35,6 +35,7 @@ Two exact indexes, chosen by the trace format:
 from __future__ import annotations
 
 import hashlib
+from array import array
 from bisect import bisect_left, bisect_right
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -64,12 +65,12 @@ class FutureUses:
         self.admitted = np.zeros(num_requests, dtype=bool)
         self.frontier = 0  # every request before it is admitted
         self.max_admitted = -1
-        # The scalar lookups of an eviction's pair (`last_and_next_use`) read Python values:
-        # `flat` (every page's users, the index's own order), the caps and the admitted flags
-        # as a list and a bytearray. Each numpy read of one element, and each searchsorted of
-        # a slice, cost more than the whole lookup does this way.
+        # The scalar lookups of an eviction's pair (`last_and_next_use`) read plain values:
+        # `flat` (every page's users, the index's own order), the caps as an `array` and the
+        # admitted flags as a bytearray. Each numpy read of one element, and each
+        # searchsorted of a slice, cost more than the whole lookup does this way.
         self._flat = flat
-        self._caps = caps.tolist()
+        self._caps = array("q", caps.tolist())
         self._admitted = bytearray(num_requests)
 
     # -- the boundary between past and future ----------------------------------------------
@@ -171,11 +172,12 @@ class _BlockFuture(FutureUses):
 
     def __init__(self, trace: Trace, caps: np.ndarray):
         trie = block_trie(trace.requests)
-        # One user per block of every prompt (hundreds of thousands): kept as a list.
-        super().__init__(trace.num_requests, caps, trie.flat.tolist())
+        # One user per block of every prompt (hundreds of thousands): 8 bytes each in an
+        # `array` (a list would hold an int object for each), bisected as fast.
+        super().__init__(trace.num_requests, caps, array("q", trie.flat.tolist()))
         self.block_size = trace.block_size
         self.roots, self.children, self.block_hash, self.starts, self.flat = trie[:5]
-        self._starts = self.starts.tolist()
+        self._starts = array("q", self.starts.tolist())
         # Each request's trie node at every block of its prompt, for `prompt_handle`.
         self.paths, self.path_starts = trie.paths, trie.path_starts
         self.input_lens = caps + 1
