@@ -604,7 +604,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
                 dest_host[:] = pages.numpy().reshape(-1)  # converts the dtype as it copies
             elif divisor & (divisor - 1) or pages.dtype != torch.int64:
                 np.floor_divide(pages.numpy().reshape(-1), divisor, out=dest_host)
-            else:  # a power of two: the arithmetic shift is the floor division, at a third of its cost
+            else:  # a power of two: the arithmetic shift is the floor division, under half its cost on long runs
                 np.right_shift(pages.numpy().reshape(-1), divisor.bit_length() - 1, out=dest_host)
             self._num_free += n
             return
