@@ -61,22 +61,19 @@ class FutureUses:
     """Past and future users of every page of a trace (see the module docstring)."""
 
     def __init__(self, num_requests: int, caps: np.ndarray, flat: Sequence[int] = ()):
-        self.caps = caps  # per request: how far its match may reach (input_len - 1)
-        self.admitted = np.zeros(num_requests, dtype=bool)
-        self.frontier = 0  # every request before it is admitted
-        self.max_admitted = -1
         # The scalar lookups of an eviction's pair (`last_and_next_use`) read plain values:
         # `flat` (every page's users, the index's own order), the caps as an `array` and the
         # admitted flags as a bytearray. Each numpy read of one element, and each
         # searchsorted of a slice, cost more than the whole lookup does this way.
+        self.caps = array("q", caps.tolist())  # per request: how far its match may reach (input_len - 1)
+        self.admitted = bytearray(num_requests)  # per request: 1 while admitted
+        self.frontier = 0  # every request before it is admitted
+        self.max_admitted = -1
         self._flat = flat
-        self._caps = array("q", caps.tolist())
-        self._admitted = bytearray(num_requests)
 
     # -- the boundary between past and future ----------------------------------------------
     def set_admitted(self, index: int, admitted: bool) -> None:
         self.admitted[index] = admitted
-        self._admitted[index] = admitted
         if admitted:
             self.max_admitted = max(self.max_admitted, index)
             n = len(self.admitted)
@@ -87,7 +84,7 @@ class FutureUses:
 
     def _first_future(self, lo: int, hi: int, pos: int) -> Optional[int]:
         """First user of `_flat[lo:hi]` (ascending) not admitted whose match reaches `pos`."""
-        flat, admitted, caps = self._flat, self._admitted, self._caps
+        flat, admitted, caps = self._flat, self.admitted, self.caps
         for i in range(bisect_left(flat, self.frontier, lo, hi), hi):
             j = flat[i]
             if not admitted[j] and caps[j] >= pos:
@@ -96,7 +93,7 @@ class FutureUses:
 
     def _last_past(self, lo: int, hi: int, pos: int) -> Optional[int]:
         """Last user of `_flat[lo:hi]` (ascending) admitted whose match reaches `pos`."""
-        flat, admitted, caps = self._flat, self._admitted, self._caps
+        flat, admitted, caps = self._flat, self.admitted, self.caps
         for i in range(bisect_right(flat, self.max_admitted, lo, hi) - 1, lo - 1, -1):
             j = flat[i]
             if admitted[j] and caps[j] >= pos:
@@ -176,8 +173,8 @@ class _BlockFuture(FutureUses):
         # `array` (a list would hold an int object for each), bisected as fast.
         super().__init__(trace.num_requests, caps, array("q", trie.flat.tolist()))
         self.block_size = trace.block_size
-        self.roots, self.children, self.block_hash, self.starts, self.flat = trie[:5]
-        self._starts = array("q", self.starts.tolist())
+        self.roots, self.children, self.block_hash = trie.roots, trie.children, trie.block_hash
+        self._starts = array("q", trie.starts.tolist())
         # Each request's trie node at every block of its prompt, for `prompt_handle`.
         self.paths, self.path_starts = trie.paths, trie.path_starts
         self.input_lens = caps + 1
@@ -276,8 +273,7 @@ class _PageFuture(FutureUses):
         key = np.concatenate(keys) if keys else np.empty(0, dtype=np.uint64)
         owner = np.concatenate(owners) if owners else np.empty(0, dtype=np.int64)
         order = np.lexsort((owner, key))
-        key, self.flat = key[order], owner[order]
-        self._flat = self.flat
+        key, self._flat = key[order], owner[order]
         self.keys, first = np.unique(key, return_index=True)
         self.starts = np.append(first, len(key)).astype(np.int64)
 
