@@ -926,7 +926,7 @@ def extend_views(buffer: torch.Tensor, bs: int, extend_num_tokens: int) -> Exten
 
 
 def _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
-                              page_size, free_start, num_free, extend_num_tokens):
+                              page_size, free_start, num_free, extend_num_tokens, kept_prefix=None):
     check_tensor("req_to_token", req_to_token, dtype=torch.int32, ndim=2)
     if req_to_token.stride(1) != 1:
         raise ValueError("req_to_token rows must be contiguous (stride(1) == 1)")
@@ -947,6 +947,20 @@ def _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu,
         raise ValueError(f"request {i}: seq_len {int(seq_lens_cpu[i])} < prefix_len {int(prefix_lens_cpu[i])}")
     if extend_num_tokens is not None and extend_num_tokens != int(new_tokens.sum()):
         raise ValueError(f"extend_num_tokens {extend_num_tokens} != sum(seq_lens - prefix_lens) {int(new_tokens.sum())}")
+    if kept_prefix is not None:
+        _check_kept_prefix(req_to_token, rows, prefix_lens_cpu.tolist(), prefixes, kept_prefix)
+
+
+def _check_kept_prefix(req_to_token, rows, prefix_lens: list[int], prefixes, kept_prefix) -> None:
+    """Each row holds the first ``kept_prefix[i]`` slots of its prefix already."""
+    if len(kept_prefix) != len(prefix_lens):
+        raise ValueError(f"kept_prefix ({len(kept_prefix)}) must have one entry per request ({len(prefix_lens)})")
+    for i, (row, n, prefix, k) in enumerate(zip(rows, prefix_lens, prefixes, kept_prefix)):
+        if not 0 <= k <= n:
+            raise ValueError(f"request {i}: kept_prefix {k} outside its prefix [0, {n}]")
+        if k and not torch.equal(req_to_token[int(row), :k].to(torch.int64), prefix[:k].to(req_to_token.device)):
+            raise ValueError(f"request {i}: row {int(row)} does not hold the first {k} slots of its prefix"
+                             f" (kept_prefix says it does)")
 
 
 def _fill_plan(plan: np.ndarray, pre: np.ndarray, seq: np.ndarray, rows, prefixes, page_size: int) -> None:
@@ -1002,16 +1016,18 @@ def alloc_extend_write_triton(
     free_start: int = 0,
     num_free: int | None = None,
     host_plan: np.ndarray | None = None,
+    kept_prefix: list[int] | None = None,
 ) -> ExtendWrite:
     """Triton ``alloc_extend_write``: one device allocation and one launch, which reads its
     plan from host memory (``PlanArena``); see :func:`alloc_extend_write`. With ``host_plan``
     (``extend_host_plan`` of the same lengths and prefixes) the plan is copied, not computed,
-    and only the rows are written into it."""
+    and only the rows are written into it. ``kept_prefix`` is checked (with ``validate``) and
+    otherwise not read: the kernel writes every prefix, the same values."""
     cap = free_pages.shape[0]
     num_free = cap if num_free is None else num_free
     if validate:
         _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
-                                  page_size, free_start, num_free, extend_num_tokens)
+                                  page_size, free_start, num_free, extend_num_tokens, kept_prefix)
         check_triton_device(req_to_token.device, _alloc_extend_write_kernel)
         if host_plan is not None:
             _check_host_plan(host_plan, prefix_lens_cpu, seq_lens_cpu, prefixes, page_size)
@@ -1056,19 +1072,23 @@ def alloc_extend_write_torch(
     free_start: int = 0,
     num_free: int | None = None,
     host_plan: np.ndarray | None = None,
+    kept_prefix: list[int] | None = None,
 ) -> ExtendWrite:
     """Torch reference of ``alloc_extend_write`` (``host_plan`` is not read): the new slots (``_extend_slots_torch``), then
-    the rows (``_write_rows_torch``)."""
+    the rows (``_write_rows_torch``). On a CPU the first ``kept_prefix[i]`` prefix slots of
+    request ``i`` are not written: its row holds them already."""
     num_free = free_pages.shape[0] if num_free is None else num_free
     if validate:
         _check_alloc_extend_write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
-                                  page_size, free_start, num_free, extend_num_tokens)
+                                  page_size, free_start, num_free, extend_num_tokens, kept_prefix)
     device = req_to_token.device
     if extend_num_tokens is None:
         extend_num_tokens = int(seq_lens_cpu.sum() - prefix_lens_cpu.sum())
-    write = _alloc_extend_write_cpu if device.type == "cpu" else _alloc_extend_write_device
-    return write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages, page_size, extend_num_tokens,
-                 free_start, num_free)
+    if device.type == "cpu":
+        return _alloc_extend_write_cpu(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
+                                       page_size, extend_num_tokens, free_start, num_free, kept_prefix)
+    return _alloc_extend_write_device(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
+                                      page_size, extend_num_tokens, free_start, num_free)
 
 
 def _alloc_extend_write_device(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
@@ -1107,10 +1127,11 @@ def _flat_slots(free_pages, free_start: int, n: int, num_free: int) -> torch.Ten
 
 
 def _alloc_extend_write_cpu(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages,
-                            page_size: int, extend_num_tokens: int, free_start: int, num_free: int) -> ExtendWrite:
+                            page_size: int, extend_num_tokens: int, free_start: int, num_free: int,
+                            kept_prefix: list[int] | None = None) -> ExtendWrite:
     """``alloc_extend_write_torch`` on a CPU: the same slots and rows, each row written from
-    its request's own prefix (the batch's prefixes are never joined into one copy), every
-    copy a numpy slice."""
+    its request's own prefix (the batch's prefixes are never joined into one copy; the
+    ``kept_prefix`` slots a row holds already not at all), every copy a numpy slice."""
     pre, seq = prefix_lens_cpu.tolist(), seq_lens_cpu.tolist()
     if page_size == 1:
         out = _flat_slots(free_pages, free_start, extend_num_tokens, num_free)
@@ -1121,11 +1142,13 @@ def _alloc_extend_write_cpu(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, p
         head = _ring_slice(free_pages, free_start, min(new_pages, num_free))  # past num_free: page -1
         out = _extend_slots_torch(prefix_lens_cpu, seq_lens_cpu, last, head, page_size, extend_num_tokens)
     table, new = req_to_token.numpy(), out.numpy()
+    kept = kept_prefix if kept_prefix is not None else [0] * len(pre)
     off = 0
-    for row, p, s, prefix in zip(rows.tolist() if isinstance(rows, torch.Tensor) else rows, pre, seq, prefixes):
+    for row, p, s, prefix, k in zip(rows.tolist() if isinstance(rows, torch.Tensor) else rows, pre, seq, prefixes,
+                                    kept):
         dest = table[row]
-        if p:
-            dest[:p] = prefix.numpy()[:p]
+        if p > k:
+            dest[k:p] = prefix.numpy()[k:p]
         dest[p:s] = new[off : off + s - p]
         off += s - p
     return ExtendWrite(out, torch.as_tensor(rows, dtype=torch.int64), prefix_lens_cpu, seq_lens_cpu)
@@ -1145,6 +1168,7 @@ def alloc_extend_write(
     free_start: int = 0,
     num_free: int | None = None,
     host_plan: np.ndarray | None = None,
+    kept_prefix: list[int] | None = None,
 ) -> ExtendWrite:
     """Fused extend memory step: new slots for every request and its whole ``req_to_token`` row.
 
@@ -1162,12 +1186,15 @@ def alloc_extend_write(
     was planned), which the triton backend then copies instead of computing.
     ``validate=False`` skips every input check, the per-request ones included: for callers
     whose inputs are right by construction (the allocator, outside its debug mode).
+    ``kept_prefix[i]`` (optional) says row ``rows[i]`` holds the first ``kept_prefix[i]``
+    slots of its prefix already (checked with ``validate``); the torch backend on a CPU does
+    not write them again, the others write them (the same values).
     Raises ``ValueError`` on bad input.
     """
     check_backend(backend)
     fn = alloc_extend_write_triton if backend == "triton" else alloc_extend_write_torch
     return fn(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, free_pages, page_size, extend_num_tokens,
-              validate, free_start, num_free, host_plan)
+              validate, free_start, num_free, host_plan, kept_prefix)
 
 
 # ----------------------------------------------------------------------------- free of whole rows

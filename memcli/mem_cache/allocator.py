@@ -371,7 +371,8 @@ class BaseAllocator:
     def alloc_extend_write(self, req_to_token: torch.Tensor, rows: list[int], prefix_lens_cpu: torch.Tensor,
                            seq_lens_cpu: torch.Tensor, prefixes: list[torch.Tensor], num_pages: int,
                            extend_num_tokens: int | None = None, claimed: bool = False,
-                           host_plan: np.ndarray | None = None) -> kernels.ExtendWrite | None:
+                           host_plan: np.ndarray | None = None,
+                           kept_prefix: list[int] | None = None) -> kernels.ExtendWrite | None:
         """Slots for an extend batch, written with each request's prefix into its row (one
         fused kernel; see `memcli.kernels.alloc_extend_write`). `num_pages` is the batch's
         new pages, counted by the caller from the same CPU lengths. None when they are not free.
@@ -380,6 +381,8 @@ class BaseAllocator:
         page handed out twice. `claimed`: the caller claims the new slots in the observer
         right after (the ownership ledger's `extended`), which folds the hand-out into the claim.
         `host_plan`: the kernel's plan, built when the batch was planned (`extend_host_plan`).
+        `kept_prefix`: per request, the prefix slots its row holds already (`ExtendPlan`),
+        which the torch backend on a CPU leaves as they are.
         """
         if num_pages > self._num_free and not self._ensure(num_pages):  # the check inline: a steady batch has the pages
             return None
@@ -390,7 +393,7 @@ class BaseAllocator:
             # The backend's function itself, its arguments in order (one call layer less on the memory path).
             write = kernels.alloc_extend_write_triton if self.backend == "triton" else kernels.alloc_extend_write_torch
             written = write(req_to_token, rows, prefix_lens_cpu, seq_lens_cpu, prefixes, self._buf, self.page_size,
-                            extend_num_tokens, self.debug, self._head, num_pages, host_plan)
+                            extend_num_tokens, self.debug, self._head, num_pages, host_plan, kept_prefix)
         self._advance(num_pages, claimed)
         self._commit_alloc(num_pages)
         return written

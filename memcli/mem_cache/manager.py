@@ -70,6 +70,11 @@ class Release(enum.Enum):
         return self is not Release.RETRACTED
 
 
+def _prefix_in_row(kv: Any) -> int:
+    """`ReqKV.prefix_in_row` of a memory record (0 for a record without a prefix store)."""
+    return kv.prefix_in_row() if getattr(kv, "prefix_store", None) is not None else 0
+
+
 @dataclass(frozen=True, slots=True)
 class ExtendPlan:
     """What an extend batch asks of memory; built by `plan_extend`, read by `alloc_extend`.
@@ -90,12 +95,16 @@ class ExtendPlan:
     # The fused kernel's host plan (offsets and prefix addresses, `kernels.extend_host_plan`),
     # computed with the plan so that the memory path only copies it; None: computed there.
     host_plan: Optional[np.ndarray] = None
+    # Per request, the leading prefix slots its row holds already (`ReqKV.prefix_in_row`: a
+    # chunked request that kept its row), which the CPU writer does not write again; None: 0.
+    kept_prefix: Optional[list[int]] = None
 
     @classmethod
     def build(cls, rows: list[Optional[int]], prefix_tensors: list[torch.Tensor], seq_lens: list[int],
-              page_size: int, host_plan: bool = False) -> "ExtendPlan":
+              page_size: int, host_plan: bool = False, kept_prefix: Optional[list[int]] = None) -> "ExtendPlan":
         """The plan of requests whose rows will hold `seq_lens` tokens after their prefixes;
-        with `host_plan`, the fused kernel's host plan too (for the triton backend)."""
+        with `host_plan`, the fused kernel's host plan too (for the triton backend);
+        `kept_prefix` as the field says (None when no row holds any)."""
         prefix_lens = [p.shape[0] for p in prefix_tensors]
         prefix_lens_cpu = torch.tensor(prefix_lens, dtype=torch.int64)
         seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
@@ -103,7 +112,10 @@ class ExtendPlan:
         num_pages = pages.extend_new_pages(prefix_lens_cpu, seq_lens_cpu, page_size, extend_num_tokens)
         kernel_plan = kernels.extend_host_plan(prefix_lens_cpu, seq_lens_cpu, prefix_tensors, page_size) \
             if host_plan else None
-        return cls(rows, prefix_lens_cpu, seq_lens_cpu, prefix_tensors, extend_num_tokens, num_pages, kernel_plan)
+        if kept_prefix is not None and not any(kept_prefix):
+            kept_prefix = None
+        return cls(rows, prefix_lens_cpu, seq_lens_cpu, prefix_tensors, extend_num_tokens, num_pages, kernel_plan,
+                   kept_prefix)
 
     @property
     def extend_lens_cpu(self) -> torch.Tensor:
@@ -272,7 +284,8 @@ class MemoryManager:
         `fill_ids`. Checks that the lengths agree with each request's `extend_input_len`."""
         plan = ExtendPlan.build([r.kv.req_pool_idx for r in reqs], [r.kv.prefix_indices for r in reqs],
                                 [len(r.fill_ids) for r in reqs], self.page_size,
-                                host_plan=self.allocator.backend == "triton")
+                                host_plan=self.allocator.backend == "triton",
+                                kept_prefix=[_prefix_in_row(r.kv) for r in reqs])
         expected = [r.extend_input_len for r in reqs]
         if plan.extend_lens_cpu.tolist() != expected:
             raise AssertionError(f"extend lengths {plan.extend_lens_cpu.tolist()} != extend_input_len {expected}")
@@ -310,7 +323,7 @@ class MemoryManager:
         # With a ledger, the hand-out and the claim are one transition.
         written = allocator.alloc_extend_write(pool.req_to_token, rows, plan.prefix_lens_cpu, plan.seq_lens_cpu,
                                                plan.prefix_tensors, plan.num_pages, plan.extend_num_tokens,
-                                               ledger is not None, plan.host_plan)
+                                               ledger is not None, plan.host_plan, plan.kept_prefix)
         if written is None:
             if new_rows:
                 pool.free(new_rows)

@@ -31,6 +31,7 @@ from memcli.mem_cache.eviction import EvictionQueue, get_eviction_policy, is_evi
 from memcli.mem_cache.integrity.owners import TREE
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, chain_page_hashes, stored_events
 from memcli.mem_cache.pages import align_down
+from memcli.mem_cache.req_kv import PrefixStore
 from memcli.mem_cache.tree_checks import TreeView, radix_checks
 
 _EMPTY_TOKENS = np.empty((0,), dtype=np.int64)
@@ -518,6 +519,24 @@ class RadixCache(BasePrefixCache):
             return torch.from_numpy(row[start:end].astype(np.int64))
         return row[start:end].to(torch.int64)
 
+    def _next_prefix(self, req: Any, row: "torch.Tensor | np.ndarray", row_id: int, unchanged: int,
+                     up_to: int) -> torch.Tensor:
+        """A checkpoint's prefix for the next round: `_row_slots(row, 0, up_to)`, the row's first
+        `up_to` slots as a new int64 tensor. On a CPU it is read into the request's
+        `PrefixStore`: when the prefix the request holds is the store's last view and the row
+        kept its slots (none of its first `len(prefix)` positions rewritten: all below
+        `unchanged`), only the row past that prefix is cast; else the whole row, into a new
+        store (room for the prompt, which every later chunk of it fits)."""
+        if not isinstance(row, np.ndarray):
+            return self._row_slots(row, 0, up_to)
+        kv = req.kv
+        held = kv.prefix_indices.shape[0]
+        store = getattr(kv, "prefix_store", None)
+        if store is not None and store.view is kv.prefix_indices and held <= unchanged and held <= up_to <= len(store.host):
+            return store.read(row, held, up_to, row_id)
+        store = kv.prefix_store = PrefixStore(max(up_to, getattr(req, "input_len", 0)), row_id)
+        return store.read(row, 0, up_to, row_id)
+
     # -- eviction -----------------------------------------------------------------------
 
     def evict(self, num_tokens: int) -> int:
@@ -779,8 +798,8 @@ class RadixCache(BasePrefixCache):
         self.move_lock(req.last_node, node)
         # The next round's prefix: the tree's slots of [0, tree_len) (the locked prefix's, which the
         # row held from its extend, and those just written) and the row's own tail: the row's
-        # first `fill_len` slots now, in one cast-copy.
-        req.kv.prefix_indices = self._row_slots(row, 0, fill_len)
+        # first `fill_len` slots now (rewritten from `start` on).
+        req.kv.prefix_indices = self._next_prefix(req, row, req.req_pool_idx, start, fill_len)
         req.kv.last_node = node
         req.kv.last_matched_prefix_len = tree_len
 
@@ -820,8 +839,8 @@ class RadixCache(BasePrefixCache):
         if keep_prefix:
             # The next round's prefix: the locked prefix, the tree's new slots and the row's own
             # tail, which is what the row holds now (it held the locked prefix from the extend
-            # that wrote it, and was just pointed at the tree's slots): one cast-copy of it.
-            req.kv.prefix_indices = self._row_slots(row, 0, up_to)
+            # that wrote it, and was just pointed at the tree's slots from `protected` on).
+            req.kv.prefix_indices = self._next_prefix(req, row, row_id, protected, up_to)
         self.move_lock(req.last_node, node)
         req.kv.last_node = node
         req.kv.last_matched_prefix_len = aligned
