@@ -1,14 +1,14 @@
 """Steady decode runs of the overlap loop, taken in one go (the replay's fast path).
 
 An iteration of `OverlapLoop.iterate` is *steady* when all it does is lengthen the running
-batch by one token: the batch in flight is a decode of exactly the running requests, none of
-which finishes with its result or the next; no request arrives; the admission gate tries no
-prefill; no chunk is pending; memory has the slots without evicting. A run of steady
-iterations is then fixed in advance, and `DecodeRuns.take` applies it at once:
+batch by one token: the batch in flight is a decode of exactly the running requests; no
+request arrives; the admission gate tries no prefill; no chunk is pending; memory has the
+slots without evicting. A run of steady iterations is then fixed in advance, and
+`DecodeRuns.take` applies it at once:
 
     memory      the run's slots, step after step from the free list's head, written into
-                the rows at the lengths each step had (one copy), every record that much
-                longer (`MemoryManager.alloc_decode_run`)
+                the rows at the lengths each step had (one copy per stretch of steps with the
+                same batch), every record that much longer (`MemoryManager.alloc_decode_run`)
     results     the outputs the plain loop draws (the batch in flight, then each step's),
                 the commits of the last result processed, the run's last batch in flight
     scheduler   the clock and the new-token ratio advanced step by step, by the same float
@@ -16,12 +16,21 @@ iterations is then fixed in advance, and `DecodeRuns.take` applies it at once:
                 `on_step`, as the plain loop records it
 
 so that everything the plain loop leaves (tree, free list, rows, requests, records, the
-batch in flight) is the same. What a run needs of the stack, and the configurations it
-leaves to the plain loop (the full walk every step, forced retractions, the triton backend, a
-host tier with a copy ending or a write-back wait to pay), are in `steady` and
-`MemoryManager.decode_run_steps`. Under the incremental check (`--check`) the ledger is told
-each step of a run under its own number, and one check after the run covers what all its
-steps changed (`IntegrityChecker.after_run`).
+batch in flight) is the same.
+
+Requests that finish by length may finish inside a run (`finishes_absorbed`: SGLang 0.5.23's
+overlap loop with nothing waiting, no host tier, no KV events, no ledger). At the iteration
+a request's last token comes back, the plain loop takes it out of the batch before the step's
+allocation and releases it once that step is launched; a run does the same at that
+iteration: the batch loses it, the step is allocated, its outputs and commit are written and
+it is released (`Scheduler.finish`), in one free group, before the step's record. A request
+that finishes by EOS ends the run before its last iteration, as does an arrival.
+
+What a run needs of the stack, and the configurations it leaves to the plain loop (the full
+walk every step, forced retractions, the triton backend, a host tier with a copy ending or a
+write-back wait to pay), are in `steady` and `MemoryManager.decode_run_steps`. Under the
+incremental check (`--check`) the ledger is told each step of a run under its own number,
+and one check after the run covers what all its steps changed (`IntegrityChecker.after_run`).
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ from memcli.sched.overlap import InFlight
 from memcli.steps import Event, StepBatch, StepRecord
 
 _finished = attrgetter("finished")
+_outputs = attrgetter("output_ids")
+_max_new = attrgetter("max_new_tokens")
 MIN_RUN = 2  # a run of one step is the plain loop's step
 
 
@@ -43,12 +54,28 @@ class DecodeRuns:
 
     def __init__(self, sched):
         self.sched = sched
+        # The run `steady` found: per request of the running batch, the iteration (1-based) at
+        # which it finishes inside the run, 0 for none (None: no request does).
+        self._leave_at: np.ndarray | None = None
+
+    def finishes_absorbed(self) -> bool:
+        """Whether requests may finish inside a run: SGLang 0.5.23's overlap loop (the
+        requests a result finishes leave the batch before the step's allocation, and take
+        their slot in flight with them), nothing waiting (a finish would let the gate try a
+        prefill), no host tier (a release starts copies), no KV events (stamped when the run
+        ends) and no ledger (told each step by the plain loop)."""
+        s = self.sched
+        memory = s.memory
+        return (s.release_committed and s.skip_finishing_decode and s.gate.relaxed and not s.waiting
+                and not s.hierarchical and not getattr(memory.tree_cache, "kv_events", False)
+                and memory.allocator.ledger is None)
 
     def steady(self, limit: int) -> int:
         """How many of the next iterations are steady, at most `limit` (0: the next one is
         not, or fewer than two are). The arrivals are `take`'s to bound."""
         s = self.sched
         loop = s.overlap
+        self._leave_at = None
         if loop is None or loop.last_kind != "decode" or len(loop.result_queue) != 1 or s.chunked_req is not None \
                 or s.chunk_to_cache is not None or s.retract_every or not s.checker.checks_runs:
             return 0
@@ -66,11 +93,38 @@ class DecodeRuns:
         # flight (its length in `seq_lens_cpu` is `input_len + len(output_ids)`), so its results
         # to go before it finishes are `decode_ends - seq_lens_cpu`, and SGLang's overlap page
         # estimate (which reads `input_len + len(output_ids)`) counts the exact pages.
-        room = int((batch.decode_ends() - batch.seq_lens_cpu.numpy()).min())
+        rooms = batch.decode_ends() - batch.seq_lens_cpu.numpy()
+        room, leave_at = int(rooms.min()), None
+        if room < limit and self.finishes_absorbed():
+            room, leave_at = self._finishes(reqs, rooms, limit)
         if min(room, limit) < MIN_RUN:
             return 0
         steps = s.memory.decode_run_steps(batch.seq_lens_cpu, min(room, limit))
-        return steps if steps >= MIN_RUN else 0
+        if steps < MIN_RUN:
+            return 0
+        if leave_at is not None:
+            leave_at[leave_at > steps] = 0
+            self._leave_at = leave_at if leave_at.any() else None
+        return steps
+
+    @staticmethod
+    def _finishes(reqs: list, rooms: np.ndarray, limit: int) -> tuple[int, np.ndarray]:
+        """The iterations a run may take when requests finish inside it, and the iteration at
+        which each does (0: none): a request whose last token is its `max_new_tokens`-th
+        leaves at iteration `room + 1` (the one whose result brings that token); one that
+        ends on EOS bounds the run before its last iteration, and the batch is never left
+        empty."""
+        n = len(reqs)
+        max_new = np.fromiter(map(_max_new, reqs), np.int64, n)
+        outputs = np.fromiter(map(len, map(_outputs, reqs)), np.int64, n)
+        leave_at = rooms + 1
+        by_length = outputs + leave_at == max_new  # the finishing iteration is the length's
+        if by_length.all():
+            bound = int(leave_at.max()) - 1  # the last of them would leave the batch empty
+        else:
+            bound = int(rooms[~by_length].min())  # an EOS ends the run before its iteration
+        bound = min(bound, limit)
+        return bound, np.where(by_length & (leave_at <= bound), leave_at, 0)
 
     def take(self, steps: int, until_ms: float) -> int:
         """Apply the next `steps` steady iterations (`steady`), stopping after the first step
@@ -78,64 +132,195 @@ class DecodeRuns:
         request in before the next step. Returns the steps taken."""
         s = self.sched
         loop, batch, memory = s.overlap, s.running, s.memory
-        flight, reqs = loop.result_queue[0], batch.reqs
-        bs = len(reqs)
+        flight = loop.result_queue[0]
+        leave_at, self._leave_at = self._leave_at, None
         if s.pending:  # added, not yet arrived: admitted by the first iteration the clock reaches it
             until_ms = min(until_ms, s.pending[0].arrival_ms)
         if s.hierarchical and s.ack_every_step:  # a copy ending: acknowledged at the next step's start
             until_ms = min(until_ms, memory.host_quiet_until())
         before = s.progress_guard.marks(s)
-        clocks, clock, kv_read = [], s.clock_ms, batch.seq_lens_sum()
-        while len(clocks) < steps and (not clocks or clock < until_ms):
-            kv_read += bs
-            clock += s.decode_step_ms(bs, kv_read)
-            clocks.append(clock)
+        first_reqs = batch.reqs
+        clocks = self._clocks(steps, until_ms, leave_at)
         steps = len(clocks)
-        held, start = s._held_tokens(), memory.usage()
-        taken = (memory.page_size * np.cumsum(batch.decode_run(steps))).tolist()  # the slots taken after each step
-        self._results(flight, reqs, steps)
+        boundaries = [] if leave_at is None else sorted(set(leave_at[(leave_at > 0) & (leave_at <= steps)].tolist()))
+        first = s.step_count
+        run = _Launches(first_reqs, flight.tokens.start)
+        held = s._held_tokens()
+        starts = [1, *boundaries] if not boundaries or boundaries[0] != 1 else boundaries
+        for a, b in zip(starts, [*starts[1:], steps + 1]):
+            gone = None if a not in boundaries else [first_reqs[i] for i in np.flatnonzero(leave_at == a).tolist()]
+            held = self._segment(clocks[a - 1 : b - 1], gone, run, held)
+        self._results(run)
         for _ in range(steps):
             s.new_token_ratio = s.decayed_token_ratio(s.new_token_ratio)
         stats = s.stats
         stats.decode_steps += steps
         stats.allocations += steps
-        stats.allocated_tokens += steps * bs
-        first = s.step_count
-        self._records(clocks, bs, held, start, taken)
+        stats.allocated_tokens += run.allocated
+        if boundaries and boundaries[-1] < steps:  # a later step's filter found the batch clean
+            s._running_clean_at = s.finish_count
         s.progress_guard.after_step(s, before)
         s.stats.checks_run += s.checker.after_run(first, steps, s.memory_holders())
         return steps
 
-    def _results(self, flight: InFlight, reqs: list, steps: int) -> None:
-        """The results the run processes (the batch in flight, then each step's but the last)
-        and the last step's batch, now in flight."""
-        s, bs = self.sched, len(reqs)
-        base = flight.tokens.start  # the tokens of a decode step are consecutive, in batch order
-        for i, req in enumerate(reqs, base):
-            req.output_ids.extend(range(i, i + steps * bs, bs))
-        s.memory.commit_each(reqs, [n + steps - 1 for n in flight.seq_lens])
-        last = base + steps * bs
-        s.next_token = last + bs
-        s.overlap.result_queue[0] = InFlight("decode", list(reqs), s.running.seq_lens_cpu.tolist(),
-                                             range(last, last + bs))
+    def _clocks(self, steps: int, until_ms: float, leave_at: np.ndarray | None) -> list:
+        """The clock after each iteration's launch, up to the first that reaches `until_ms`:
+        each step's batch reads the KV of the requests still in it, one token longer."""
+        s, batch = self.sched, self.sched.running
+        clocks, clock, kv_read, bs = [], s.clock_ms, batch.seq_lens_sum(), len(batch.reqs)
+        leavers = read = None
+        if leave_at is not None:  # per iteration, the requests that leave and the KV they read
+            gone = leave_at > 0
+            leavers = np.bincount(leave_at[gone], minlength=steps + 1).tolist()
+            lengths = np.zeros(steps + 1, dtype=np.int64)
+            np.add.at(lengths, leave_at[gone], batch.seq_lens_cpu.numpy()[gone])
+            read = lengths.tolist()
+        while len(clocks) < steps and (not clocks or clock < until_ms):
+            j = len(clocks) + 1
+            if leavers is not None and leavers[j]:  # they read their KV up to the last step
+                bs -= leavers[j]
+                kv_read -= read[j] + leavers[j] * (j - 1)
+            kv_read += bs
+            clock += s.decode_step_ms(bs, kv_read)
+            clocks.append(clock)
+        return clocks
 
-    def _records(self, clocks: list, bs: int, held: int, start: Usage, taken: list) -> None:
-        """One record per step, as `Scheduler._record` makes it (with the step's batch and
-        its allocation event when those are recorded), handed to `on_step`."""
-        s = self.sched
-        memory, waiting = s.memory, len(s.waiting)
+    def _segment(self, clocks: list, gone: list | None, run: "_Launches", held: int) -> int:
+        """The iterations from one where requests finish (`gone`; None: the run's first) up to
+        the next: `gone` leave the batch before the first one's allocation and are released
+        once it is launched, after their last outputs and commits, in one free group; then a
+        record per iteration. With page size 1 the segment's slots are taken at once (frees go
+        to the free list's tail, behind them); paged, the first step's before the release and
+        the rest after it (freed pages go back in front)."""
+        s, batch, memory = self.sched, self.sched.running, self.sched.memory
+        ps = memory.page_size
+        committed = owned = 0
+        if gone is not None:
+            reqs, lengths = batch.reqs, batch.seq_lens_cpu.tolist()
+            at = [reqs.index(r) for r in gone]  # batch order: each after the one before
+            committed = [lengths[i] for i in at]
+            owned = sum(r.kv.kv_allocated_len - r.kv.last_matched_prefix_len for r in gone)
+            keep = list(range(len(reqs)))
+            for i in reversed(at):
+                del keep[i]
+            batch.filter_batch(keep)
+            s.gate.shrank()
+        n, bs = len(clocks), len(batch.reqs)
+        at_once = gone is None or ps == 1
+        start = memory.usage()
+        taken = (ps * np.cumsum(batch.decode_run(n if at_once else 1))).tolist()
+        run.launched(batch.reqs, len(taken))
         evictable, protected = start.evictable, start.protected
-        host = memory.host_tier()  # no copy is issued in a run: the host pool and its bytes stay
-        host_used = 0 if host is None else host.used
-        batch = StepBatch(tuple(r.rid for r in s.running.reqs), (0,) * bs, (1,) * bs) if s.record_batches else None
-        for j, clock in enumerate(clocks, 1):
+        available = [start.available - t for t in taken]
+        if gone is not None:
             if s.record_events:  # the allocation comes before the launch moves the clock
                 s.events.append(Event(s.step_count, s.clock_ms, "alloc", "", bs))
-            s.clock_ms = clock
-            usage = Usage(start.available - taken[j - 1], evictable, protected)
-            record = StepRecord(s.step_count, clock, "decode", bs, bs, bs, waiting, usage.available, evictable,
-                                protected, held + j * bs, memory.held_pages(usage), host_used, batch=batch)
-            s.records.append(record)
-            s.step_count += 1
-            if s.on_step is not None:
-                s.on_step(s, record)
+            s.clock_ms = clocks[0]
+            with memory.free_group():
+                for req, kv_len in zip(gone, committed):
+                    req.output_ids.extend(run.outputs_of(req))
+                    memory.commit(req, kv_len)
+                for req in gone:
+                    s.finish(req)
+            after = memory.usage()
+            freed = after.available - (start.available - taken[-1])
+            available = [a + freed for a in available]
+            evictable, protected = after.evictable, after.protected
+            if not at_once and n > 1:
+                rest = (ps * np.cumsum(batch.decode_run(n - 1))).tolist()
+                run.launched(batch.reqs, n - 1)
+                available += [available[0] - t for t in rest]
+        for j, (clock, free) in enumerate(zip(clocks, available)):
+            held += bs - (owned if j == 0 else 0)
+            self._record(clock, bs, held, Usage(free, evictable, protected), alloc_event=j > 0 or gone is None)
+        return held
+
+    def _record(self, clock: float, bs: int, held: int, usage: Usage, alloc_event: bool = True) -> None:
+        """The step's record, as `Scheduler._record` makes it (with the step's batch and its
+        allocation event when those are recorded), handed to `on_step`."""
+        s, memory = self.sched, self.sched.memory
+        if alloc_event and s.record_events:  # the allocation comes before the launch moves the clock
+            s.events.append(Event(s.step_count, s.clock_ms, "alloc", "", bs))
+        s.clock_ms = clock
+        host = memory.host_tier()  # no copy is issued in a run: the host pool and its bytes stay
+        batch = StepBatch(tuple(r.rid for r in s.running.reqs), (0,) * bs, (1,) * bs) if s.record_batches else None
+        record = StepRecord(s.step_count, clock, "decode", bs, bs, bs, len(s.waiting), usage.available,
+                            usage.evictable, usage.protected, held, memory.held_pages(usage),
+                            0 if host is None else host.used, batch=batch)
+        s.records.append(record)
+        s.step_count += 1
+        if s.on_step is not None:
+            s.on_step(s, record)
+
+    def _results(self, run: "_Launches") -> None:
+        """The results the run processed for the requests still running (the batch in flight,
+        then each step's but the last), their commits, and the last step's batch, now in
+        flight."""
+        s, batch = self.sched, self.sched.running
+        run.deliver()
+        reqs, lengths = batch.reqs, batch.seq_lens_cpu.tolist()
+        s.memory.commit_each(reqs, [n - 1 for n in lengths])
+        last = run.last_base
+        s.next_token = last + len(reqs)
+        s.overlap.result_queue[0] = InFlight("decode", list(reqs), lengths, range(last, last + len(reqs)))
+
+
+class _Launches:
+    """The batches a run launched, with their tokens: batch `reqs` launched `count` times in a
+    row draws the consecutive tokens `base + step * len(reqs) + position`. Starts with the
+    batch in flight when the run begins (launched once, before it). A batch only ever loses
+    requests (they finish), keeping the others' order."""
+
+    __slots__ = ("runs", "next_base", "allocated")
+
+    def __init__(self, reqs: list, base: int):
+        self.runs = [[reqs, base, 1]]
+        self.next_base = base + len(reqs)
+        self.allocated = 0  # slots the run's own launches allocated
+
+    def launched(self, reqs: list, count: int) -> None:
+        last = self.runs[-1]
+        if last[0] is reqs:
+            last[2] += count
+        else:
+            self.runs.append([reqs, self.next_base, count])
+        self.next_base += count * len(reqs)
+        self.allocated += count * len(reqs)
+
+    @property
+    def last_base(self) -> int:
+        """The tokens of the last launch (in flight when the run ends) start here."""
+        return self.next_base - len(self.runs[-1][0])
+
+    def outputs_of(self, req) -> list:
+        """`req`'s tokens from every launch so far (each one processed: it left the batch)."""
+        out: list = []
+        for reqs, base, count in self.runs:
+            if req in reqs:
+                bs = len(reqs)
+                start = base + reqs.index(req)
+                out.extend(range(start, start + count * bs, bs))
+        return out
+
+    def deliver(self) -> None:
+        """The tokens of every launch but the last (in flight) to the requests of the last,
+        launch after launch: one matrix of them, a column per request, one extend each."""
+        runs = self.runs
+        final = runs[-1][0]
+        width, depth = len(final), sum(run[2] for run in runs) - 1
+        if not width or depth <= 0:
+            return
+        tokens = np.empty((depth, width), dtype=np.int64)
+        row = 0
+        for k, (reqs, base, count) in enumerate(runs):
+            if k == len(runs) - 1:
+                count -= 1
+            if count <= 0:
+                continue
+            bs = len(reqs)
+            # The last batch's requests within this one (the others finished since).
+            cols = np.arange(bs) if bs == width else np.flatnonzero(~np.fromiter(map(_finished, reqs), bool, bs))
+            tokens[row : row + count] = (base + cols) + bs * np.arange(count)[:, None]
+            row += count
+        for req, out in zip(final, tokens.T.tolist()):
+            req.output_ids.extend(out)
