@@ -431,18 +431,19 @@ class MemoryManager:
         short = np.flatnonzero(free_before < need)
         return int(short[0]) if len(short) else limit
 
-    def alloc_decode_run(self, reqs: list, *, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
+    def alloc_decode_run(self, reqs: Optional[list], *, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
                          steps: int) -> tuple[torch.Tensor, np.ndarray]:
         """`steps` consecutive `alloc_decode` calls for the same requests, which
         `decode_run_steps` allows: the same slots in the same rows, each record `steps` slots
-        longer. Returns the last step's slots and the pages each step opened.
+        longer (`reqs` None: the caller makes them longer, `grow_records`). Returns the last
+        step's slots and the pages each step opened.
 
         When checking, the ledger is told each step on its own, under its step number (the
         ledger's step when the run starts is its first): the same hand-outs, claims, history
         and errors as the steps one by one."""
         opened = self.decode_run_pages(seq_lens_cpu, steps)
         if int(opened.sum()) * self.page_size > self.allocator.available_size():
-            raise ValueError(f"{steps} decode steps of {len(reqs)} requests do not fit without eviction")
+            raise ValueError(f"{steps} decode steps of {seq_lens_cpu.numel()} requests do not fit without eviction")
         ledger, observe = self.allocator.ledger, None
         if ledger is not None:
             first = ledger.step
@@ -453,9 +454,17 @@ class MemoryManager:
 
         out = self.allocator.alloc_decode_run_write(seq_lens_cpu, req_pool_indices, self.req_to_token_pool.req_to_token,
                                                     opened, observe)
-        for req in reqs:
-            req.kv.kv_allocated_len += steps
+        if reqs is not None:
+            self.grow_records(reqs, steps)
         return out, opened
+
+    @staticmethod
+    def grow_records(reqs: list, slots: int) -> None:
+        """Each request's record holds `slots` more slots: what `alloc_decode_run` without its
+        requests allocated for them (a run of decode steps whose batch changes as requests
+        finish counts each one's steps itself)."""
+        for req in reqs:
+            req.kv.kv_allocated_len += slots
 
     # -- computed KV and release ----------------------------------------------------------
     def commit(self, req: Any, kv_len: int) -> None:

@@ -101,13 +101,15 @@ class ScheduleBatch:
         if len_sum is not None and len_sum[0] is before:
             self._len_sum = (self.seq_lens_cpu, len_sum[1] + before.numel())
 
-    def decode_run(self, steps: int) -> np.ndarray:
+    def decode_run(self, steps: int, grow_records: bool = True) -> np.ndarray:
         """`steps` calls of `prepare_for_decode` at once, where memory can take them with no
-        eviction (`MemoryManager.decode_run_steps`): the same slots, lengths and caches.
-        Returns the pages each step opened."""
+        eviction (`MemoryManager.decode_run_steps`): the same slots, lengths and caches
+        (`grow_records=False`: the requests' records are left for the caller to lengthen,
+        `MemoryManager.grow_records`). Returns the pages each step opened."""
         self.forward_mode = "decode"
         before = self.seq_lens_cpu
-        self.out_cache_loc, opened = self.memory.alloc_decode_run(self.reqs, seq_lens_cpu=before,
+        self.out_cache_loc, opened = self.memory.alloc_decode_run(self.reqs if grow_records else None,
+                                                                  seq_lens_cpu=before,
                                                                   req_pool_indices=self.req_pool_indices, steps=steps)
         self.seq_lens, self.seq_lens_cpu = self.seq_lens + steps, before + steps
         hist = self._page_hist

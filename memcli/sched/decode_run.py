@@ -62,13 +62,11 @@ class DecodeRuns:
         """Whether requests may finish inside a run: SGLang 0.5.23's overlap loop (the
         requests a result finishes leave the batch before the step's allocation, and take
         their slot in flight with them), nothing waiting (a finish would let the gate try a
-        prefill), no host tier (a release starts copies), no KV events (stamped when the run
-        ends) and no ledger (told each step by the plain loop)."""
+        prefill), no host tier (a release starts copies) and no KV events (stamped when the
+        run ends)."""
         s = self.sched
-        memory = s.memory
         return (s.release_committed and s.skip_finishing_decode and s.gate.relaxed and not s.waiting
-                and not s.hierarchical and not getattr(memory.tree_cache, "kv_events", False)
-                and memory.allocator.ledger is None)
+                and not s.hierarchical and not getattr(s.memory.tree_cache, "kv_events", False))
 
     def steady(self, limit: int) -> int:
         """How many of the next iterations are steady, at most `limit` (0: the next one is
@@ -149,7 +147,8 @@ class DecodeRuns:
         starts = [1, *boundaries] if not boundaries or boundaries[0] != 1 else boundaries
         for a, b in zip(starts, [*starts[1:], steps + 1]):
             gone = None if a not in boundaries else [first_reqs[i] for i in np.flatnonzero(leave_at == a).tolist()]
-            held = self._segment(clocks[a - 1 : b - 1], gone, run, held)
+            held = self._segment(clocks[a - 1 : b - 1], gone, run, held, a - 1)
+        memory.grow_records(batch.reqs, steps)
         self._results(run)
         for _ in range(steps):
             s.new_token_ratio = s.decayed_token_ratio(s.new_token_ratio)
@@ -185,20 +184,23 @@ class DecodeRuns:
             clocks.append(clock)
         return clocks
 
-    def _segment(self, clocks: list, gone: list | None, run: "_Launches", held: int) -> int:
+    def _segment(self, clocks: list, gone: list | None, run: "_Launches", held: int, done: int) -> int:
         """The iterations from one where requests finish (`gone`; None: the run's first) up to
         the next: `gone` leave the batch before the first one's allocation and are released
         once it is launched, after their last outputs and commits, in one free group; then a
         record per iteration. With page size 1 the segment's slots are taken at once (frees go
-        to the free list's tail, behind them); paged, the first step's before the release and
-        the rest after it (freed pages go back in front)."""
+        to the free list's tail, behind them); paged, or with a ledger (told every operation
+        under its step's number), the first step's before the release and the rest after it
+        (freed pages go back in front). The records of the requests that stay grow when the
+        run ends (`take`); those of `gone` here, by the run's `done` steps."""
         s, batch, memory = self.sched, self.sched.running, self.sched.memory
-        ps = memory.page_size
+        ps, ledger = memory.page_size, memory.allocator.ledger
         committed = owned = 0
         if gone is not None:
             reqs, lengths = batch.reqs, batch.seq_lens_cpu.tolist()
             at = [reqs.index(r) for r in gone]  # batch order: each after the one before
             committed = [lengths[i] for i in at]
+            memory.grow_records(gone, done)
             owned = sum(r.kv.kv_allocated_len - r.kv.last_matched_prefix_len for r in gone)
             keep = list(range(len(reqs)))
             for i in reversed(at):
@@ -206,9 +208,11 @@ class DecodeRuns:
             batch.filter_batch(keep)
             s.gate.shrank()
         n, bs = len(clocks), len(batch.reqs)
-        at_once = gone is None or ps == 1
+        at_once = gone is None or (ps == 1 and ledger is None)
+        if ledger is not None:  # the allocation's first step is this iteration
+            ledger.step = s.step_count
         start = memory.usage()
-        taken = (ps * np.cumsum(batch.decode_run(n if at_once else 1))).tolist()
+        taken = (ps * np.cumsum(batch.decode_run(n if at_once else 1, grow_records=False))).tolist()
         run.launched(batch.reqs, len(taken))
         evictable, protected = start.evictable, start.protected
         available = [start.available - t for t in taken]
@@ -227,7 +231,9 @@ class DecodeRuns:
             available = [a + freed for a in available]
             evictable, protected = after.evictable, after.protected
             if not at_once and n > 1:
-                rest = (ps * np.cumsum(batch.decode_run(n - 1))).tolist()
+                if ledger is not None:
+                    ledger.step = s.step_count + 1  # the rest's first step is the next iteration
+                rest = (ps * np.cumsum(batch.decode_run(n - 1, grow_records=False))).tolist()
                 run.launched(batch.reqs, n - 1)
                 available += [available[0] - t for t in rest]
         for j, (clock, free) in enumerate(zip(clocks, available)):

@@ -113,7 +113,9 @@ class IntegrityChecker:
         """Check a run of `steps` decode steps taken at once, `first` the first one's number,
         as `after_step` would have checked each: one incremental check of what the whole run
         changed (the ledger was told each step under its own number, and what a step leaves
-        in a run stays to its end: a run frees nothing). A failure names the step that wrote
+        in a run stays to its end, but for the requests that finish in it: their release is
+        judged by the ledger as it goes, and their rows are no longer running at the check,
+        as at the check of their own step). A failure names the step that wrote
         the position it finds, else the run's steps (`OwnershipError.step`: the last). Returns
         the steps checked (0 without the ledger: a run has no idle step to walk)."""
         if self.ledger is None:
