@@ -526,7 +526,8 @@ class RadixCache(BasePrefixCache):
         `PrefixStore`: when the prefix the request holds is the store's last view and the row
         kept its slots (none of its first `len(prefix)` positions rewritten: all below
         `unchanged`), only the row past that prefix is cast; else the whole row, into a new
-        store (room for the prompt, which every later chunk of it fits)."""
+        store (room for the prompt, which every later chunk of it fits), or for a prefix that
+        is the whole prompt already (no chunk follows) into a tensor of its own."""
         if not isinstance(row, np.ndarray):
             return self._row_slots(row, 0, up_to)
         kv = req.kv
@@ -534,7 +535,11 @@ class RadixCache(BasePrefixCache):
         store = getattr(kv, "prefix_store", None)
         if store is not None and store.view is kv.prefix_indices and held <= unchanged and held <= up_to <= len(store.host):
             return store.read(row, held, up_to, row_id)
-        store = kv.prefix_store = PrefixStore(max(up_to, getattr(req, "input_len", 0)), row_id)
+        prompt = getattr(req, "input_len", 0)
+        if up_to >= prompt:  # the whole prompt at once: no later chunk to read past it
+            kv.prefix_store = None
+            return self._row_slots(row, 0, up_to)
+        store = kv.prefix_store = PrefixStore(prompt, row_id)
         return store.read(row, 0, up_to, row_id)
 
     # -- eviction -----------------------------------------------------------------------

@@ -166,13 +166,28 @@ class ScheduleBatch:
             keep_indices = [i for i, r in enumerate(self.reqs) if not r.finished]
         if len(keep_indices) == len(self.reqs) and keep_indices == list(range(len(self.reqs))):
             return
+        before = self.reqs
+        self._keep([before[i] for i in keep_indices], keep_indices)
+
+    def drop(self, positions: list[int]) -> None:
+        """`filter_batch` keeping every request but those at `positions` (ascending): the list
+        loses them in place of a copy, the index comes from numpy."""
+        if not positions:
+            return
+        reqs = self.reqs.copy()
+        for i in reversed(positions):
+            del reqs[i]
+        self._keep(reqs, np.delete(np.arange(len(self.reqs), dtype=np.int64), positions))
+
+    def _keep(self, reqs: list, keep_indices) -> None:
+        """The batch becomes `reqs`, the requests at `keep_indices` (a list or an int64 array)."""
         ends, before = self._ends, self.reqs
-        self.reqs = [before[i] for i in keep_indices]
+        self.reqs = reqs
         if not self.reqs:
             self._set_lengths([], [])
             return
         self.out_cache_loc = None
-        index_np = np.array(keep_indices, dtype=np.int64)
+        index_np = np.asarray(keep_indices, dtype=np.int64)
         if ends is not None and ends[0] is before and ends[1] == len(before):
             self._ends = (self.reqs, len(self.reqs), ends[2][index_np])
         if self.device.type == "cpu":  # numpy over the tensors' memory: about half the cost of torch's indexing

@@ -202,10 +202,7 @@ class DecodeRuns:
             committed = [lengths[i] for i in at]
             memory.grow_records(gone, done)
             owned = sum(r.kv.kv_allocated_len - r.kv.last_matched_prefix_len for r in gone)
-            keep = list(range(len(reqs)))
-            for i in reversed(at):
-                del keep[i]
-            batch.filter_batch(keep)
+            batch.drop(at)
             s.gate.shrank()
         n, bs = len(clocks), len(batch.reqs)
         at_once = gone is None or (ps == 1 and ledger is None)
@@ -213,7 +210,7 @@ class DecodeRuns:
             ledger.step = s.step_count
         start = memory.usage()
         taken = (ps * np.cumsum(batch.decode_run(n if at_once else 1, grow_records=False))).tolist()
-        run.launched(batch.reqs, len(taken))
+        run.launched(batch.reqs, len(taken), () if gone is None else at)
         evictable, protected = start.evictable, start.protected
         available = [start.available - t for t in taken]
         if gone is not None:
@@ -221,8 +218,8 @@ class DecodeRuns:
                 s.events.append(Event(s.step_count, s.clock_ms, "alloc", "", bs))
             s.clock_ms = clocks[0]
             with memory.free_group():
-                for req, kv_len in zip(gone, committed):
-                    req.output_ids.extend(run.outputs_of(req))
+                for req, kv_len, i in zip(gone, committed, at):
+                    req.output_ids.extend(run.outputs_of(i))
                     memory.commit(req, kv_len)
                 for req in gone:
                     s.finish(req)
@@ -275,21 +272,24 @@ class _Launches:
     """The batches a run launched, with their tokens: batch `reqs` launched `count` times in a
     row draws the consecutive tokens `base + step * len(reqs) + position`. Starts with the
     batch in flight when the run begins (launched once, before it). A batch only ever loses
-    requests (they finish), keeping the others' order."""
+    requests (they finish), keeping the others' order: each entry keeps the positions, in the
+    entry before it, of the requests that left in between."""
 
     __slots__ = ("runs", "next_base", "allocated")
 
     def __init__(self, reqs: list, base: int):
-        self.runs = [[reqs, base, 1]]
+        self.runs = [[reqs, base, 1, ()]]
         self.next_base = base + len(reqs)
         self.allocated = 0  # slots the run's own launches allocated
 
-    def launched(self, reqs: list, count: int) -> None:
+    def launched(self, reqs: list, count: int, removed=()) -> None:
+        """`count` launches of `reqs`: the last batch less the requests at `removed`
+        (ascending), or the last batch itself."""
         last = self.runs[-1]
         if last[0] is reqs:
             last[2] += count
         else:
-            self.runs.append([reqs, self.next_base, count])
+            self.runs.append([reqs, self.next_base, count, removed])
         self.next_base += count * len(reqs)
         self.allocated += count * len(reqs)
 
@@ -298,14 +298,21 @@ class _Launches:
         """The tokens of the last launch (in flight when the run ends) start here."""
         return self.next_base - len(self.runs[-1][0])
 
-    def outputs_of(self, req) -> list:
-        """`req`'s tokens from every launch so far (each one processed: it left the batch)."""
+    def outputs_of(self, pos: int) -> list:
+        """The tokens of the request that just left the batch from position `pos`, from every
+        launch so far (each one processed), oldest first."""
+        runs, parts = self.runs, []
+        for k in range(len(runs) - 2, -1, -1):
+            reqs, base, count, _ = runs[k]
+            bs = len(reqs)
+            parts.append(range(base + pos, base + pos + count * bs, bs))
+            for r in runs[k][3]:  # its position before those requests left
+                if r > pos:
+                    break
+                pos += 1
         out: list = []
-        for reqs, base, count in self.runs:
-            if req in reqs:
-                bs = len(reqs)
-                start = base + reqs.index(req)
-                out.extend(range(start, start + count * bs, bs))
+        for part in reversed(parts):
+            out.extend(part)
         return out
 
     def deliver(self) -> None:
@@ -317,16 +324,17 @@ class _Launches:
         if not width or depth <= 0:
             return
         tokens = np.empty((depth, width), dtype=np.int64)
-        row = 0
-        for k, (reqs, base, count) in enumerate(runs):
+        cols = np.arange(width, dtype=np.int64)  # the last batch's requests, in each batch from the last back
+        row = depth
+        for k in range(len(runs) - 1, -1, -1):
+            reqs, base, count, removed = runs[k]
             if k == len(runs) - 1:
                 count -= 1
-            if count <= 0:
-                continue
-            bs = len(reqs)
-            # The last batch's requests within this one (the others finished since).
-            cols = np.arange(bs) if bs == width else np.flatnonzero(~np.fromiter(map(_finished, reqs), bool, bs))
-            tokens[row : row + count] = (base + cols) + bs * np.arange(count)[:, None]
-            row += count
+            if count > 0:
+                bs = len(reqs)
+                row -= count
+                tokens[row : row + count] = (base + cols) + bs * np.arange(count)[:, None]
+            for r in removed:  # their positions before those requests left
+                cols += cols >= r
         for req, out in zip(final, tokens.T.tolist()):
             req.output_ids.extend(out)
