@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
+import numpy as np
 import torch
 
 from memcli.config import Config
@@ -121,7 +122,8 @@ class MemcliSide:
     def __init__(self, config: Config, requests: Sequence[RequestSpec], arrivals: str, output_token_base: int,
                  plain_loop: bool = False):
         self.plain_loop = plain_loop  # `steps` never takes a run of decode steps at once
-        self.run_rows: Optional[tuple[int, ...]] = None  # the request rows of the run `steps` took last
+        # The request rows of each step of the run `steps` took last (None: it took one step).
+        self.run_rows: Optional[list[tuple[int, ...]]] = None
         self.stack = build_stack(config)
         if self.stack.host_pool is not None:
             # SGLang's side runs a synchronous cache controller: copies take no time there, nor here.
@@ -184,7 +186,8 @@ class MemcliSide:
     def steps(self, limit: int) -> list[StepObservation]:
         """The next step, or, where the fast path takes one (`memcli.sched.decode_run`), a run
         of up to `limit` steady decode steps, each observed as `step` observes it: the slots
-        each step wrote are read off the request rows, the sizes off the run's records."""
+        each step wrote are read off the request rows, the sizes off the run's records, and
+        the requests that finished in a step (its events) leave the batch from that step on."""
         sched = self.scheduler
         runs = None if self.plain_loop else sched.decode_runs
         steps = 0 if runs is None or limit < 2 else runs.steady(limit)
@@ -192,17 +195,30 @@ class MemcliSide:
         if not steps:
             return [self.step()]
         batch = sched.running
-        self.run_rows = tuple(batch.req_pool_indices.tolist())
-        rids, rows, lengths = tuple(r.rid for r in batch.reqs), batch.req_pool_indices.numpy(), batch.seq_lens_cpu.numpy()
+        self.run_rows = []
+        rids, rows, lengths = [r.rid for r in batch.reqs], batch.req_pool_indices.numpy(), batch.seq_lens_cpu.numpy()
         ratio = sched.new_token_ratio
+        first_event = len(sched.events)
         taken = runs.take(steps, math.inf)
+        finished: dict[int, list[str]] = {}  # step -> the requests that finished in it (and left its batch)
+        for event in sched.events[first_event:]:
+            if event.kind in ("finish", "abort"):
+                finished.setdefault(event.step, []).append(event.rid)
         table = self.stack.memory.req_to_token_pool.req_to_token.numpy()
         waiting, host_used, seen = tuple(r.rid for r in sched.waiting), self._host_used(), []
+        members = np.ones(len(rids), dtype=bool)
         for j, record in enumerate(sched.records[-taken:]):
             ratio = sched.decayed_token_ratio(ratio)
-            seen.append(StepObservation(record.step, "decode", rids, (), (), _ints(table[rows, lengths + j]), 0, (), (),
+            done = finished.get(record.step, ())
+            if done:
+                members &= ~np.isin(np.array(rids, dtype=object), done)
+            at = np.flatnonzero(members)
+            step_rids = tuple(rids[i] for i in at)
+            self.run_rows.append(tuple(rows[at].tolist()))
+            seen.append(StepObservation(record.step, "decode", step_rids, (), (),
+                                        _ints(table[rows[at], lengths[at] + j]), 0, (), tuple(done),
                                         record.available, record.evictable, record.protected, record.time_ms,
-                                        waiting, rids, None, ratio, host_used))
+                                        waiting, step_rids, None, ratio, host_used))
         return seen
 
     def _host_used(self) -> int:

@@ -94,7 +94,7 @@ def compare_steps(reference: list[ReferenceStep], config: Config, requests: Sequ
     rows = watch_rows(mem)
     start = time.perf_counter()
     loop = config.behaviour.event_loop
-    index, seen = 0, []
+    index, seen, run_rows = 0, [], None
     for index, (ref_obs, ref_rows) in enumerate(reference):
         if not seen:  # memcli's next step, or its next run of decode steps (compared one by one)
             if mem.is_done():
@@ -103,13 +103,14 @@ def compare_steps(reference: list[ReferenceStep], config: Config, requests: Sequ
             rows[0] = ()
             try:
                 seen = mem.steps(len(reference) - index)
-                if mem.run_rows is not None:  # a run: every step's batch is the running batch
-                    rows[0] = mem.run_rows
+                run_rows = mem.run_rows  # a run: each step's rows (its batch: the running requests then)
             except RAISED as exc:
                 if debugging():
                     raise
                 return StepDiff(index, None, ref_s, time.perf_counter() - start, loop,
                                 failure=raised_at(MEMCLI_SIDE, index, what_raised(exc)))
+        if run_rows:
+            rows[0] = run_rows.pop(0)
         mem_obs = seen.pop(0)
         if on_step is not None:
             on_step(ref_obs, mem_obs)
