@@ -19,7 +19,7 @@ so that everything the plain loop leaves (tree, free list, rows, requests, recor
 batch in flight) is the same.
 
 Requests that finish by length may finish inside a run (`finishes_absorbed`: SGLang 0.5.23's
-overlap loop with nothing waiting, no host tier, no KV events, no ledger). At the iteration
+overlap loop with nothing waiting, no host tier and no KV events). At the iteration
 a request's last token comes back, the plain loop takes it out of the batch before the step's
 allocation and releases it once that step is launched; a run does the same at that
 iteration: the batch loses it, the step is allocated, its outputs and commit are written and
@@ -195,7 +195,7 @@ class DecodeRuns:
         run ends (`take`); those of `gone` here, by the run's `done` steps."""
         s, batch, memory = self.sched, self.sched.running, self.sched.memory
         ps, ledger = memory.page_size, memory.allocator.ledger
-        committed = owned = 0
+        owned = 0
         if gone is not None:
             reqs, lengths = batch.reqs, batch.seq_lens_cpu.tolist()
             at = [reqs.index(r) for r in gone]  # batch order: each after the one before
