@@ -834,7 +834,7 @@ class RadixCache(BasePrefixCache):
                                       value_start=protected, owned=True, on_path=protected)
         req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, aligned)
         prompt = align_down(req.input_len, ps)
-        if self.split_prompt and 0 < prompt < aligned:
+        if self.split_prompt and 0 < prompt < aligned and not self._stamp_prompt_path(node, aligned, prompt):
             first = min(protected, prompt)
             self.insert_unified(_request_key(req, req.token_ids(prompt)), kv[: prompt - first], prompt, prompt,
                                 value_start=first, on_path=prompt)  # the first insert just walked it
@@ -849,6 +849,31 @@ class RadixCache(BasePrefixCache):
         self.move_lock(req.last_node, node)
         req.kv.last_node = node
         req.kv.last_matched_prefix_len = aligned
+
+    def _stamp_prompt_path(self, node: TreeNode, end: int, prompt: int) -> bool:
+        """The prompt's insert of `_checkpoint_unified` without its walk, where it would only
+        stamp: `node` ends the path the first insert just walked, at `end`, and a node of that
+        path ends exactly at `prompt`. The insert of the prompt then splits nothing (no node
+        holds the prompt's end inside it), frees nothing (every slot is below its
+        `prev_prefix_len`), counts no hit and adds no leaf; what it does is stamp the root and
+        each node down to the prompt's end, in that order, and re-queue the last. That is done
+        here, and True returned; False, with nothing done, where a node holds the prompt's end
+        inside it or a node of the path has no device slots (a host-only node), which the
+        insert itself must handle."""
+        path, root = [], self.root
+        while node is not root:
+            start = end - len(node.key)
+            if start < prompt < end or node.value is None:
+                return False
+            if end <= prompt:
+                path.append(node)
+            node, end = node.parent, start
+        self._begin()
+        root.last_access_time = self._stamp()
+        for node in reversed(path):
+            node.last_access_time = self._stamp()
+        self._touched(path[0] if path else root)
+        return True
 
     def _point_row_at_tree(self, row: "torch.Tensor | np.ndarray", row_id: int, start: int, own: torch.Tensor,
                            tree: torch.Tensor) -> None:
