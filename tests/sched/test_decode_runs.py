@@ -264,28 +264,19 @@ def test_a_count_gone_wrong_inside_a_run_names_the_run(tmp_path, monkeypatch):
     # which the check after the run finds, naming the run's steps (no position tells which).
     from memcli.mem_cache import allocator
 
-    from memcli.mem_cache.integrity.checker import IntegrityChecker
-
     cls = allocator.TokenToKVPoolAllocator
-    took, after_run = cls._took_run, IntegrityChecker.after_run
-    runs, lost = [], []
+    took = cls._took_run
+    runs = []
 
     def lose_one(self, slots, opened, observe):
         took(self, slots, opened, observe)
-        if not lost:
-            lost.append(True)
+        if not runs:
+            runs.append((self.ledger.step, len(opened)))
             self._advance(1)  # one page out of the free list, told to the ledger, claimed by nobody
             self._commit_alloc(1)
 
-    def first_run(self, first, steps, *args):  # the run whose first allocation lost the page
-        if not runs:
-            runs.append((first, steps))
-        return after_run(self, first, steps, *args)
-
     monkeypatch.setattr(cls, "_took_run", lose_one)
-    monkeypatch.setattr(IntegrityChecker, "after_run", first_run)
     integrity = _checked_failure(["--engine", "sglang-0.5.23", *SMALL], tmp_path, plain=False)
-    first, steps = runs[0]
-    last = first + steps - 1
-    assert steps >= 2 and integrity["failure_check"] == "lost_page" and integrity["failure_step"] == last
-    assert integrity["failure"].startswith(f"steps {first}-{last} (a decode run checked at its end")
+    last, steps = runs[0]
+    assert integrity["failure_check"] == "lost_page" and integrity["failure_step"] == last
+    assert integrity["failure"].startswith(f"steps {last - steps + 1}-{last} (a decode run checked at its end")
