@@ -566,6 +566,25 @@ class TokenToKVPoolAllocator(BaseAllocator):
         self._took_run(slots, opened, observe)
         return out
 
+    def alloc_decode_run_leaving_write(self, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
+                                       req_to_token: torch.Tensor, present: np.ndarray) -> np.ndarray:
+        """`alloc_decode_run_write` of a batch that loses requests as the run goes: step s
+        writes a slot for request i only where `present[s, i]`, taking the next entries of
+        the ring in step, then batch order, at column `seq_lens_cpu[i] + s` (each step's
+        batch is the requests present, in their order: the slots that step's own call would
+        take). No observer. Returns the slots each step took."""
+        if self.ledger is not None:
+            raise ValueError("alloc_decode_run_leaving_write: a ledger is told each step on its own")
+        steps = present.shape[0]
+        opened = np.count_nonzero(present, axis=1)
+        total = int(opened.sum())
+        slots = np.asarray(self._head_host(total))
+        rows = np.broadcast_to(req_pool_indices.numpy(), present.shape)[present]
+        columns = (seq_lens_cpu.numpy() + np.arange(steps, dtype=np.int64)[:, None])[present]
+        req_to_token.numpy()[rows, columns] = slots  # int64 -> int32, as the kernel
+        self._took_run(slots, opened, None)
+        return opened
+
 
 class PagedTokenToKVPoolAllocator(BaseAllocator):
     """Page size > 1. Pages are taken from the head; freed pages are put back in front."""

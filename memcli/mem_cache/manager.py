@@ -458,6 +458,22 @@ class MemoryManager:
             self.grow_records(reqs, steps)
         return out, opened
 
+    def alloc_decode_run_leaving(self, *, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
+                                 present: np.ndarray) -> np.ndarray:
+        """Page size 1, no ledger: the decode steps of a run whose batch loses requests as
+        it goes, in one allocation (`present[s, i]`: request i has a slot at step s), where
+        the requests that leave free their slots only to the free list's tail, behind what
+        the run takes (so every step finds the same slots as its own call would, whatever
+        was freed before it). The records are not lengthened (`grow_records`). Returns the
+        slots each step took."""
+        allocator = self.allocator
+        if self.page_size != 1 or allocator.ledger is not None:
+            raise ValueError("alloc_decode_run_leaving: page size 1 without a ledger only")
+        if int(np.count_nonzero(present)) > allocator.available_size():
+            raise ValueError(f"{present.shape[0]} decode steps do not fit without eviction")
+        return allocator.alloc_decode_run_leaving_write(seq_lens_cpu, req_pool_indices,
+                                                        self.req_to_token_pool.req_to_token, present)
+
     @staticmethod
     def grow_records(reqs: list, slots: int) -> None:
         """Each request's record holds `slots` more slots: what `alloc_decode_run` without its

@@ -120,6 +120,29 @@ class ScheduleBatch:
             self._len_sum = (self.seq_lens_cpu, len_sum[1] + steps * before.numel())
         return opened
 
+    def decode_run_leaving(self, steps: int, leave_at: np.ndarray) -> np.ndarray:
+        """The slots of `steps` decode steps taken at once while requests leave the batch:
+        request i has a slot at every step before `leave_at[i]` (1-based; 0 or past `steps`:
+        every step), as `MemoryManager.alloc_decode_run_leaving` takes them. The batch keeps
+        its requests and lengths: the caller drops the requests that leave (`drop`) and
+        moves the lengths of the rest on by `steps` (`advance`) when the run ends. Returns
+        the slots each step took."""
+        self.forward_mode = "decode"
+        stays_until = np.where((leave_at == 0) | (leave_at > steps), steps + 1, leave_at)
+        present = np.arange(1, steps + 1, dtype=np.int64)[:, None] < stays_until[None, :]
+        return self.memory.alloc_decode_run_leaving(seq_lens_cpu=self.seq_lens_cpu,
+                                                    req_pool_indices=self.req_pool_indices, present=present)
+
+    def advance(self, steps: int, kept: np.ndarray | None = None) -> None:
+        """The length tensors keep the entries at `kept` (the requests still in the batch, where
+        `drop(..., lengths=False)` left the tensors as they were), each `steps` longer: the
+        requests left after `decode_run_leaving` had a slot at each of its steps."""
+        if kept is not None:
+            self._keep_lengths(kept)
+        self.seq_lens_cpu = self.seq_lens_cpu + steps
+        self.seq_lens = self.seq_lens + steps
+        self.out_cache_loc = None
+
     def decode_ends(self) -> np.ndarray:
         """Per request, the length its row reaches with the slot of its last output but one:
         `input_len + finish - 1`, `finish` the output count that finishes it (its EOS when it
@@ -169,15 +192,23 @@ class ScheduleBatch:
         before = self.reqs
         self._keep([before[i] for i in keep_indices], keep_indices)
 
-    def drop(self, positions: list[int]) -> None:
+    def drop(self, positions: list[int], lengths: bool = True) -> None:
         """`filter_batch` keeping every request but those at `positions` (ascending): the list
-        loses them in place of a copy, the index comes from numpy."""
+        loses them in place of a copy, the index comes from numpy. `lengths=False`: the
+        length tensors keep every request (`advance` filters them later)."""
         if not positions:
             return
         reqs = self.reqs.copy()
         for i in reversed(positions):
             del reqs[i]
-        self._keep(reqs, np.delete(np.arange(len(self.reqs), dtype=np.int64), positions))
+        index = np.delete(np.arange(len(self.reqs), dtype=np.int64), positions)
+        if lengths:
+            self._keep(reqs, index)
+            return
+        ends, before = self._ends, self.reqs
+        if ends is not None and ends[0] is before and ends[1] == len(before):
+            self._ends = (reqs, len(reqs), ends[2][index])
+        self.reqs = reqs
 
     def _keep(self, reqs: list, keep_indices) -> None:
         """The batch becomes `reqs`, the requests at `keep_indices` (a list or an int64 array)."""
@@ -186,10 +217,14 @@ class ScheduleBatch:
         if not self.reqs:
             self._set_lengths([], [])
             return
-        self.out_cache_loc = None
         index_np = np.asarray(keep_indices, dtype=np.int64)
         if ends is not None and ends[0] is before and ends[1] == len(before):
             self._ends = (self.reqs, len(self.reqs), ends[2][index_np])
+        self._keep_lengths(index_np)
+
+    def _keep_lengths(self, index_np: np.ndarray) -> None:
+        """The length tensors keep the entries at `index_np`."""
+        self.out_cache_loc = None
         if self.device.type == "cpu":  # numpy over the tensors' memory: about half the cost of torch's indexing
             self.seq_lens_cpu = torch.from_numpy(self.seq_lens_cpu.numpy()[index_np])
             self.seq_lens = torch.from_numpy(self.seq_lens.numpy()[index_np])

@@ -35,6 +35,7 @@ and one check after the run covers what all its steps changed (`IntegrityChecker
 
 from __future__ import annotations
 
+import itertools
 from operator import attrgetter
 
 import numpy as np
@@ -145,9 +146,25 @@ class DecodeRuns:
         run = _Launches(first_reqs, flight.tokens.start)
         held = s._held_tokens()
         starts = [1, *boundaries] if not boundaries or boundaries[0] != 1 else boundaries
+        taken = lengths = None
+        if boundaries and memory.page_size == 1 and memory.allocator.ledger is None:
+            # Frees go to the free list's tail, behind the run's slots: every step's slots are
+            # taken at once, the batch losing its requests as they leave (then `_segment`
+            # takes none, and the length tensors are filtered and moved on at the end).
+            self._available = memory.usage()
+            taken = batch.decode_run_leaving(steps, leave_at).tolist()
+            lengths = batch.seq_lens_cpu.numpy()
         for a, b in zip(starts, [*starts[1:], steps + 1]):
-            gone = None if a not in boundaries else [first_reqs[i] for i in np.flatnonzero(leave_at == a).tolist()]
-            held = self._segment(clocks[a - 1 : b - 1], gone, run, held, a - 1)
+            gone = committed = None
+            if a in boundaries:
+                leaving = np.flatnonzero(leave_at == a)
+                gone = [first_reqs[i] for i in leaving.tolist()]
+                if lengths is not None:  # their lengths when they leave: the run's start's, `a - 1` on
+                    committed = (lengths[leaving] + (a - 1)).tolist()
+            held = self._segment(clocks[a - 1 : b - 1], gone, run, held, a - 1,
+                                 None if taken is None else taken[a - 1 : b - 1], committed)
+        if taken is not None:
+            batch.advance(steps, np.flatnonzero((leave_at == 0) | (leave_at > steps)))
         memory.grow_records(batch.reqs, steps)
         self._results(run)
         for _ in range(steps):
@@ -184,32 +201,41 @@ class DecodeRuns:
             clocks.append(clock)
         return clocks
 
-    def _segment(self, clocks: list, gone: list | None, run: "_Launches", held: int, done: int) -> int:
+    def _segment(self, clocks: list, gone: list | None, run: "_Launches", held: int, done: int,
+                 taken: list | None = None, committed: list | None = None) -> int:
         """The iterations from one where requests finish (`gone`; None: the run's first) up to
         the next: `gone` leave the batch before the first one's allocation and are released
         once it is launched, after their last outputs and commits, in one free group; then a
         record per iteration. With page size 1 the segment's slots are taken at once (frees go
         to the free list's tail, behind them); paged, or with a ledger (told every operation
         under its step's number), the first step's before the release and the rest after it
-        (freed pages go back in front). The records of the requests that stay grow when the
-        run ends (`take`); those of `gone` here, by the run's `done` steps."""
+        (freed pages go back in front). `taken`: the slots of each of its iterations were taken
+        with the whole run's (`take`), before any release, and `gone` leave the request list
+        only (the length tensors are filtered when the run ends): `committed` are their
+        lengths. The records of the requests that stay grow when the run ends (`take`);
+        those of `gone` here, by the run's `done` steps."""
         s, batch, memory = self.sched, self.sched.running, self.sched.memory
         ps, ledger = memory.page_size, memory.allocator.ledger
         owned = 0
         if gone is not None:
-            reqs, lengths = batch.reqs, batch.seq_lens_cpu.tolist()
+            reqs = batch.reqs
             at = [reqs.index(r) for r in gone]  # batch order: each after the one before
-            committed = [lengths[i] for i in at]
+            if committed is None:
+                lengths = batch.seq_lens_cpu.tolist()
+                committed = [lengths[i] for i in at]
             memory.grow_records(gone, done)
             owned = sum(r.kv.kv_allocated_len - r.kv.last_matched_prefix_len for r in gone)
-            batch.drop(at)
+            batch.drop(at, lengths=taken is None)
             s.gate.shrank()
         n, bs = len(clocks), len(batch.reqs)
         at_once = gone is None or (ps == 1 and ledger is None)
         if ledger is not None:  # the allocation's first step is this iteration
             ledger.step = s.step_count
-        start = memory.usage()
-        taken = (ps * np.cumsum(batch.decode_run(n if at_once else 1, grow_records=False))).tolist()
+        if taken is None:
+            start = memory.usage()
+            taken = (ps * np.cumsum(batch.decode_run(n if at_once else 1, grow_records=False))).tolist()
+        else:  # taken with the run's: the free list as this segment's own call would have left it
+            start, taken = self._available, list(itertools.accumulate(taken))
         run.launched(batch.reqs, len(taken), () if gone is None else at)
         evictable, protected = start.evictable, start.protected
         available = [start.available - t for t in taken]
@@ -217,6 +243,7 @@ class DecodeRuns:
             if s.record_events:  # the allocation comes before the launch moves the clock
                 s.events.append(Event(s.step_count, s.clock_ms, "alloc", "", bs))
             s.clock_ms = clocks[0]
+            before = memory.allocator.available_size()
             with memory.free_group():
                 for req, kv_len, i in zip(gone, committed, at):
                     req.output_ids.extend(run.outputs_of(i))
@@ -224,7 +251,7 @@ class DecodeRuns:
                 for req in gone:
                     s.finish(req)
             after = memory.usage()
-            freed = after.available - (start.available - taken[-1])
+            freed = after.available - before
             available = [a + freed for a in available]
             evictable, protected = after.evictable, after.protected
             if not at_once and n > 1:
@@ -233,6 +260,7 @@ class DecodeRuns:
                 rest = (ps * np.cumsum(batch.decode_run(n - 1, grow_records=False))).tolist()
                 run.launched(batch.reqs, n - 1)
                 available += [available[0] - t for t in rest]
+        self._available = Usage(available[-1], evictable, protected)  # where the next segment starts
         for j, (clock, free) in enumerate(zip(clocks, available)):
             held += bs - (owned if j == 0 else 0)
             self._record(clock, bs, held, Usage(free, evictable, protected), alloc_event=j > 0 or gone is None)

@@ -718,3 +718,51 @@ def test_duplicate_outside_the_range_is_counted():
     allocator.free(i64([6]))
     assert failed_checks(allocator) == {"free list within range", "no duplicate in free list"}
     assert allocator.check_integrity().check("no duplicate in free list").detail == "1 duplicate slots"
+
+
+@pytest.mark.parametrize("ring_start", [0, 50])
+def test_a_decode_run_whose_batch_shrinks_takes_each_steps_slots_at_once(ring_start):
+    # Four requests, five steps; request 1 leaves at step 2, request 3 at step 4, and each
+    # one's slots are freed right after its last step, as a run releases them. One call for
+    # the whole run (then the frees) must leave the rows and the free list that a call per
+    # step with the batch of that step leaves, frees in between: page size 1 frees go to the
+    # free list's tail, behind every slot the run takes. `ring_start` puts the run across the
+    # ring's wrap.
+    size, steps = 64, 5
+    rows = i64([0, 1, 2, 3])
+    lengths = i64([3, 9, 1, 6])
+    leave_at = [0, 2, 0, 4]  # 1-based step at which the request is no longer in the batch; 0: never
+
+    def fresh():
+        alloc = token(size)
+        if ring_start:  # the free list's head moved on: the run's entries wrap around its end
+            alloc.free(alloc.alloc(ring_start))
+        return alloc, torch.zeros(4, 32, dtype=torch.int32)
+
+    def leaver_slots(table, i, n):  # a leaving request's slots of the run, freed after its last step
+        return table[i, lengths[i]: lengths[i] + n].to(torch.int64)
+
+    one_by_one, table_a = fresh()
+    for step in range(1, steps + 1):
+        present = [i for i in range(4) if not leave_at[i] or step < leave_at[i]]
+        idx = i64(present)
+        seq = lengths[idx] + step - 1
+        assert one_by_one.alloc_decode_write(seq, seq, rows[idx], table_a) is not None
+        for i in range(4):
+            if leave_at[i] == step:
+                one_by_one.free(leaver_slots(table_a, i, step - 1))
+
+    at_once, table_b = fresh()
+    present = torch.tensor([[not leave_at[i] or step < leave_at[i] for i in range(4)]
+                            for step in range(1, steps + 1)]).numpy()
+    taken = at_once.alloc_decode_run_leaving_write(lengths, rows, table_b, present)
+    assert taken.tolist() == [4, 3, 3, 2, 2]
+    for step in range(1, steps + 1):
+        for i in range(4):
+            if leave_at[i] == step:
+                at_once.free(leaver_slots(table_b, i, step - 1))
+
+    assert torch.equal(table_a, table_b)
+    assert torch.equal(at_once.free_page_ids(), one_by_one.free_page_ids())
+    # 14 slots taken; the leavers gave back theirs from the run: request 1 one, request 3 three
+    assert at_once.available_size() == one_by_one.available_size() == size - 14 + 1 + 3
