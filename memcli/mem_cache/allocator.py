@@ -704,6 +704,35 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         self._took_run(slots, opened, observe)
         return out
 
+    def alloc_decode_run_leaving_write(self, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
+                                       req_to_token: torch.Tensor, present: np.ndarray) -> np.ndarray:
+        """`alloc_decode_run_write` of a batch that loses requests as the steps go: step s
+        writes request i's position `seq_lens_cpu[i] + s` only where `present[s, i]`, the
+        page-takers among those (in step, then batch order) taking the next free pages, as
+        each step's own call with that step's batch would. No observer, and nothing freed
+        between the steps. Returns the pages each step took."""
+        if self.ledger is not None:
+            raise ValueError("alloc_decode_run_leaving_write: a ledger is told each step on its own")
+        ps, lengths = self.page_size, seq_lens_cpu.numpy()
+        steps, bs = present.shape
+        rows, table = req_pool_indices.numpy(), req_to_token.numpy()
+        positions = lengths + np.arange(steps, dtype=np.int64)[:, None]  # (steps, bs)
+        offset = positions % ps
+        opens = present & (offset == 0)
+        opened = np.count_nonzero(opens, axis=1)
+        pages = int(opened.sum())
+        opened_at = positions - offset - lengths  # the step that opened the position's page (< 0: before)
+        new = 0
+        if pages:  # a page-taker's place among them (an absent entry reads any page: it is not written)
+            taker = np.cumsum(opens.reshape(-1)).reshape(steps, bs) - 1
+            page = self._buf_host[self._head : self._head + pages]
+            new = page[taker[np.maximum(opened_at, 0), np.arange(bs)]] * ps + offset
+        last = table[rows, np.maximum(lengths - 1, 0)].astype(np.int64)
+        slots = np.where(opened_at >= 0, new, last + positions - lengths + 1)
+        table[np.broadcast_to(rows, present.shape)[present], positions[present]] = slots[present]
+        self._took_run(slots, opened, None)
+        return opened
+
 
 def make_allocator(size: int, page_size: int, device: torch.device, backend: str,
                    need_sort: bool = False, debug: bool = False) -> BaseAllocator:

@@ -460,16 +460,21 @@ class MemoryManager:
 
     def alloc_decode_run_leaving(self, *, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
                                  present: np.ndarray) -> np.ndarray:
-        """Page size 1, no ledger: the decode steps of a run whose batch loses requests as
-        it goes, in one allocation (`present[s, i]`: request i has a slot at step s), where
-        the requests that leave free their slots only to the free list's tail, behind what
-        the run takes (so every step finds the same slots as its own call would, whatever
-        was freed before it). The records are not lengthened (`grow_records`). Returns the
-        slots each step took."""
+        """Decode steps of a run whose batch loses requests as it goes, in one allocation
+        (`present[s, i]`: request i has a slot at step s; `seq_lens_cpu` the lengths at the
+        first of them), without a ledger. Each step finds the slots its own call would find
+        where nothing is freed between them in front of the free list: at page size 1
+        requests that leave free only to the free list's tail, behind what the run takes;
+        paged, frees go back in front, so the caller ends each allocation at a step where
+        requests leave, before their release. The records are not lengthened
+        (`grow_records`). Returns the pages each step took."""
         allocator = self.allocator
-        if self.page_size != 1 or allocator.ledger is not None:
-            raise ValueError("alloc_decode_run_leaving: page size 1 without a ledger only")
-        if int(np.count_nonzero(present)) > allocator.available_size():
+        if allocator.ledger is not None:
+            raise ValueError("alloc_decode_run_leaving: a ledger is told each step on its own")
+        ps = self.page_size
+        positions = seq_lens_cpu.numpy() + np.arange(present.shape[0], dtype=np.int64)[:, None]
+        need = int(np.count_nonzero(present & (positions % ps == 0))) * ps if ps > 1 else int(np.count_nonzero(present))
+        if need > allocator.available_size():
             raise ValueError(f"{present.shape[0]} decode steps do not fit without eviction")
         return allocator.alloc_decode_run_leaving_write(seq_lens_cpu, req_pool_indices,
                                                         self.req_to_token_pool.req_to_token, present)

@@ -27,6 +27,13 @@ def _decode_end(req) -> int:
     return req.input_len + finish - 1
 
 
+def _present(steps: int, leave_at: np.ndarray, first: int, last: int) -> np.ndarray:
+    """Per step `first`..`last` of a run (rows) and request (columns): is the request in that
+    step's batch (it leaves at `leave_at`, 1-based; 0 or past `steps`: never)."""
+    stays_until = np.where((leave_at == 0) | (leave_at > steps), steps + 1, leave_at)
+    return np.arange(first, last + 1, dtype=np.int64)[:, None] < stays_until[None, :]
+
+
 class ScheduleBatch:
     def __init__(self, reqs: list, memory: MemoryManager, enable_overlap: bool = False):
         self.reqs = list(reqs)
@@ -120,18 +127,26 @@ class ScheduleBatch:
             self._len_sum = (self.seq_lens_cpu, len_sum[1] + steps * before.numel())
         return opened
 
-    def decode_run_leaving(self, steps: int, leave_at: np.ndarray) -> np.ndarray:
-        """The slots of `steps` decode steps taken at once while requests leave the batch:
-        request i has a slot at every step before `leave_at[i]` (1-based; 0 or past `steps`:
-        every step), as `MemoryManager.alloc_decode_run_leaving` takes them. The batch keeps
-        its requests and lengths: the caller drops the requests that leave (`drop`) and
-        moves the lengths of the rest on by `steps` (`advance`) when the run ends. Returns
-        the slots each step took."""
+    def decode_run_leaving(self, steps: int, leave_at: np.ndarray, first: int = 1, last: int | None = None) -> np.ndarray:
+        """Steps `first`..`last` (1-based, default all `steps`) of a run of decode steps whose
+        batch loses requests as it goes, taken at once: request i has a slot at every step
+        before `leave_at[i]` (0 or past `steps`: every step), as
+        `MemoryManager.alloc_decode_run_leaving` takes them. The batch keeps its requests and
+        the lengths of the run's start: the caller drops the requests that leave (`drop`)
+        and moves the lengths of the rest on by `steps` (`advance`) when the run ends.
+        Returns the pages each of those steps took."""
         self.forward_mode = "decode"
-        stays_until = np.where((leave_at == 0) | (leave_at > steps), steps + 1, leave_at)
-        present = np.arange(1, steps + 1, dtype=np.int64)[:, None] < stays_until[None, :]
-        return self.memory.alloc_decode_run_leaving(seq_lens_cpu=self.seq_lens_cpu,
-                                                    req_pool_indices=self.req_pool_indices, present=present)
+        last = steps if last is None else last
+        return self.memory.alloc_decode_run_leaving(seq_lens_cpu=self.seq_lens_cpu + (first - 1),
+                                                    req_pool_indices=self.req_pool_indices,
+                                                    present=_present(steps, leave_at, first, last))
+
+    def run_pages_leaving(self, steps: int, leave_at: np.ndarray) -> np.ndarray:
+        """The pages each step of `decode_run_leaving`'s run opens (nothing taken): a page for
+        every request present whose position then, `seq_lens_cpu + step - 1`, starts one."""
+        present = _present(steps, leave_at, 1, steps)
+        positions = self.seq_lens_cpu.numpy() + np.arange(steps, dtype=np.int64)[:, None]
+        return np.count_nonzero(present & (positions % self.page_size == 0), axis=1)
 
     def advance(self, steps: int, kept: np.ndarray | None = None) -> None:
         """The length tensors keep the entries at `kept` (the requests still in the batch, where

@@ -147,22 +147,35 @@ class DecodeRuns:
         held = s._held_tokens()
         starts = [1, *boundaries] if not boundaries or boundaries[0] != 1 else boundaries
         taken = lengths = None
-        if boundaries and memory.page_size == 1 and memory.allocator.ledger is None:
-            # Frees go to the free list's tail, behind the run's slots: every step's slots are
-            # taken at once, the batch losing its requests as they leave (then `_segment`
-            # takes none, and the length tensors are filtered and moved on at the end).
+        ps = memory.page_size
+        if boundaries and memory.allocator.ledger is None:
+            # The batch losing its requests as they leave, its slots are taken in as few
+            # allocations as the free list allows (then `_segment` takes none, and the length
+            # tensors are filtered and moved on at the end). Page size 1: frees go to the free
+            # list's tail, behind the run's slots: every step's at once. Paged, frees go back
+            # in front: one allocation up to and including each iteration where requests
+            # leave (before their release), the next right after that release.
             self._available = memory.usage()
-            taken = batch.decode_run_leaving(steps, leave_at).tolist()
             lengths = batch.seq_lens_cpu.numpy()
+            if ps == 1:
+                taken = batch.decode_run_leaving(steps, leave_at).tolist()
+            else:
+                taken = (ps * batch.run_pages_leaving(steps, leave_at)).tolist()
+                batch.decode_run_leaving(steps, leave_at, 1, boundaries[0])
+        ends = [*boundaries[1:], steps]
         for a, b in zip(starts, [*starts[1:], steps + 1]):
-            gone = committed = None
+            gone = committed = then = None
             if a in boundaries:
                 leaving = np.flatnonzero(leave_at == a)
                 gone = [first_reqs[i] for i in leaving.tolist()]
                 if lengths is not None:  # their lengths when they leave: the run's start's, `a - 1` on
                     committed = (lengths[leaving] + (a - 1)).tolist()
+                    nxt = ends[boundaries.index(a)]
+                    if ps > 1 and nxt > a:
+                        def then(first=a + 1, last=nxt):
+                            batch.decode_run_leaving(steps, leave_at, first, last)
             held = self._segment(clocks[a - 1 : b - 1], gone, run, held, a - 1,
-                                 None if taken is None else taken[a - 1 : b - 1], committed)
+                                 None if taken is None else taken[a - 1 : b - 1], committed, then)
         if taken is not None:
             batch.advance(steps, np.flatnonzero((leave_at == 0) | (leave_at > steps)))
         memory.grow_records(batch.reqs, steps)
@@ -202,7 +215,7 @@ class DecodeRuns:
         return clocks
 
     def _segment(self, clocks: list, gone: list | None, run: "_Launches", held: int, done: int,
-                 taken: list | None = None, committed: list | None = None) -> int:
+                 taken: list | None = None, committed: list | None = None, then=None) -> int:
         """The iterations from one where requests finish (`gone`; None: the run's first) up to
         the next: `gone` leave the batch before the first one's allocation and are released
         once it is launched, after their last outputs and commits, in one free group; then a
@@ -212,8 +225,9 @@ class DecodeRuns:
         (freed pages go back in front). `taken`: the slots of each of its iterations were taken
         with the whole run's (`take`), before any release, and `gone` leave the request list
         only (the length tensors are filtered when the run ends): `committed` are their
-        lengths. The records of the requests that stay grow when the run ends (`take`);
-        those of `gone` here, by the run's `done` steps."""
+        lengths, and `then` (paged) takes the next iterations' slots once they are released.
+        The records of the requests that stay grow when the run ends (`take`); those of
+        `gone` here, by the run's `done` steps."""
         s, batch, memory = self.sched, self.sched.running, self.sched.memory
         ps, ledger = memory.page_size, memory.allocator.ledger
         owned = 0
@@ -228,7 +242,7 @@ class DecodeRuns:
             batch.drop(at, lengths=taken is None)
             s.gate.shrank()
         n, bs = len(clocks), len(batch.reqs)
-        at_once = gone is None or (ps == 1 and ledger is None)
+        at_once = gone is None or (ps == 1 and ledger is None) or taken is not None
         if ledger is not None:  # the allocation's first step is this iteration
             ledger.step = s.step_count
         if taken is None:
@@ -254,6 +268,8 @@ class DecodeRuns:
             freed = after.available - before
             available = [a + freed for a in available]
             evictable, protected = after.evictable, after.protected
+            if then is not None:
+                then()
             if not at_once and n > 1:
                 if ledger is not None:
                     ledger.step = s.step_count + 1  # the rest's first step is the next iteration

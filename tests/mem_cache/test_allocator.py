@@ -766,3 +766,50 @@ def test_a_decode_run_whose_batch_shrinks_takes_each_steps_slots_at_once(ring_st
     assert torch.equal(at_once.free_page_ids(), one_by_one.free_page_ids())
     # 14 slots taken; the leavers gave back theirs from the run: request 1 one, request 3 three
     assert at_once.available_size() == one_by_one.available_size() == size - 14 + 1 + 3
+
+
+def test_a_paged_decode_run_whose_batch_shrinks_takes_its_slots_up_to_each_release():
+    # Page size 4: four requests, six steps; request 1 leaves at step 2 and request 2 at step
+    # 5, their slots of the run freed right after those steps: back in front of the free
+    # list, where the next steps take them. One call per stretch of steps up to and including
+    # each step where requests leave (as a run makes them), with the frees after it, must
+    # leave the rows and the free list a call per step leaves.
+    ps, steps = 4, 6
+    rows = i64([0, 1, 2, 3])
+    lengths = i64([3, 8, 5, 2])
+    leave_at = [0, 2, 5, 0]
+
+    def fresh():
+        alloc, table = paged(96, ps), torch.zeros(4, 32, dtype=torch.int32)
+        for i, n in enumerate(lengths.tolist()):  # each row holds its first pages already
+            slots = alloc.alloc(-(-n // ps) * ps)
+            table[i, :n] = slots[:n].to(torch.int32)
+        return alloc, table
+
+    def free_leavers(alloc, table, step):
+        for i in range(4):
+            if leave_at[i] == step:
+                alloc.free(table[i, lengths[i]: lengths[i] + step - 1].to(torch.int64))
+
+    def in_batch(step):
+        return [not leave_at[i] or step < leave_at[i] for i in range(4)]
+
+    one_by_one, table_a = fresh()
+    for step in range(1, steps + 1):
+        idx = i64([i for i, here in enumerate(in_batch(step)) if here])
+        seq = lengths[idx] + step - 1
+        assert one_by_one.alloc_decode_write(seq, seq, rows[idx], table_a) is not None
+        free_leavers(one_by_one, table_a, step)
+
+    stretched, table_b = fresh()
+    pages = []
+    for first, last in ((1, 2), (3, 5), (6, 6)):
+        present = torch.tensor([in_batch(step) for step in range(first, last + 1)]).numpy()
+        pages += stretched.alloc_decode_run_leaving_write(lengths + first - 1, rows, table_b, present).tolist()
+        free_leavers(stretched, table_b, last)
+
+    # position len + step - 1 starting a page: request 1's 8 (step 1), 0's 4 (2), 3's 4 (3), 2's 8 (4), 0's 8 (6)
+    assert pages == [1, 1, 1, 1, 0, 1]
+    assert torch.equal(table_a, table_b)
+    assert torch.equal(stretched.free_page_ids(), one_by_one.free_page_ids())
+    assert stretched.available_size() == one_by_one.available_size()
