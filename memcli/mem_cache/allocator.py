@@ -572,12 +572,15 @@ class TokenToKVPoolAllocator(BaseAllocator):
         writes a slot for request i only where `present[s, i]`, taking the next entries of
         the ring in step, then batch order, at column `seq_lens_cpu[i] + s` (each step's
         batch is the requests present, in their order: the slots that step's own call would
-        take). No observer. Returns the slots each step took."""
+        take). No observer. Returns the slots each step took; raises ValueError, taking
+        nothing, when they are not free."""
         if self.ledger is not None:
             raise ValueError("alloc_decode_run_leaving_write: a ledger is told each step on its own")
         steps = present.shape[0]
         opened = np.count_nonzero(present, axis=1)
         total = int(opened.sum())
+        if total > self._num_free:
+            raise ValueError(f"{steps} decode steps need {total} slots, {self._num_free} are free")
         slots = np.asarray(self._head_host(total))
         rows = np.broadcast_to(req_pool_indices.numpy(), present.shape)[present]
         columns = (seq_lens_cpu.numpy() + np.arange(steps, dtype=np.int64)[:, None])[present]
@@ -691,14 +694,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         table = req_to_token.numpy()
         positions = lengths + np.arange(steps, dtype=np.int64)[:, None]  # (steps, bs)
         offset = positions % ps
-        taker = np.cumsum(offset.reshape(-1) == 0).reshape(steps, bs) - 1  # each page-taker's place
-        opened_at = positions - offset - lengths  # the run step that opened the position's page (< 0: before)
-        new = 0  # no page opens in the run: every position continues its row's last page
-        if pages:
-            page = self._buf_host[self._head : self._head + pages]
-            new = page[taker[np.maximum(opened_at, 0), np.arange(bs)]] * ps + offset
-        last = table[rows, np.maximum(lengths - 1, 0)].astype(np.int64)
-        slots = np.where(opened_at >= 0, new, last + positions - lengths + 1)
+        slots = self._run_slots(lengths, rows, table, positions, offset, offset == 0, pages)
         table[rows, positions] = slots
         out = torch.from_numpy(slots[-1].copy())
         self._took_run(slots, opened, observe)
@@ -710,28 +706,40 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         writes request i's position `seq_lens_cpu[i] + s` only where `present[s, i]`, the
         page-takers among those (in step, then batch order) taking the next free pages, as
         each step's own call with that step's batch would. No observer, and nothing freed
-        between the steps. Returns the pages each step took."""
+        between the steps. Returns the pages each step took; raises ValueError, taking
+        nothing, when they are not free."""
         if self.ledger is not None:
             raise ValueError("alloc_decode_run_leaving_write: a ledger is told each step on its own")
         ps, lengths = self.page_size, seq_lens_cpu.numpy()
-        steps, bs = present.shape
         rows, table = req_pool_indices.numpy(), req_to_token.numpy()
-        positions = lengths + np.arange(steps, dtype=np.int64)[:, None]  # (steps, bs)
+        positions = lengths + np.arange(present.shape[0], dtype=np.int64)[:, None]  # (steps, bs)
         offset = positions % ps
         opens = present & (offset == 0)
         opened = np.count_nonzero(opens, axis=1)
         pages = int(opened.sum())
-        opened_at = positions - offset - lengths  # the step that opened the position's page (< 0: before)
-        new = 0
-        if pages:  # a page-taker's place among them (an absent entry reads any page: it is not written)
-            taker = np.cumsum(opens.reshape(-1)).reshape(steps, bs) - 1
-            page = self._buf_host[self._head : self._head + pages]
-            new = page[taker[np.maximum(opened_at, 0), np.arange(bs)]] * ps + offset
-        last = table[rows, np.maximum(lengths - 1, 0)].astype(np.int64)
-        slots = np.where(opened_at >= 0, new, last + positions - lengths + 1)
+        if pages > self._num_free:
+            raise ValueError(f"{present.shape[0]} decode steps need {pages} pages, {self._num_free} are free")
+        # An absent entry's slot is computed as any other but never written.
+        slots = self._run_slots(lengths, rows, table, positions, offset, opens, pages)
         table[np.broadcast_to(rows, present.shape)[present], positions[present]] = slots[present]
         self._took_run(slots, opened, None)
         return opened
+
+    def _run_slots(self, lengths: np.ndarray, rows: np.ndarray, table: np.ndarray, positions: np.ndarray,
+                   offset: np.ndarray, opens: np.ndarray, pages: int) -> np.ndarray:
+        """The slots of a run's positions (`positions`, steps x requests, `offset` their
+        offsets in a page): a position on a page the run opened (`opens`: where a page-taker
+        sits; `pages` of them) lies on the free page of that taker's place among them, in step
+        then batch order; the others continue the row's last page before the run."""
+        steps, bs = positions.shape
+        opened_at = positions - offset - lengths  # the run step that opened the position's page (< 0: before)
+        new = 0  # no page opens in the run: every position continues its row's last page
+        if pages:
+            taker = np.cumsum(opens.reshape(-1)).reshape(steps, bs) - 1  # each page-taker's place
+            page = self._buf_host[self._head : self._head + pages]
+            new = page[taker[np.maximum(opened_at, 0), np.arange(bs)]] * self.page_size + offset
+        last = table[rows, np.maximum(lengths - 1, 0)].astype(np.int64)
+        return np.where(opened_at >= 0, new, last + positions - lengths + 1)
 
 
 def make_allocator(size: int, page_size: int, device: torch.device, backend: str,

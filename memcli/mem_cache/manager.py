@@ -467,17 +467,10 @@ class MemoryManager:
         requests that leave free only to the free list's tail, behind what the run takes;
         paged, frees go back in front, so the caller ends each allocation at a step where
         requests leave, before their release. The records are not lengthened
-        (`grow_records`). Returns the pages each step took."""
-        allocator = self.allocator
-        if allocator.ledger is not None:
-            raise ValueError("alloc_decode_run_leaving: a ledger is told each step on its own")
-        ps = self.page_size
-        positions = seq_lens_cpu.numpy() + np.arange(present.shape[0], dtype=np.int64)[:, None]
-        need = int(np.count_nonzero(present & (positions % ps == 0))) * ps if ps > 1 else int(np.count_nonzero(present))
-        if need > allocator.available_size():
-            raise ValueError(f"{present.shape[0]} decode steps do not fit without eviction")
-        return allocator.alloc_decode_run_leaving_write(seq_lens_cpu, req_pool_indices,
-                                                        self.req_to_token_pool.req_to_token, present)
+        (`grow_records`). Returns the pages each step took; raises ValueError, taking nothing,
+        where they are not free without eviction."""
+        return self.allocator.alloc_decode_run_leaving_write(seq_lens_cpu, req_pool_indices,
+                                                             self.req_to_token_pool.req_to_token, present)
 
     @staticmethod
     def grow_records(reqs: list, slots: int) -> None:

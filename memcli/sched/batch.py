@@ -220,22 +220,26 @@ class ScheduleBatch:
         if lengths:
             self._keep(reqs, index)
             return
-        ends, before = self._ends, self.reqs
-        if ends is not None and ends[0] is before and ends[1] == len(before):
-            self._ends = (reqs, len(reqs), ends[2][index])
+        self._keep_ends(reqs, index)
         self.reqs = reqs
 
     def _keep(self, reqs: list, keep_indices) -> None:
         """The batch becomes `reqs`, the requests at `keep_indices` (a list or an int64 array)."""
-        ends, before = self._ends, self.reqs
-        self.reqs = reqs
-        if not self.reqs:
+        if not reqs:
+            self.reqs = reqs
             self._set_lengths([], [])
             return
         index_np = np.asarray(keep_indices, dtype=np.int64)
-        if ends is not None and ends[0] is before and ends[1] == len(before):
-            self._ends = (self.reqs, len(self.reqs), ends[2][index_np])
+        self._keep_ends(reqs, index_np)
+        self.reqs = reqs
         self._keep_lengths(index_np)
+
+    def _keep_ends(self, reqs: list, index: np.ndarray) -> None:
+        """The cached `decode_ends` of the request list now (if cached) carried to `reqs`, the
+        requests at `index` of it."""
+        ends, before = self._ends, self.reqs
+        if ends is not None and ends[0] is before and ends[1] == len(before):
+            self._ends = (reqs, len(reqs), ends[2][index])
 
     def _keep_lengths(self, index_np: np.ndarray) -> None:
         """The length tensors keep the entries at `index_np`."""
