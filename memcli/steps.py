@@ -57,6 +57,38 @@ class StepRecord(NamedTuple):
     batch: Optional[StepBatch] = None  # the batch computed, when hooks.record_batches (else None)
 
 
+class StepRun(NamedTuple):
+    """The records of a run of decode steps taken at once (`SchedulerHooks.on_steps`), as
+    columns: step `first + j` has `time_ms[j]`, `available[j]`, `held_tokens[j]` and
+    `held_pages[j]`; every step computes the same `batch_size` requests (one token each) and
+    leaves `waiting`, `evictable`, `protected` and `host_used` as they are, and copies nothing
+    between device and host."""
+
+    first: int
+    time_ms: list
+    batch_size: int
+    waiting: int
+    available: list
+    evictable: int
+    protected: int
+    held_tokens: list
+    held_pages: list
+    host_used: int = 0
+
+    def last(self) -> StepRecord:
+        """The record of the run's last step."""
+        j, bs = len(self.time_ms) - 1, self.batch_size
+        return StepRecord(self.first + j, self.time_ms[j], "decode", bs, bs, bs, self.waiting, self.available[j],
+                          self.evictable, self.protected, self.held_tokens[j], self.held_pages[j], self.host_used)
+
+    def records(self) -> list[StepRecord]:
+        """The run's `StepRecord`s, one per step, as an `on_step` per step would have had them."""
+        bs = self.batch_size
+        return [StepRecord(self.first + j, t, "decode", bs, bs, bs, self.waiting, a, self.evictable, self.protected, h,
+                           p, self.host_used)
+                for j, (t, a, h, p) in enumerate(zip(self.time_ms, self.available, self.held_tokens, self.held_pages))]
+
+
 VLLM_WINDOW_REQUESTS = 1000  # CachingMetrics(max_recent_requests=1000), vLLM's logged hit rate
 
 
@@ -147,7 +179,10 @@ class SchedulerHooks:
     prebuilt `checker`. `retract_every` forces a retraction every that many decode steps;
     `page_size` gives the budget another page size than memory's (check-page-size's
     injection). `record_batches` puts the batch of every step on its record
-    (`StepRecord.batch`), for the step log and the timeline."""
+    (`StepRecord.batch`), for the step log and the timeline. `on_steps(scheduler, run)`,
+    where an engine's fast path takes a run of decode steps at once and neither events nor
+    batches are recorded, receives the run's records as columns (`StepRun`) in place of an
+    `on_step` per step; the scheduler's `records` then get the run's last step only."""
 
     output_token_base: int = 1 << 40
     record_events: bool = True
@@ -158,3 +193,4 @@ class SchedulerHooks:
     retract_every: int = 0
     page_size: int | None = None
     record_batches: bool = False
+    on_steps: Callable[[Any, "StepRun"], None] | None = None

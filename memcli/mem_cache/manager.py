@@ -200,6 +200,11 @@ class MemoryManager:
         owned = self.size - usage.available - usage.evictable - self.tree_cache.tree_protected_size()
         return owned // self.page_size
 
+    def held_pages_each(self, available: list[int], evictable: int) -> list[int]:
+        """`held_pages` of each of `available` with the tree as it is now (`evictable`)."""
+        ps, owned = self.page_size, self.size - evictable - self.tree_cache.tree_protected_size()
+        return [(owned - a) // ps for a in available]
+
     @property
     def in_use_tokens(self) -> int:
         """Slots the allocator has handed out (whole pages), tree and requests together."""

@@ -15,6 +15,7 @@ across calls.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -26,7 +27,6 @@ import torch
 from memcli.check_result import IntegrityReport
 from memcli.errors import IntegrityError
 from memcli.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, RadixKey
-from memcli.mem_cache.clock import LogicalClock
 from memcli.mem_cache.eviction import EvictionQueue, get_eviction_policy, is_evictable_leaf
 from memcli.mem_cache.integrity.owners import TREE
 from memcli.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, chain_page_hashes, stored_events
@@ -126,7 +126,7 @@ class RadixCache(BasePrefixCache):
     `clock` (zero-argument callable, default `time.monotonic`) is the time of the caller
     (a simulated clock in replays): eviction ages are measured on it. The stamps that order
     eviction (`last_access_time`, `creation_time`) come from it too with
-    `lru_clock="simulated"` (one time per operation), or from a `LogicalClock` that ticks
+    `lru_clock="simulated"` (one time per operation), or from a logical clock (1.0, 2.0, ...) that ticks
     at every stamp with `lru_clock="logical"` (one reading per node, in SGLang's order: a
     new node reads it twice, access then creation). `split_stamp="refresh"` stamps a node
     before splitting it and creates the upper node fresh (SGLang); `"keep"` gives the upper
@@ -170,7 +170,10 @@ class RadixCache(BasePrefixCache):
         self.clock: Callable[[], float] = time.monotonic
         if lru_clock not in ("simulated", "logical") or split_stamp not in ("keep", "refresh"):
             raise ValueError(f"lru_clock {lru_clock!r} / split_stamp {split_stamp!r}: unknown")
-        self._logical = LogicalClock() if lru_clock == "logical" else None
+        if lru_clock == "logical":
+            # `_stamp` reads a logical clock (1.0, 2.0, ..., `LogicalClock`'s reads) without a
+            # Python frame per stamp: a replay stamps a node about twenty times per request.
+            self._stamp = functools.partial(next, itertools.count(1.0))
         self.refresh_split = split_stamp == "refresh"
         self.count_hits = count_hits
         self.retract_free_twice = retract_free == "two_calls"
@@ -201,8 +204,9 @@ class RadixCache(BasePrefixCache):
         return self._now
 
     def _stamp(self) -> float:
-        """One access or creation stamp: the next logical tick, or the operation's time."""
-        return self._logical() if self._logical is not None else self._now
+        """One access or creation stamp: the operation's time (with the logical clock, the
+        instance's own `_stamp` gives the clock's next tick instead)."""
+        return self._now
 
     def _node(self, parent: Optional[TreeNode], key: np.ndarray, value: torch.Tensor,
               extra_key: Optional[str], birth: float) -> TreeNode:

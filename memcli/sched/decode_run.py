@@ -42,7 +42,7 @@ import numpy as np
 
 from memcli.mem_cache.manager import Usage
 from memcli.sched.overlap import InFlight
-from memcli.steps import Event, StepBatch, StepRecord
+from memcli.steps import Event, StepBatch, StepRecord, StepRun
 
 _finished = attrgetter("finished")
 _outputs = attrgetter("output_ids")
@@ -277,10 +277,29 @@ class DecodeRuns:
                 run.launched(batch.reqs, n - 1)
                 available += [available[0] - t for t in rest]
         self._available = Usage(available[-1], evictable, protected)  # where the next segment starts
+        n = min(len(clocks), len(available))
+        if s.on_steps is not None and n:  # the records as columns, handed over at once
+            held += bs - owned
+            self._record_run(clocks[:n], bs, list(range(held, held + n * bs, bs)) if bs else [held] * n,
+                             available[:n], evictable, protected)
+            return held + (n - 1) * bs
         for j, (clock, free) in enumerate(zip(clocks, available)):
             held += bs - (owned if j == 0 else 0)
             self._record(clock, bs, held, Usage(free, evictable, protected), alloc_event=j > 0 or gone is None)
         return held
+
+    def _record_run(self, clocks: list, bs: int, held: list, available: list, evictable: int, protected: int) -> None:
+        """The records of consecutive steps of `bs` requests (`clocks`, `held`, `available`:
+        one per step) as one `StepRun` to `on_steps`: the same fields `_record` gives each;
+        `records` gets the last step's."""
+        s, memory = self.sched, self.sched.memory
+        host = memory.host_tier()
+        run = StepRun(s.step_count, clocks, bs, len(s.waiting), available, evictable, protected, held,
+                      memory.held_pages_each(available, evictable), 0 if host is None else host.used)
+        s.clock_ms = clocks[-1]
+        s.step_count += len(clocks)
+        s.records.append(run.last())
+        s.on_steps(s, run)
 
     def _record(self, clock: float, bs: int, held: int, usage: Usage, alloc_event: bool = True) -> None:
         """The step's record, as `Scheduler._record` makes it (with the step's batch and its

@@ -50,6 +50,8 @@ class Scheduler:
         self.record_batches = hooks.record_batches
         self._step_batch: StepBatch | None = None  # this step's batch, for its record (record_batches)
         self.on_step = hooks.on_step
+        # A decode run's records as columns (`StepRun`), where they carry no events nor batches.
+        self.on_steps = None if hooks.record_events or hooks.record_batches else hooks.on_steps
         self.on_admission = hooks.on_admission
         self.next_token = hooks.output_token_base
         self.clock_ms, self.step_count = 0.0, 0

@@ -10,11 +10,16 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from memcli.cli.app import app
+from memcli.config import load_config
 from memcli.sched import decode_run
+from memcli.tools.replay.ceiling import shared_prefix_lens
+from memcli.tools.replay.runner import ReplayOptions, default_arrivals, replay
+from memcli.workload.readers import read_trace
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CONVERSATION = DATA / "conversation_head300.jsonl"
@@ -65,10 +70,15 @@ def _strip(doc):
     return doc
 
 
-def _replay(trace: Path, args: list, out: Path, plain: bool) -> dict:
-    out.mkdir()
-    result = CliRunner().invoke(app, ["replay", str(trace), *args, "--json", "--steps-out", str(out / "steps.jsonl"),
-                                      "--requests-out", str(out / "requests.csv"), *(["--plain-loop"] if plain else [])])
+def _replay(trace: Path, args: list, out: Path | None, plain: bool) -> dict:
+    """The replay's document; with `out`, its step log and request rows are written there (the
+    step log takes every step's record on its own: without it a run's records come as columns)."""
+    files = []
+    if out is not None:
+        out.mkdir()
+        files = ["--steps-out", str(out / "steps.jsonl"), "--requests-out", str(out / "requests.csv")]
+    result = CliRunner().invoke(app, ["replay", str(trace), *args, "--json", *files,
+                                      *(["--plain-loop"] if plain else [])])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
 
@@ -82,6 +92,7 @@ def test_the_fast_path_leaves_what_the_plain_loop_leaves(name, trace, args, runs
     assert not taken  # the plain loop never takes a run
     fast = _replay(trace, args, tmp_path / "fast", plain=False)
     assert _strip(fast) == _strip(plain)
+    assert _strip(_replay(trace, args, None, plain=False)) == _strip(plain)  # the runs' records as columns
     for name in ("steps.jsonl", "requests.csv"):
         assert (tmp_path / "fast" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
     if runs:  # the comparison covered runs: most decode steps were taken in them
@@ -106,6 +117,28 @@ def test_long_runs_stop_at_arrivals_finishes_and_the_run_limit(tmp_path, monkeyp
     assert _strip(fast) == _strip(plain)
     assert (tmp_path / "fast" / "steps.jsonl").read_bytes() == (tmp_path / "plain" / "steps.jsonl").read_bytes()
     assert max(taken) == 64 and sum(taken) > 0.9 * fast["summary"]["decode_steps"]
+
+
+@pytest.mark.parametrize("args", [[], ["memory.page_size=16"], SMALL[1::2], ["cache.kind=hiradix"]],
+                         ids=["ps1", "ps16", "small pool", "hiradix"])
+def test_a_runs_records_as_columns_are_the_plain_loops_steps(args, monkeypatch):
+    # Without a step log the runs hand their records over as columns (`StepRun`): the replay's
+    # step series (every field of every step) must be the plain loop's, number for number.
+    from memcli.tools.replay import runner
+
+    columns = []
+    extend = runner.StepSeries.extend
+    monkeypatch.setattr(runner.StepSeries, "extend", lambda self, run: columns.append(len(run.time_ms))
+                        or extend(self, run))
+    trace = read_trace(CONVERSATION, limit=120)
+    config = load_config(None, [*args, "semantics.engine=sglang-0.5.23"], builtin="replay")
+    results = {plain: replay(config, trace, ReplayOptions(default_arrivals(trace), plain_loop=plain), None,
+                             shared_prefix_lens(trace)) for plain in (True, False)}
+    assert sum(columns) >= results[False].summary.decode_steps // 2  # most decode steps came as columns
+    plain, fast = results[True].series, results[False].series
+    assert fast.keys() == plain.keys()
+    for name, values in plain.items():
+        assert np.array_equal(fast[name], values), name
 
 
 def _state(sched) -> tuple:

@@ -109,6 +109,19 @@ class StepSeries:
         ints["d2h_bytes"].append(record.d2h_bytes)
         ints["h2d_bytes"].append(record.h2d_bytes)
 
+    def extend(self, run) -> None:
+        """The steps of a `StepRun`, as `append` of each of its records."""
+        n = len(run.time_ms)
+        self.time_ms.extend(run.time_ms)
+        ints = self.ints
+        for name, value in (("running", run.batch_size), ("waiting", run.waiting), ("evictable", run.evictable),
+                            ("protected", run.protected), ("host_used", run.host_used), ("d2h_bytes", 0),
+                            ("h2d_bytes", 0)):
+            ints[name].extend(array("q", (value,)) * n)
+        ints["available"].extend(run.available)
+        ints["held_tokens"].extend(run.held_tokens)
+        ints["held_pages"].extend(run.held_pages)
+
     def __len__(self) -> int:
         return len(self.time_ms)
 
