@@ -55,8 +55,8 @@ RECORDS_KEPT = 4096  # the scheduler's own step records are trimmed to this many
 MAX_RUN_STEPS = 1024  # the longest run of steady decode steps taken at once
 # The cyclic collector's youngest generation is collected after this many new container
 # objects while a replay runs (Python's default is 700). A replay's objects are mostly
-# acyclic (an evicted node is unlinked from its parent): the whole conversation trace spends
-# 0.39 s in the collector at the default and 0.16 s here, at the same peak memory
+# acyclic (an evicted node is unlinked from its parent): the whole conversation trace's replay
+# spends 0.19 s in the collector at the default and 0.02 s here, at the same peak memory
 # (docs/PERFORMANCE.md, fourteenth round).
 GC_YOUNG_THRESHOLD = 10_000
 
