@@ -81,13 +81,6 @@ class StepRun(NamedTuple):
         return StepRecord(self.first + j, self.time_ms[j], "decode", bs, bs, bs, self.waiting, self.available[j],
                           self.evictable, self.protected, self.held_tokens[j], self.held_pages[j], self.host_used)
 
-    def records(self) -> list[StepRecord]:
-        """The run's `StepRecord`s, one per step, as an `on_step` per step would have had them."""
-        bs = self.batch_size
-        return [StepRecord(self.first + j, t, "decode", bs, bs, bs, self.waiting, a, self.evictable, self.protected, h,
-                           p, self.host_used)
-                for j, (t, a, h, p) in enumerate(zip(self.time_ms, self.available, self.held_tokens, self.held_pages))]
-
 
 VLLM_WINDOW_REQUESTS = 1000  # CachingMetrics(max_recent_requests=1000), vLLM's logged hit rate
 

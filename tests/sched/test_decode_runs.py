@@ -130,6 +130,14 @@ def test_a_runs_records_as_columns_are_the_plain_loops_steps(args, monkeypatch):
     extend = runner.StepSeries.extend
     monkeypatch.setattr(runner.StepSeries, "extend", lambda self, run: columns.append(len(run.time_ms))
                         or extend(self, run))
+    last: dict = {}  # per replay, the scheduler's last record after each loop iteration, by step
+    after = runner._Run._after_step
+
+    def record(run):
+        last.setdefault(run.options.plain_loop, {})[run.scheduler.step_count] = run.scheduler.records[-1]
+        after(run)
+
+    monkeypatch.setattr(runner._Run, "_after_step", record)
     trace = read_trace(CONVERSATION, limit=120)
     config = load_config(None, [*args, "semantics.engine=sglang-0.5.23"], builtin="replay")
     results = {plain: replay(config, trace, ReplayOptions(default_arrivals(trace), plain_loop=plain), None,
@@ -139,6 +147,8 @@ def test_a_runs_records_as_columns_are_the_plain_loops_steps(args, monkeypatch):
     assert fast.keys() == plain.keys()
     for name, values in plain.items():
         assert np.array_equal(fast[name], values), name
+    for step, record in last[False].items():  # a run leaves its last step's record, as the plain loop
+        assert record == last[True][step], step
 
 
 def _state(sched) -> tuple:
