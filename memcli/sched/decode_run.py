@@ -36,6 +36,7 @@ and one check after the run covers what all its steps changed (`IntegrityChecker
 from __future__ import annotations
 
 import itertools
+from array import array
 from operator import attrgetter
 
 import numpy as np
@@ -380,24 +381,29 @@ class _Launches:
 
     def deliver(self) -> None:
         """The tokens of every launch but the last (in flight) to the requests of the last,
-        launch after launch: one matrix of them, a column per request, one extend each."""
+        launch after launch: one matrix of them, a row per request, whose bytes each
+        request's output array takes (a list of outputs takes the row's ints)."""
         runs = self.runs
         final = runs[-1][0]
         width, depth = len(final), sum(run[2] for run in runs) - 1
         if not width or depth <= 0:
             return
-        tokens = np.empty((depth, width), dtype=np.int64)
+        tokens = np.empty((width, depth), dtype=np.int64)
         cols = np.arange(width, dtype=np.int64)  # the last batch's requests, in each batch from the last back
-        row = depth
+        step = depth
         for k in range(len(runs) - 1, -1, -1):
             reqs, base, count, removed = runs[k]
             if k == len(runs) - 1:
                 count -= 1
             if count > 0:
                 bs = len(reqs)
-                row -= count
-                tokens[row : row + count] = (base + cols) + bs * np.arange(count)[:, None]
+                step -= count
+                tokens[:, step : step + count] = (base + cols)[:, None] + bs * np.arange(count)
             for r in removed:  # their positions before those requests left
                 cols += cols >= r
-        for req, out in zip(final, tokens.T.tolist()):
-            req.output_ids.extend(out)
+        data, size = memoryview(tokens.reshape(-1)).cast("B"), depth * tokens.itemsize
+        for i, out in enumerate(map(_outputs, final)):
+            if out.__class__ is array:
+                out.frombytes(data[i * size : (i + 1) * size])
+            else:
+                out.extend(tokens[i].tolist())

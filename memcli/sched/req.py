@@ -7,6 +7,7 @@ memory writes; the names below that mirror it (`req_pool_idx`, `prefix_indices`,
 
 from __future__ import annotations
 
+from array import array
 from operator import attrgetter
 
 import numpy as np
@@ -46,9 +47,11 @@ class Req:
         self.eos_len = -1  # the output length whose last token is EOS (-1: never; set by the replay)
         self.device = device
         self.kv = ReqKV(device)
-        self.output_ids: list[int] = []
+        # The output tokens as machine integers (`array("q")`): a run's tokens are copied in as
+        # bytes, and read into the token buffer as a buffer, with no Python int per token.
+        self.output_ids: array = array("q")
         self._tokens: np.ndarray | None = None  # prompt + outputs, for `token_ids` past the prompt
-        self._tokens_of: list[int] | None = None  # the output list `_tokens` copies
+        self._tokens_of: array | list | None = None  # the output list `_tokens` copies
         self._tokens_out = 0  # outputs copied into `_tokens`
         buf = self.origin_input_ids.base
         if buf is not None and _holds_prompt(buf, self.origin_input_ids):
