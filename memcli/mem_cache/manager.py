@@ -197,8 +197,7 @@ class MemoryManager:
     def held_pages(self, usage: Usage) -> int:
         """Pages in use that the tree does not own: held by requests (exact when memory is
         conserved; the integrity checks verify that separately, request by request)."""
-        owned = self.size - usage.available - usage.evictable - self.tree_cache.tree_protected_size()
-        return owned // self.page_size
+        return self.held_pages_each([usage.available], usage.evictable)[0]
 
     def held_pages_each(self, available: list[int], evictable: int) -> list[int]:
         """`held_pages` of each of `available` with the tree as it is now (`evictable`)."""

@@ -281,8 +281,7 @@ class DecodeRuns:
         n = min(len(clocks), len(available))
         if s.on_steps is not None and n:  # the records as columns, handed over at once
             held += bs - owned
-            self._record_run(clocks[:n], bs, list(range(held, held + n * bs, bs)) if bs else [held] * n,
-                             available[:n], evictable, protected)
+            self._record_run(clocks[:n], bs, [held + j * bs for j in range(n)], available[:n], evictable, protected)
             return held + (n - 1) * bs
         for j, (clock, free) in enumerate(zip(clocks, available)):
             held += bs - (owned if j == 0 else 0)

@@ -112,15 +112,14 @@ class StepSeries:
     def extend(self, run) -> None:
         """The steps of a `StepRun`, as `append` of each of its records."""
         n = len(run.time_ms)
+        # Every field of `FIELDS` by name (one the run lacks raises): a list per step, or a value for all.
+        columns = {"running": run.batch_size, "waiting": run.waiting, "available": run.available,
+                   "evictable": run.evictable, "protected": run.protected, "held_tokens": run.held_tokens,
+                   "held_pages": run.held_pages, "host_used": run.host_used, "d2h_bytes": 0, "h2d_bytes": 0}
         self.time_ms.extend(run.time_ms)
-        ints = self.ints
-        for name, value in (("running", run.batch_size), ("waiting", run.waiting), ("evictable", run.evictable),
-                            ("protected", run.protected), ("host_used", run.host_used), ("d2h_bytes", 0),
-                            ("h2d_bytes", 0)):
-            ints[name].extend(array("q", (value,)) * n)
-        ints["available"].extend(run.available)
-        ints["held_tokens"].extend(run.held_tokens)
-        ints["held_pages"].extend(run.held_pages)
+        for name, values in self.ints.items():
+            value = columns[name]
+            values.extend(value if isinstance(value, list) else array("q", (value,)) * n)
 
     def __len__(self) -> int:
         return len(self.time_ms)
