@@ -148,6 +148,16 @@ def build_stack(config: Config, cache_kind: str | None = None,
                        overrides.get("scheduler", ps), null_cache, overrides, host_pool)
 
 
+def eviction_order(config: Config) -> str:
+    """The eviction policy whose order the tree of `config` follows: its own, but for `lfu` on
+    a radix cache that never counts hits (`lfu_hits: never`, SGLang 0.5.5's), where every
+    count stays 0 and LFU's tie-break, recency, is the whole order: `lru`, step for step."""
+    policy = config.cache.eviction_policy
+    if policy == "lfu" and config.cache.kind == "radix" and config.behaviour.lfu_hits == "never":
+        return "lru"
+    return policy
+
+
 def evict_rule(behaviour: SemanticsConfig) -> EvictRule:
     """How the allocation entry points ask the tree for room, for the behaviours in force."""
     return EvictRule(full_need=behaviour.evict_amount == "full_need",

@@ -49,3 +49,67 @@ def test_unknown_component_is_refused():
     with pytest.raises(ConfigError, match="scheduller") as info:
         build_stack(small_config(16, pool=1024), page_size_overrides={"scheduller": 1})
     assert "scheduler" in info.value.hint
+
+
+# -- the eviction order a tree follows ------------------------------------------------------
+
+
+def _with(engine, policy, kind="radix", **semantics):
+    from memcli.config import apply_overrides, config_from_dict
+
+    overrides = [f"semantics.engine={engine}", f"cache.eviction_policy={policy}", f"cache.kind={kind}",
+                 *(f"semantics.{k}={v}" for k, v in semantics.items())]
+    return config_from_dict(apply_overrides(small_config(16).to_dict(), overrides))
+
+
+def test_lfu_orders_as_lru_only_where_the_tree_never_counts_hits():
+    from memcli.stack import eviction_order
+
+    assert eviction_order(_with("sglang-0.5.5", "lfu")) == "lru"  # 0.5.5: no hit is ever counted
+    assert eviction_order(_with("sglang-0.5.23", "lfu", lfu_hits="never")) == "lru"
+    assert eviction_order(_with("sglang-0.5.23", "lfu")) == "lfu"  # a hit counted on insert
+    assert eviction_order(_with("sglang-0.5.5", "lfu", lfu_hits="count")) == "lfu"
+    assert eviction_order(_with("sglang-0.5.5", "lfu", kind="hiradix")) == "lfu"  # write-through counts hits
+    for policy in ("lru", "fifo", "belady"):
+        assert eviction_order(_with("sglang-0.5.5", policy)) == policy
+
+
+def _lru_and_lfu(engine, page_size, loop):
+    """The replay documents of lru and lfu on the conversation head, whole prompts, a pool of
+    200,000 tokens (it evicts and retracts), with the policy's name and the wall clock cleared."""
+    from memcli.config import apply_overrides, config_from_dict
+    from memcli.tools.replay.report import replay_document
+    from memcli.tools.replay.runner import ReplayOptions, default_arrivals, replay
+    from memcli.workload.readers import read_trace
+    from tests.tools.replay.helpers import CONVERSATION
+    from tests.tools.replay.helpers import small_config as replay_config
+
+    trace = read_trace(CONVERSATION)
+    docs = {}
+    for policy in ("lru", "lfu"):
+        raw = replay_config(page_size, pool=200_000, context=200_000, rows=64).to_dict()
+        config = config_from_dict(apply_overrides(raw, [f"semantics.engine={engine}", f"semantics.event_loop={loop}",
+                                                        f"cache.eviction_policy={policy}"]))
+        doc = replay_document(replay(config, trace, ReplayOptions(default_arrivals(trace))))
+        assert doc["eviction"]["policy"] == policy and doc["config"]["cache"]["eviction_policy"] == policy
+        doc["eviction"]["policy"] = doc["config"]["cache"]["eviction_policy"] = None
+        for section, key in (("summary", "wall_time_s"), ("summary", "steps_per_s"), ("integrity", "check_s")):
+            doc[section][key] = None
+        docs[policy] = doc
+    assert docs["lru"]["eviction"]["evictions"] > 0 and docs["lru"]["scheduling"]["retractions"] > 0
+    return docs["lru"], docs["lfu"]
+
+
+@pytest.mark.parametrize("page_size, loop", [(1, "normal"), (1, "overlap"), (16, "overlap")])
+def test_where_lfu_orders_as_lru_the_two_replays_are_the_same(page_size, loop):
+    """The claim `eviction_order` makes, replayed: under sglang-0.5.5 the whole documents of lfu
+    and lru agree, the policy's name and the wall clock aside."""
+    lru, lfu = _lru_and_lfu("sglang-0.5.5", page_size, loop)
+    assert lfu == lru
+
+
+def test_where_hits_are_counted_the_same_comparison_tells_lfu_from_lru():
+    """The comparison above can fail: 0.5.23 counts a hit on insert, and on the same pool its lfu
+    evicts other leaves than its lru."""
+    lru, lfu = _lru_and_lfu("sglang-0.5.23", 1, "overlap")
+    assert lfu["eviction"]["evictions"] != lru["eviction"]["evictions"]

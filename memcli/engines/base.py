@@ -114,6 +114,9 @@ class Engine:
     `tracks_uses`: the engine's radix cache reads the trace's future (`build_stack`'s
     `future`), and its evictions carry the last and next use of what they evicted; a replay
     builds that future only for such an engine (the eviction report's reuse distances).
+    `eviction_order(config)` names the eviction policy whose order the engine's tree follows
+    under `config` (a study replays two points that differ only in policies of one order
+    once); None: every policy is its own.
     """
 
     name: str
@@ -131,3 +134,4 @@ class Engine:
     reference_steps: bool = False  # `reference` takes `on_step` (both sides' step observations)
     baseline: Optional[str] = None  # the engine's earlier release (its profile is the baseline's values)
     tracks_uses: bool = True
+    eviction_order: Optional[Callable[[Config], str]] = None

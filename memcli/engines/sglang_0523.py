@@ -15,7 +15,7 @@ from memcli.engines import register
 from memcli.engines.base import Engine
 from memcli.engines.sglang_055 import _batch, _scheduler
 from memcli.sched.req import Req
-from memcli.stack import build_stack
+from memcli.stack import build_stack, eviction_order
 
 NAME = "sglang-0.5.23"
 
@@ -39,4 +39,5 @@ ENGINE = register(Engine(
     reference_steps=True,
     limits=max_req_len_cuts,  # SGLang's request limits, with 0.5.23's memory clip
     baseline="sglang-0.5.5",
+    eviction_order=eviction_order,  # lfu is lru where the tree counts no hits
 ))

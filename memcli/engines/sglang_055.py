@@ -19,7 +19,7 @@ from memcli.engines.base import Engine
 from memcli.sched.batch import ScheduleBatch
 from memcli.sched.req import Req
 from memcli.sched.scheduler import Scheduler
-from memcli.stack import build_stack
+from memcli.stack import build_stack, eviction_order
 from memcli.steps import SchedulerHooks
 
 NAME = "sglang-0.5.5"
@@ -51,4 +51,5 @@ ENGINE = register(Engine(
     reference=_reference,
     reference_steps=True,
     limits=max_req_len_cuts,  # SGLang's request limits; under request_limits: row, none (refused)
+    eviction_order=eviction_order,  # lfu is lru where the tree counts no hits
 ))

@@ -6,18 +6,25 @@ the tasks to an executor (`executors.py`: serial, processes or Ray), which yield
 in completion order; each finished task goes to the `StudySink` (files under `--out`, the
 progress bar) at once, so an interrupted study keeps what it finished and `--resume` skips it.
 
+Points that the engine runs alike are replayed once: a point whose config differs from an
+earlier point's only in a policy the engine's tree orders the same way (`Engine.eviction_order`:
+LFU on a tree that never counts hits is LRU) takes that point's row, its own policy in it
+and `same_as` naming the point replayed.
+
 A point's result is a flat row of numbers (`results.point_row`): the same whatever ran it.
 """
 
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
 from memcli.config import Config
+from memcli import engines
 from memcli.tools.replay.runner import ReplayOptions, check_options, limit_cuts, replay
 from memcli.tools.study.grid import Point, point_key, point_overrides
 from memcli.tools.study.results import point_row
@@ -29,12 +36,14 @@ from memcli.workload.spec import Trace
 class Task:
     """One replay of a study. `kind`: "point" (a grid point) or "reference" (the unlimited
     pool at `point`'s page size). `index`: the point's place in the study (references count
-    after the points)."""
+    after the points). `same_as`: the index of an earlier point whose replay is this one's
+    (`replay_identity`), or None: replayed itself."""
 
     index: int
     kind: str
     point: Point
     config: Config
+    same_as: Optional[int] = None
 
     @property
     def key(self) -> str:
@@ -94,11 +103,39 @@ def plan_study(points: list[Point], make_config: Callable[[list[str]], Config], 
         check_options(trace, config, options)
         limit_cuts(config, trace, options)  # what cannot run even as the engine cuts it is refused here
         tasks.append(Task(index, "point", point, config))
+    tasks = _same_replays(tasks)
     page_sizes = sorted({task.config.page_size for task in tasks})
     for offset, ps in enumerate(page_sizes):
         config = make_config(point_overrides({"memory.page_size": ps}, base))
         tasks.append(Task(len(points) + offset, "reference", {"memory.page_size": ps}, config))
     return StudyPlan(tuple(keys), tuple(points), tuple(tasks), base)
+
+
+def replay_identity(config: Config) -> str:
+    """What decides a replay's numbers: the config, its eviction policy as the order the
+    engine's tree follows (`Engine.eviction_order`). Two points of one identity replay step for
+    step alike."""
+    doc = config.to_dict()
+    order = engines.get(config).eviction_order
+    if order is not None:
+        doc["cache"]["eviction_policy"] = order(config)
+    return json.dumps(doc, sort_keys=True, default=str)
+
+
+def _same_replays(tasks: list[Task]) -> list[Task]:
+    """`tasks` (points), each one whose replay identity an earlier point has marked `same_as` it."""
+    first: dict[str, int] = {}
+    out = []
+    for task in tasks:
+        index = first.setdefault(replay_identity(task.config), task.index)
+        out.append(task if index == task.index else replace(task, same_as=index))
+    return out
+
+
+def same_row(row: dict[str, Any], task: Task) -> dict[str, Any]:
+    """The row of `task` (`same_as` another point) from that point's row: the same numbers,
+    its own eviction policy, and `same_as`."""
+    return {**row, "eviction_policy": task.config.cache.eviction_policy, "same_as": task.same_as}
 
 
 def run_task(task: Task, context: StudyContext) -> dict[str, Any]:
@@ -138,9 +175,24 @@ Executor = Callable[[Iterable[Task], StudyContext], Iterator[tuple[Task, dict[st
 def run_tasks(state: StudyState, context: StudyContext, executor: Executor,
               on_row: Optional[Callable[[Task, dict[str, Any]], None]] = None) -> StudyState:
     """Run the pending tasks of `state`; each row is stored, then passed to `on_row`, as it
-    arrives. KeyboardInterrupt propagates after the executor has stopped its workers."""
-    for task, row in executor(state.pending(), context):
+    arrives, and so is the row of each point `same_as` it. KeyboardInterrupt propagates after
+    the executor has stopped its workers."""
+    points = {task.index: task for task in state.plan.tasks if task.kind == "point"}
+    twins: dict[int, list[Task]] = {}
+    for task in state.pending():
+        if task.same_as is not None:
+            twins.setdefault(task.same_as, []).append(task)
+
+    def store(task: Task, row: dict[str, Any]) -> None:
         state.rows[task.key] = row
         if on_row is not None:
             on_row(task, row)
+        for twin in twins.pop(task.index, []) if task.kind == "point" else []:
+            store(twin, same_row(row, twin))
+
+    for index in [index for index in twins if points[index].key in state.rows]:  # replayed before a resume
+        for twin in twins.pop(index):
+            store(twin, same_row(state.rows[points[index].key], twin))
+    for task, row in executor([task for task in state.pending() if task.same_as is None], context):
+        store(task, row)
     return state

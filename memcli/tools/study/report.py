@@ -42,6 +42,10 @@ def render_study(doc: dict[str, Any], console: Console) -> None:
             console.print(f"INTEGRITY FAILURE at {point_label(entry['point'])} (that replay stopped)")
         if entry["stalled"]:
             console.print(f"STALLED at {point_label(entry['point'])} (that replay stopped)")
+        if entry.get("same_as") is not None:
+            console.print(f"{point_label(entry['point'])}: the replay of point {entry['same_as']} (this engine orders"
+                          f" both policies alike: its tree counts no hits, so lfu is lru)", markup=False,
+                          highlight=False)
         if entry.get("limit_cut_requests"):
             console.print(f"engine limits at {point_label(entry['point'])}: {entry['limit_aborted']} aborted at"
                           f" arrival, {entry['limit_clipped']} outputs clipped: {entry['limit_cut_requests']}",

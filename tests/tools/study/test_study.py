@@ -251,3 +251,76 @@ def test_the_small_pool_study_of_the_issue_runs_and_names_the_aborted_request():
     assert [line for line in result.stderr.splitlines() if line.startswith("warning:")] == [
         "warning: the engine's limits cut requests at 1 of 2 points; the report names them (--strict-limits"
         " refuses the trace instead)"]
+
+
+# -- points the engine replays alike ----------------------------------------------------------
+
+
+def _engine_config(engine):
+    return lambda extra: _make_config([f"semantics.engine={engine}", *extra])
+
+
+def _without(row, *keys):
+    return {k: v for k, v in row.items() if k not in (*TIMING_COLUMNS, *keys)}
+
+
+def test_a_point_the_engine_replays_as_another_is_replayed_once_and_says_so(trace, monkeypatch):
+    """Under sglang-0.5.5 the radix tree counts no hits, so LFU evicts in LRU's order: each lfu
+    point takes its lru twin's row. The row is checked against the lfu point replayed alone."""
+    from memcli.tools.replay.runner import replay
+    from memcli.tools.study import executors
+    from memcli.tools.study.results import point_row
+
+    points = grid_points([parse_sweep("memory.max_total_tokens=8000,60000"), parse_sweep("cache.eviction_policy=lru,lfu")])
+    options = ReplayOptions("burst")
+    plan = plan_study(points, _engine_config("sglang-0.5.5"), trace, options)
+    assert [task.same_as for task in plan.tasks if task.kind == "point"] == [None, 0, None, 2]
+    ran = []
+    real = study_mod.run_task
+    monkeypatch.setattr(executors, "run_task", lambda task, context: ran.append(task.index) or real(task, context))
+    context = StudyContext(trace, options, shared_prefix_lens(trace))
+    state = run_tasks(StudyState(plan), context, serial)
+    assert sorted(ran) == [0, 2, 4]  # the two lru points and the reference
+    for task in plan.tasks[:4]:
+        row = state.rows[task.key]
+        assert row["eviction_policy"] == task.point["cache.eviction_policy"]
+        if task.same_as is None:
+            assert "same_as" not in row
+            continue
+        assert row["same_as"] == task.same_as
+        alone = point_row(replay(task.config, trace, options, None, context.shared))
+        assert alone["eviction_policy"] == "lfu"
+        assert _without(row, "same_as") == _without(alone)
+    assert state.rows[plan.tasks[1].key]["evictions"] > 0  # the small pool evicts: the order mattered
+
+
+def test_a_point_whose_policy_orders_otherwise_is_replayed(trace):
+    """0.5.23 counts a hit on insert: its LFU is not LRU, and every point is its own replay."""
+    points = grid_points([parse_sweep("memory.max_total_tokens=8000"), parse_sweep("cache.eviction_policy=lru,lfu,fifo")])
+    plan = plan_study(points, _engine_config("sglang-0.5.23"), trace, ReplayOptions("burst"))
+    assert [task.same_as for task in plan.tasks] == [None] * len(plan.tasks)
+    plan = plan_study(points, _engine_config("sglang-0.5.5"), trace, ReplayOptions("burst"))
+    assert [task.same_as for task in plan.tasks if task.kind == "point"] == [None, 0, None]
+
+
+def test_resume_fills_a_same_point_from_its_replayed_twin(trace_path, tmp_path, monkeypatch):
+    out = tmp_path / "study"
+    sweep = ["--engine", "sglang-0.5.5", "--sweep", "memory.max_total_tokens=8000", "--sweep",
+             "cache.eviction_policy=lru,lfu"]
+    first = invoke(trace_path, "--block-size", 32, *SMALL, *sweep, "--jobs", 1, "--out", out, "--json")
+    assert first.exit_code == 0, first.stderr
+    doc = json.loads(first.stdout)
+    lfu = next(p for p in doc["points"] if p["config"]["cache.eviction_policy"] == "lfu")
+    assert lfu["same_as"] == 0 and "the replay of point 0" in invoke(
+        trace_path, "--block-size", 32, *SMALL, *sweep, "--jobs", 1).stdout
+    with open(out / "study.csv") as fh:
+        assert [row["same_as"] for row in csv.DictReader(fh)][:2] == ["", "0"]
+    # The lfu row lost (an interrupted study): --resume takes it from the lru row, replaying nothing.
+    (out / "study.json").write_text(json.dumps(dict(doc, points=[p for p in doc["points"] if p is not lfu])))
+    ran = []
+    from memcli.tools.study import executors
+    monkeypatch.setattr(executors, "run_task", lambda task, context: ran.append(task.index))
+    resumed = invoke(trace_path, "--block-size", 32, *SMALL, *sweep, "--jobs", 1, "--out", out, "--resume", "--json")
+    assert resumed.exit_code == 0, resumed.stderr
+    assert ran == []
+    assert _without(json.loads(resumed.stdout)["points"][1]) == _without(lfu)
