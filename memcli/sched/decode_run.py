@@ -19,14 +19,12 @@ so that everything the plain loop leaves (tree, free list, rows, requests, recor
 batch in flight) is the same.
 
 Requests that finish by length may finish inside a run (`finishes_absorbed`: SGLang 0.5.23's
-overlap loop with no host tier and no KV events). At the iteration a request's last token
-comes back, the plain loop takes it out of the batch before the step's allocation and
-releases it once that step is launched; a run does the same at that iteration: the batch
-loses it, the step is allocated, its outputs and commit are written and it is released
-(`Scheduler.finish`), in one free group, before the step's record. With requests waiting,
-that iteration is the run's last: the batch shrank, so the next iteration's gate tries a
-prefill, and the plain loop makes that try. A request that finishes by EOS ends the run
-before its last iteration, as does an arrival.
+overlap loop with nothing waiting, no host tier and no KV events). At the iteration
+a request's last token comes back, the plain loop takes it out of the batch before the step's
+allocation and releases it once that step is launched; a run does the same at that
+iteration: the batch loses it, the step is allocated, its outputs and commit are written and
+it is released (`Scheduler.finish`), in one free group, before the step's record. A request
+that finishes by EOS ends the run before its last iteration, as does an arrival.
 
 What a run needs of the stack, and the configurations it leaves to the plain loop (the full
 walk every step, forced retractions, the triton backend, a host tier with a copy ending or a
@@ -65,12 +63,11 @@ class DecodeRuns:
     def finishes_absorbed(self) -> bool:
         """Whether requests may finish inside a run: SGLang 0.5.23's overlap loop (the
         requests a result finishes leave the batch before the step's allocation, and take
-        their slot in flight with them), no host tier (a release starts copies) and no KV
-        events (stamped when the run ends). With requests waiting, only at the run's last
-        iteration (`_finishes`): the gate, open again once the batch shrank, tries a prefill
-        at the next."""
+        their slot in flight with them), nothing waiting (a finish would let the gate try a
+        prefill), no host tier (a release starts copies) and no KV events (stamped when the
+        run ends)."""
         s = self.sched
-        return (s.release_committed and s.skip_finishing_decode and s.gate.relaxed
+        return (s.release_committed and s.skip_finishing_decode and s.gate.relaxed and not s.waiting
                 and not s.hierarchical and not getattr(s.memory.tree_cache, "kv_events", False))
 
     def steady(self, limit: int) -> int:
@@ -99,7 +96,7 @@ class DecodeRuns:
         rooms = batch.decode_ends() - batch.seq_lens_cpu.numpy()
         room, leave_at = int(rooms.min()), None
         if room < limit and self.finishes_absorbed():
-            room, leave_at = self._finishes(reqs, rooms, limit, bool(s.waiting))
+            room, leave_at = self._finishes(reqs, rooms, limit)
         if min(room, limit) < MIN_RUN:
             return 0
         steps = s.memory.decode_run_steps(batch.seq_lens_cpu, min(room, limit))
@@ -111,12 +108,12 @@ class DecodeRuns:
         return steps
 
     @staticmethod
-    def _finishes(reqs: list, rooms: np.ndarray, limit: int, waiting: bool = False) -> tuple[int, np.ndarray]:
+    def _finishes(reqs: list, rooms: np.ndarray, limit: int) -> tuple[int, np.ndarray]:
         """The iterations a run may take when requests finish inside it, and the iteration at
         which each does (0: none): a request whose last token is its `max_new_tokens`-th
         leaves at iteration `room + 1` (the one whose result brings that token); one that
         ends on EOS bounds the run before its last iteration, and the batch is never left
-        empty. `waiting`: the first iteration where requests leave ends the run."""
+        empty."""
         n = len(reqs)
         max_new = np.fromiter(map(_max_new, reqs), np.int64, n)
         outputs = np.fromiter(map(len, map(_outputs, reqs)), np.int64, n)
@@ -127,8 +124,6 @@ class DecodeRuns:
         else:
             bound = int(rooms[~by_length].min())  # an EOS ends the run before its iteration
         bound = min(bound, limit)
-        if waiting and by_length.any():
-            bound = min(bound, int(leave_at[by_length].min()))
         return bound, np.where(by_length & (leave_at <= bound), leave_at, 0)
 
     def take(self, steps: int, until_ms: float) -> int:
