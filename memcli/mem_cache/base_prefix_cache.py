@@ -144,6 +144,12 @@ class BasePrefixCache(abc.ABC):
         statistics and split one node; never changes which slots are cached.
         """
 
+    def touch_prefix(self, key: RadixKey) -> None:
+        """Walk `key` as `match_prefix` does (its stamps, splits and counts), adopting nothing:
+        SGLang 0.5.23's waiting-prefix refresh. A cache whose match builds what the walk
+        does not need overrides it."""
+        self.match_prefix(key)
+
     @abc.abstractmethod
     def insert(self, key: RadixKey, value: Optional[torch.Tensor] = None) -> int:
         """Cache `value[i]` as the slot of `key[i]`; return the leading tokens already cached.

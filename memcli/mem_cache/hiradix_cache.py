@@ -290,6 +290,11 @@ class HiRadixCache(RadixCache):
 
     # -- match and insert -------------------------------------------------------------------
 
+    def touch_prefix(self, key: RadixKey) -> None:
+        """This tree's own match (both tiers), its result dropped: not the device-only walk of
+        `RadixCache.touch_prefix`."""
+        self.match_prefix(key)
+
     def match_prefix(self, key: RadixKey) -> MatchResult:
         """Longest cached page-aligned prefix of `key` on either tier. `device_indices` and
         `last_node` cover the device part; `host_hit_length` tokens follow on the host only,

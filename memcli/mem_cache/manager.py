@@ -245,7 +245,7 @@ class MemoryManager:
     def touch_prefix(self, token_ids: np.ndarray, extra_key: Any = None) -> None:
         """Walk `token_ids` in the tree as a match does (stamps, splits), adopting nothing
         (SGLang 0.5.23's `touch_prefix`, the waiting-prefix refresh)."""
-        self.tree_cache.match_prefix(RadixKey(token_ids, extra_key))
+        self.tree_cache.touch_prefix(RadixKey(token_ids, extra_key))
 
     def lock(self, node: Any) -> None:
         """Protect a matched prefix from eviction (admission)."""

@@ -246,9 +246,22 @@ class RadixCache(BasePrefixCache):
         Counts a hit and refreshes the access time on every node the match passes through;
         splits at most one node. A key shorter than one page matches nothing.
         """
+        walked = self._match_walk(key)
+        if walked is None:
+            return MatchResult(self.empty_indices(), self.root)
+        node, values = walked
+        return MatchResult(self._cat(values), node)
+
+    def touch_prefix(self, key: RadixKey) -> None:
+        """`match_prefix`'s walk, stamps and splits, without joining the matched nodes' slots."""
+        self._match_walk(key)
+
+    def _match_walk(self, key: RadixKey) -> Optional[tuple[TreeNode, list]]:
+        """A match's walk (stamps, hits, the split) and requeue: (the last node, the values of
+        the nodes passed), or None when the key matches nothing without a walk."""
         aligned = len(key) - len(key) % self.page_size
         if self.disable or aligned == 0:
-            return MatchResult(self.empty_indices(), self.root)
+            return None
         self._begin()
         if self.unified:
             node, _, values = self._walk_unified(key.token_ids[:aligned], key.extra_key)
@@ -256,7 +269,7 @@ class RadixCache(BasePrefixCache):
         else:
             node, _, values = self._walk(key.token_ids[:aligned], key.extra_key, count_hit=True)
         self._touched(node)
-        return MatchResult(self._cat(values), node)
+        return node, values
 
     def _insert_input(self, key: RadixKey, value: Optional[torch.Tensor], value_start: int = 0):
         """(tokens, slots, page-aligned length) of an insert, or None when nothing is inserted

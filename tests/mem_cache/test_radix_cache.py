@@ -421,3 +421,40 @@ def test_request_rows_are_read_through_numpy_on_a_cpu_and_follow_a_new_table():
     assert Pool.req_to_token[1].tolist() == [40, 50, 6, 7]  # a view: the table itself
     Pool.req_to_token = torch.zeros((3, 4), dtype=torch.int32)
     assert cache._row(1).tolist() == [0, 0, 0, 0]
+
+
+def _tree_state(cache):
+    """Every node, depth first: its key, slots, stamps, hit count and lock; then the eviction order."""
+    nodes, stack = [], [cache.root]
+    while stack:
+        node = stack.pop()
+        created = None if node is cache.root else node.creation_time  # the root's: the real clock at construction
+        nodes.append((list(node.key), None if node.value is None else node.value.tolist(), node.last_access_time,
+                       created, node.hit_count, node.lock_ref))
+        stack.extend(node.children[k] for k in sorted(node.children, key=str))
+    order = []
+    while (leaf := cache._queue.pop()) is not None:
+        order.append(list(leaf.key))
+    return nodes, order
+
+
+@pytest.mark.parametrize("semantics", [{}, {"tree_stamps": "unified", "lru_clock": "logical", "split_stamp": "refresh"},
+                                       {"lru_clock": "logical", "count_hits": True}])
+def test_touch_prefix_walks_as_a_match_does(semantics):
+    """The waiting-prefix refresh touches without joining slots: the same stamps, hits, splits
+    and eviction order as a match whose result is dropped."""
+    trees = []
+    for touch in (False, True):
+        cache = make_cache(page_size=2, allocator=False, **semantics)
+        cache.insert(key(1, 2, 3, 4, 5, 6), vals(10, 20, 30, 40, 50, 60))
+        cache.insert(key(1, 2, 7, 8), vals(11, 21, 70, 80))
+        cache.insert(key(9, 9), vals(90, 91))
+        for ids in ((1, 2, 3, 4, 9), (9, 9, 9), (1, 2), (5, 6), (1, 2, 3, 4, 5, 6, 7)):  # the first splits a node
+            cache.clock.now += 1.0
+            if touch:
+                assert cache.touch_prefix(key(*ids)) is None
+            else:
+                cache.match_prefix(key(*ids))
+        trees.append(_tree_state(cache))
+    assert len(trees[0][0]) == 6  # the split's upper node is there
+    assert trees[1] == trees[0]
