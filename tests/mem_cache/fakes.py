@@ -182,3 +182,15 @@ class Harness:
         assert available + total + held == self.allocator.size, (
             f"available {available} + tree {total} + held {held} != size {self.allocator.size}")
         self.cache.check_integrity().raise_if_failed()
+
+
+def tree_nodes(cache: Any) -> list[tuple]:
+    """Every node of `cache`'s tree but the root, parents first: its key, slots, stamps, hit
+    count, lock and its parent's place in this list (-1: the root)."""
+    order = {id(cache.root): -1}
+    nodes = []
+    for n in cache._iter_nodes():
+        order[id(n)] = len(order) - 1
+        nodes.append((n.key.tolist(), n.value.tolist(), n.last_access_time, n.creation_time, n.hit_count,
+                      n.lock_ref, order[id(n.parent)]))
+    return nodes

@@ -11,7 +11,7 @@ import torch
 from memcli.errors import IntegrityError
 from memcli.mem_cache.base_prefix_cache import RadixKey
 from memcli.mem_cache.radix_cache import RadixCache
-from tests.mem_cache.fakes import FakeReq, Harness
+from tests.mem_cache.fakes import FakeReq, Harness, tree_nodes
 
 PAGE_SIZES = [1, 4]
 
@@ -240,13 +240,7 @@ def test_a_prefix_evicted_without_a_lock_is_reported():
 def _snapshot(h):
     """The tree (key, slots, stamps, hits, locks of every node, parents first), the free list
     and the rows: everything a checkpoint writes."""
-    order = {id(h.cache.root): -1}
-    nodes = []
-    for n in h.cache._iter_nodes():
-        order[id(n)] = len(order)
-        nodes.append((n.key.tolist(), n.value.tolist(), n.last_access_time, n.creation_time, n.hit_count,
-                      n.lock_ref, order[id(n.parent)]))
-    return nodes, sorted(h.allocator.free_pages), h.pool.req_to_token.tolist()
+    return tree_nodes(h.cache), sorted(h.allocator.free_pages), h.pool.req_to_token.tolist()
 
 
 @pytest.mark.parametrize("stamps", ["radix", "unified"])

@@ -37,14 +37,16 @@ def render_study(doc: dict[str, Any], console: Console) -> None:
     tiers = [entry for entry in doc["points"] if "tier_device_hit" in entry]
     if tiers:
         console.print(_tier_table(tiers, keys))
+    by_index = {entry["index"]: entry for entry in doc["points"]}
     for entry in doc["points"]:
         if not entry["integrity_ok"]:
             console.print(f"INTEGRITY FAILURE at {point_label(entry['point'])} (that replay stopped)")
         if entry["stalled"]:
             console.print(f"STALLED at {point_label(entry['point'])} (that replay stopped)")
-        if entry.get("same_as") is not None:
-            console.print(f"{point_label(entry['point'])}: the replay of point {entry['same_as']} (this engine orders"
-                          f" both policies alike: its tree counts no hits, so lfu is lru)", markup=False,
+        if entry.get("same_as") is not None:  # the rule is the engine's (`Engine.eviction_order`)
+            twin = by_index[entry["same_as"]]
+            console.print(f"{point_label(entry['point'])}: the replay of point {entry['same_as']} (this engine's tree"
+                          f" evicts {entry['eviction_policy']} in {twin['eviction_policy']}'s order)", markup=False,
                           highlight=False)
         if entry.get("limit_cut_requests"):
             console.print(f"engine limits at {point_label(entry['point'])}: {entry['limit_aborted']} aborted at"
