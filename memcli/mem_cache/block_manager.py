@@ -205,8 +205,22 @@ class BlockManager:
         taken) when they do not fit. Caches the request's blocks that became full."""
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise IntegrityError(f"request {req.request_id}: allocate_slots of no tokens")
-        new_computed = new_computed_blocks or []
         held = self.held.get(req.request_id)
+        if (held is not None and held.num_cached is not None and new_computed_blocks is None
+                and not num_new_computed_tokens and not full_sequence_must_fit):
+            # A running request's next tokens (a decode step): when its blocks hold them, no
+            # block becomes full and no watermark refuses it, the call below takes and caches
+            # nothing and returns no blocks. Tested here first, in the call's own terms.
+            computed, size = req.num_computed_tokens, self.block_size
+            scheduled = min(computed, self.max_model_len) + num_new_tokens
+            if (min(scheduled + num_lookahead_tokens, self.max_model_len) <= len(held.blocks) * size
+                    and (not self.enable_caching
+                         or min(scheduled, len(req.all_token_ids), len(req.block_hashes) * size) // size
+                         <= held.num_cached)
+                    and (self.watermark_blocks <= self.pool.num_free_blocks or not has_scheduled_reqs
+                         or req.status not in ("waiting", "preempted"))):
+                return []
+        new_computed = new_computed_blocks or []
         local = req.num_computed_tokens + num_new_computed_tokens
         total = min(local, self.max_model_len)
         watermark = self.watermark_blocks if has_scheduled_reqs and req.status in ("waiting", "preempted") else 0

@@ -22,6 +22,8 @@ import pickle
 from array import array
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
+import numpy as np
+
 from memcli.errors import IntegrityError
 
 NONE_HASH_SEED = "vllm-none-hash"  # vLLM's seed for sha256 when PYTHONHASHSEED is unset
@@ -48,15 +50,120 @@ def external_hash(block_hash: bytes) -> int:
 
 def block_hashes(tokens: Sequence[int], block_size: int, start: int = 0, parent: Optional[bytes] = None,
                  first_extra: Optional[tuple] = None, root: Optional[bytes] = None) -> list[bytes]:
-    """Chained hashes of the full blocks of `tokens` from block `start` on; `parent` is the
-    hash of block `start - 1` (None for the first block, which then hashes `root`, the
-    none-hash), `first_extra` the extra keys of block 0 (vLLM's `("cache_salt", salt)`)."""
-    out = []
+    """Chained hashes of the full blocks of `tokens` (a list of ints or an int array) from
+    block `start` on; `parent` is the hash of block `start - 1` (None for the first block,
+    which then hashes `root`, the none-hash), `first_extra` the extra keys of block 0 (vLLM's
+    `("cache_salt", salt)`). Many blocks at once are hashed from their pickles' bytes built
+    in numpy (`_pickled_blocks`), each the bytes `pickle.dumps` gives."""
+    out: list[bytes] = []
     prev = parent if parent is not None else (root if root is not None else none_hash())
-    for i in range(start, len(tokens) // block_size):
-        extra = first_extra if i == 0 else None
-        prev = sha256((prev, tuple(tokens[i * block_size:(i + 1) * block_size]), extra))
+    end = len(tokens) // block_size
+    if start == 0 and first_extra is not None and end > 0:  # the salted first block: pickled as is
+        prev = sha256((prev, tuple(int(t) for t in tokens[:block_size]), first_extra))
         out.append(prev)
+        start = 1
+    if end - start >= FAST_HASH_MIN_BLOCKS and block_size >= 4:
+        return out + _chain_pickled(tokens, block_size, start, end, prev)
+    if isinstance(tokens, np.ndarray):  # pickled as Python ints
+        tokens = tokens[start * block_size:end * block_size].tolist()
+        end, start = end - start, 0
+    for i in range(start, end):  # block 0's extra keys were taken above
+        prev = sha256((prev, tuple(tokens[i * block_size:(i + 1) * block_size]), None))
+        out.append(prev)
+    return out
+
+
+# The pickle (protocol 5) of `(parent, tokens, None)`, a 32-byte parent and a tuple of four
+# or more ints: PROTO 5, FRAME of the length after it, SHORT_BINBYTES 32 + MEMOIZE, MARK,
+# each int (BININT1 `K` below 256, BININT2 `M` below 65536, BININT `J` within int32), TUPLE
+# + MEMOIZE, NONE, TUPLE3 + MEMOIZE, STOP. An int outside int32 (pickled as LONG1) sends its
+# block to `pickle` itself.
+FAST_HASH_MIN_BLOCKS = 4  # fewer blocks: pickled one by one (the arrays cost more than they save)
+_PICKLE_MID, _PICKLE_TAIL = b"\x94(", b"t\x94N\x87\x94."
+_PICKLE_HEADS: dict[int, Any] = {}  # by the ints' bytes: a SHA-256 that has taken what precedes the parent
+
+
+def _pickle_head(token_bytes: int) -> Any:
+    """A SHA-256 object fed what precedes the parent's 32 bytes in a block pickle whose ints
+    take `token_bytes` (copied per block, then fed the rest)."""
+    head = _PICKLE_HEADS.get(token_bytes)
+    if head is None:
+        head = _PICKLE_HEADS[token_bytes] = hashlib.sha256(
+            b"\x80\x05\x95" + (token_bytes + 42).to_bytes(8, "little") + b"C ")
+    return head
+
+
+def _chain_pickled(tokens, block_size: int, start: int, end: int, prev: bytes) -> list[bytes]:
+    """`block_hashes` of blocks `start`..`end - 1` (no extra keys), `prev` the parent of the
+    first: what follows the parent in each block's pickle is built for all blocks at once in
+    numpy, and each hash is a copy of its head's SHA-256 fed the parent and that. A block of
+    BININTs only has one layout (its slot row as is); a block with shorter ints drops the
+    unused bytes of their slots; a block with an int past int32 (LONG1) is pickled as it is."""
+    t = np.asarray(tokens[start * block_size:end * block_size], dtype=np.int64)
+    n, blocks = len(t), end - start
+    mid, tail = len(_PICKLE_MID), len(_PICKLE_TAIL)
+    width = mid + 5 * block_size + tail
+    rest = np.empty((blocks, width), dtype=np.uint8)  # per block: MEMOIZE MARK, the ints, the tail
+    rest[:, :mid] = np.frombuffer(_PICKLE_MID, np.uint8)
+    rest[:, width - tail:] = np.frombuffer(_PICKLE_TAIL, np.uint8)
+    # Each int's opcode and its int32 bytes, little-endian (a view: block, int, byte).
+    ints = rest[:, mid: width - tail].reshape(blocks, block_size, 5)
+    ints[:, :, 1:] = t.astype("<i4").view(np.uint8).reshape(blocks, block_size, 4)
+    ints[:, :, 0] = ord("J")
+    short = (t >= 0) & (t <= 0xFFFF)
+    wide = (t < -0x80000000) | (t > 0x7FFFFFFF)
+    # Per block: 0 every int a BININT, 1 some shorter, 2 some past int32.
+    kind = (short.reshape(blocks, block_size).any(axis=1).astype(np.int8)
+            | (wide.reshape(blocks, block_size).any(axis=1).astype(np.int8) << 1))
+    view, out = memoryview(rest.reshape(-1)), []
+    if not kind.any():
+        return _chain_rows(view, width, 0, blocks, _pickle_head(5 * block_size), prev, out)
+    kinds = kind.tolist()
+    short_rows = np.flatnonzero(kind == 1)
+    if len(short_rows):  # their ints in their short forms (the low bytes of the slot)
+        size = np.where(short & (t <= 0xFF), 2, np.where(short, 3, 5)).reshape(blocks, block_size)[short_rows]
+        sub = rest[short_rows]
+        sub_ints = sub[:, mid: width - tail].reshape(len(short_rows), block_size, 5)
+        sub_ints[:, :, 0] = np.where(size == 2, ord("K"), np.where(size == 3, ord("M"), ord("J")))
+        keep = np.ones(sub.shape, dtype=bool)
+        keep[:, mid: width - tail].reshape(len(short_rows), block_size, 5)[:] = np.arange(5) < size[:, :, None]
+        short_view = memoryview(sub[keep].tobytes())
+        short_ends = np.cumsum(size.sum(axis=1) + mid + tail).tolist()
+    k, s_at = 0, 0
+    while k < blocks:
+        if kinds[k] == 0:  # a run of BININT blocks
+            j = k
+            while j < blocks and kinds[j] == 0:
+                j += 1
+            prev = _chain_rows(view, width, k, j, _pickle_head(5 * block_size), prev, out)[-1]
+            k = j
+            continue
+        if kinds[k] == 1:
+            a = short_ends[s_at - 1] if s_at else 0
+            b = short_ends[s_at]
+            s_at += 1
+            h = _pickle_head(b - a - mid - tail).copy()
+            h.update(prev)
+            h.update(short_view[a:b])
+            prev = h.digest()
+        else:
+            i = start + k
+            prev = sha256((prev, tuple(int(x) for x in tokens[i * block_size:(i + 1) * block_size]), None))
+        out.append(prev)
+        k += 1
+    return out
+
+
+def _chain_rows(view: memoryview, width: int, first: int, stop: int, head: Any, prev: bytes, out: list) -> list:
+    """The chain through rows `first`..`stop - 1` of `view` (`width` bytes each, one layout,
+    `head` its SHA-256 head), appended to `out`, which is returned."""
+    append = out.append
+    for at in range(first * width, stop * width, width):
+        h = head.copy()
+        h.update(prev)
+        h.update(view[at: at + width])
+        prev = h.digest()
+        append(prev)
     return out
 
 
@@ -198,35 +305,40 @@ class BlockPool:
         if n > self.free.num_free:
             raise IntegrityError(f"cannot get {n} free blocks from a pool with {self.free.num_free} free")
         out = self.free.popleft_n(n)
+        now = None  # the clock, read once: nothing moves it while blocks are handed out
         for block in out:
             if block.key is not None:
                 self.num_cached_free -= 1
-                self._evict(block)
+                if now is None:
+                    now = self.clock()
+                self._evict(block, now)
             if block.ref_cnt:
                 raise IntegrityError(f"block {block.block_id} was in the free queue with {block.ref_cnt} holders")
             block.ref_cnt = 1
         return out
 
-    def _evict(self, block: Block) -> None:
+    def _evict(self, block: Block, now: float) -> None:
+        """A cached block handed out again leaves the map (at time `now`, for its age)."""
         key = block.key
-        entry = self.cached.get(key)
+        cached = self.cached
+        entry = cached.get(key)
         if entry is None:
             removed = False
         elif type(entry) is Block:
             removed = entry is block
             if removed:
-                del self.cached[key]
+                del cached[key]
         else:
             removed = entry.pop(block.block_id, None) is not None
             if not entry:
-                del self.cached[key]
+                del cached[key]
         if removed:
             self.num_cached -= 1
             self.num_evicted += 1
             keys, ids, ages, hits = self._evicted
             keys.append(key)
             ids.append(block.block_id)
-            ages.append(self.clock() - block.cached_at)
+            ages.append(now - block.cached_at)
             hits.append(block.hits)
             if self.record_events:
                 from memcli.mem_cache.kv_events import VllmBlockRemoved

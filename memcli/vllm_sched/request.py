@@ -3,14 +3,17 @@ plus the fields memcli's reports harvest from every engine's requests."""
 
 from __future__ import annotations
 
+from array import array
 from typing import Optional
+
+import numpy as np
 
 WAITING, RUNNING, PREEMPTED = "waiting", "running", "preempted"
 FINISHED_LENGTH, FINISHED_ABORTED = "finished_length", "finished_aborted"
 
 
 class VllmRequest:
-    """Prompt and outputs in `all_token_ids`; `num_computed_tokens` of them have K/V.
+    """Prompt and outputs in `all_token_ids` (an `array("q")`); `num_computed_tokens` of them have K/V.
 
     `extra_keys` are the first block's extra hash keys: vLLM's `("cache_salt", salt)` for a
     trace request with an `extra_key`, else None. `priority` is vLLM's (smaller first; read
@@ -26,7 +29,12 @@ class VllmRequest:
     def __init__(self, rid: str, input_ids, max_new_tokens: int, extra_key: Optional[str] = None,
                  arrival_ms: float = 0.0, priority: int = 0, seq: int = 0):
         self.request_id = rid
-        self.all_token_ids = list(input_ids)
+        # Machine integers (`array("q")`): a prompt arrives as an int array, copied in as bytes
+        # with no Python int per token; appends, slices and `len` are a list's.
+        if isinstance(input_ids, np.ndarray):
+            self.all_token_ids = array("q", np.ascontiguousarray(input_ids, dtype=np.int64).tobytes())
+        else:
+            self.all_token_ids = array("q", input_ids)
         self.num_prompt_tokens = len(self.all_token_ids)
         self.num_computed_tokens = 0
         self.status = WAITING

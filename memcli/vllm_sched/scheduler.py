@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Optional
 
+import numpy as np
+
 from memcli.errors import StalledError
 from memcli.mem_cache.block_manager import BlockManager
 from memcli.steps import Event, SchedulerHooks, SchedulerStats, StepBatch, StepRecord
@@ -103,7 +105,7 @@ class VllmScheduler:
     def new_req(self, rid: str, input_ids, max_new_tokens: int, extra_key: Optional[str] = None,
                 arrival_ms: float = 0.0, priority: int = 0) -> VllmRequest:
         self._seq += 1
-        tokens = input_ids.tolist() if hasattr(input_ids, "tolist") else [int(t) for t in input_ids]
+        tokens = input_ids if isinstance(input_ids, np.ndarray) else [int(t) for t in input_ids]
         req = VllmRequest(rid, tokens, max_new_tokens, extra_key, arrival_ms, priority=priority, seq=self._seq)
         self.memory.hash_request(req)
         return req
