@@ -246,6 +246,17 @@ class BlockManager:
             self._cache_blocks(req, held, min(total + num_new_tokens, len(req.all_token_ids)))
         return new
 
+    def token_appended(self, req: Any, cache_upto: Optional[int] = None) -> None:
+        """A sampled token was appended to `req`: `hash_request(req)`, then, with `cache_upto`,
+        `cache_blocks(req, cache_upto)` (a running request's output processed), in one call per
+        token."""
+        if (len(req.block_hashes) + 1) * self.hash_block_size <= len(req.all_token_ids):
+            self.hash_request(req)
+        if cache_upto is not None and self.enable_caching:
+            held = self.held.get(req.request_id)
+            if held is not None:
+                self._cache_blocks(req, held, cache_upto)
+
     def cache_blocks(self, req: Any, num_tokens: int) -> None:
         """Cache the request's blocks that are full within its first `num_tokens` tokens
         (vLLM's `KVCacheManager.cache_blocks`, called when a step's output comes back)."""

@@ -308,7 +308,6 @@ class BlockPool:
         now = None  # the clock, read once: nothing moves it while blocks are handed out
         for block in out:
             if block.key is not None:
-                self.num_cached_free -= 1
                 if now is None:
                     now = self.clock()
                 self._evict(block, now)
@@ -318,7 +317,9 @@ class BlockPool:
         return out
 
     def _evict(self, block: Block, now: float) -> None:
-        """A cached block handed out again leaves the map (at time `now`, for its age)."""
+        """A cached block handed out again leaves the map (at time `now`, for its age); it was
+        a free cached block."""
+        self.num_cached_free -= 1
         key = block.key
         cached = self.cached
         entry = cached.get(key)
@@ -370,13 +371,15 @@ class BlockPool:
     def free_blocks(self, ordered: Iterable[Block]) -> None:
         """Blocks in eviction order (the first evicted first)."""
         first, last = [], []
+        to_first, to_last = first.append, (last if self.enable_caching else first).append
         for block in ordered:
             if block.is_null:
                 continue
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                (first if block.key is None or not self.enable_caching else last).append(block)
-            elif block.ref_cnt < 0:
+            held = block.ref_cnt - 1
+            block.ref_cnt = held
+            if not held:
+                (to_first if block.key is None else to_last)(block)
+            elif held < 0:
                 raise IntegrityError(f"block {block.block_id} freed more often than it was held")
         self.free.prepend_n(first)
         self.free.append_n(last)
@@ -394,27 +397,27 @@ class BlockPool:
         `event_block_size`, None: `block_size`)."""
         if num_cached >= num_full:
             return
-        now = self.clock()
-        for i in range(num_cached, num_full):
-            block = blocks[i]
+        now, cached, added = self.clock(), self.cached, 0
+        for block, block_hash in zip(blocks[num_cached:num_full], hashes[num_cached:num_full]):
             if block.is_null:
                 continue
-            key = hashes[i] + GROUP_ID
+            key = block_hash + GROUP_ID
             if block.key is not None:
                 raise IntegrityError(f"block {block.block_id} is cached twice")
-            entry = self.cached.get(key)
+            entry = cached.get(key)
             if entry is None:
-                self.cached[key] = block
+                cached[key] = block
             elif type(entry) is Block:
                 if entry is block:
                     continue
-                self.cached[key] = {entry.block_id: entry, block.block_id: block}
+                cached[key] = {entry.block_id: entry, block.block_id: block}
             elif block.block_id in entry:
                 continue
             else:
                 entry[block.block_id] = block
             block.key, block.cached_at, block.hits = key, now, 0
-            self.num_cached += 1
+            added += 1
+        self.num_cached += added
         if self.record_events:
             from memcli.mem_cache.kv_events import VllmBlockStored
             new_hashes = [external_hash(hashes[i]) for i in range(num_cached, num_full) if not blocks[i].is_null]

@@ -268,8 +268,10 @@ class VllmScheduler:
             if n <= 0:
                 i += 1
                 continue
-            new, back, i = self._allocate_or_preempt(plan, req, n, i)
-            budget += back
+            new = memory.allocate_slots(req, n)  # a refused allocation takes nothing: tried again there
+            if new is None:
+                new, back, i = self._allocate_or_preempt(plan, req, n, i)
+                budget += back
             if new is None:
                 if self.priority:
                     continue  # preempted itself: the next running request (now at i) may fit
@@ -394,12 +396,13 @@ class VllmScheduler:
             running = req.status == RUNNING
             req.all_token_ids.append(token)
             req.output_ids.append(token)
-            self.memory.hash_request(req)
             stopped = len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.settings.max_model_len
             if not stale and req.num_output_placeholders > 0:
                 req.num_output_placeholders -= 1
-            if not stale and running:
-                self.memory.cache_blocks(req, req.num_computed_tokens - req.num_in_flight_tokens)
+            # The new token's block is hashed (vLLM hashes it as the token is appended), then a
+            # running request's full blocks are cached, in one call.
+            self.memory.token_appended(req, req.num_computed_tokens - req.num_in_flight_tokens
+                                       if not stale and running else None)
             if stopped:
                 self._finish(req)
 
