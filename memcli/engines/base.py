@@ -116,7 +116,9 @@ class Engine:
     builds that future only for such an engine (the eviction report's reuse distances).
     `eviction_order(config)` names the eviction policy whose order the engine's tree follows
     under `config` (a study replays two points that differ only in policies of one order
-    once); None: every policy is its own.
+    once); None: every policy is its own. `check(config)` refuses (`ConfigError`) a config the
+    engine cannot run, building nothing (what `build_stack` would refuse first); None: the
+    engine runs every config `load_config` accepts.
     """
 
     name: str
@@ -135,3 +137,4 @@ class Engine:
     baseline: Optional[str] = None  # the engine's earlier release (its profile is the baseline's values)
     tracks_uses: bool = True
     eviction_order: Optional[Callable[[Config], str]] = None
+    check: Optional[Callable[[Config], None]] = None

@@ -159,4 +159,5 @@ ENGINE = register(Engine(
     reference=_reference,
     limits=max_model_len_cuts,  # vLLM rejects a prompt of max_model_len tokens or more
     tracks_uses=False,  # a block pool, no radix tree: its evicted blocks name no uses
+    check=check_config,
 ))

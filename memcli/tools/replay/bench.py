@@ -19,7 +19,9 @@ far the figures can be trusted. Below the table: where each point's time goes, b
 step (`memcli.tools.replay.step_times`).
 
 Default points: page sizes 1 and 16 of the radix cache, and page size 1 of the host tier
-(hiradix), each with `--engine` (default sglang-0.5.23); `--point "k=v k=v"` replaces them.
+(hiradix), each with `--engine` (default sglang-0.5.23); a default point the engine cannot run
+(vLLM 0.33 has no host tier) is left out and named on stderr. `--point "k=v k=v"` replaces
+them (and a point the engine cannot run is bad input).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, NamedTuple, Optional, Sequence
 
+from memcli import engines
 from memcli.config import load_config
 from memcli.errors import MemcliError
 from memcli.tools.replay.ceiling import shared_prefix_lens
@@ -43,6 +46,22 @@ from memcli.tools.replay.step_times import StepTimes
 from memcli.workload.readers import read_trace
 
 DEFAULT_POINTS = ("memory.page_size=1", "memory.page_size=16", "memory.page_size=1 cache.kind=hiradix")
+
+
+def default_points(engine: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """The default points `engine` runs, and (point, why) for those its config refuses."""
+    points, skipped = [], []
+    for point in DEFAULT_POINTS:
+        try:
+            config = load_config(None, [*point.split(), f"semantics.engine={engine}"], builtin="replay")
+            check = engines.get(config).check
+            if check is not None:
+                check(config)
+        except MemcliError as exc:
+            skipped.append((point, exc.message))
+            continue
+        points.append(point)
+    return points, skipped
 
 
 @dataclass(frozen=True)
@@ -227,8 +246,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("error: --rounds must be at least 1\nhint: --rounds 3 takes the median of three", file=sys.stderr)
         return 2
     before = machine()
+    points, skipped = (args.point, []) if args.point else default_points(args.engine)
+    for point, why in skipped:
+        print(f"note: default point {point!r} left out: {why}", file=sys.stderr)
     try:
-        rows = run_bench(args.trace, args.point or DEFAULT_POINTS, args.engine, args.limit, args.rounds,
+        if not points:
+            raise MemcliError(f"{args.engine} runs none of the default points", 'give points with --point "k=v k=v"')
+        rows = run_bench(args.trace, points, args.engine, args.limit, args.rounds,
                          plain=not args.no_plain, check=args.check, floor=not args.no_floor)
     except MemcliError as exc:
         print(exc.lines(), file=sys.stderr)
@@ -236,6 +260,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     after = machine()
     if args.json:
         print(json.dumps({"engine": args.engine, "machine": before, "load_avg_1m_after": after["load_avg_1m"],
+                          "left_out": [{"point": point, "why": why} for point, why in skipped],
                           "points": [{**asdict(r), "speedup": r.speedup, "check_cost": r.check_cost,
                                       "over_floor": r.over_floor} for r in rows]},
                          indent=1))
