@@ -250,12 +250,11 @@ class BlockManager:
         """A sampled token was appended to `req`: `hash_request(req)`, then, with `cache_upto`,
         `cache_blocks(req, cache_upto)` (a running request's output processed), in one call per
         token."""
+        # `hash_request`'s own test, made here first: most tokens fill no block.
         if (len(req.block_hashes) + 1) * self.hash_block_size <= len(req.all_token_ids):
             self.hash_request(req)
-        if cache_upto is not None and self.enable_caching:
-            held = self.held.get(req.request_id)
-            if held is not None:
-                self._cache_blocks(req, held, cache_upto)
+        if cache_upto is not None:
+            self.cache_blocks(req, cache_upto)
 
     def cache_blocks(self, req: Any, num_tokens: int) -> None:
         """Cache the request's blocks that are full within its first `num_tokens` tokens

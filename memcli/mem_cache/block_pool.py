@@ -54,7 +54,7 @@ def block_hashes(tokens: Sequence[int], block_size: int, start: int = 0, parent:
     block `start` on; `parent` is the hash of block `start - 1` (None for the first block,
     which then hashes `root`, the none-hash), `first_extra` the extra keys of block 0 (vLLM's
     `("cache_salt", salt)`). Many blocks at once are hashed from their pickles' bytes built
-    in numpy (`_pickled_blocks`), each the bytes `pickle.dumps` gives."""
+    in numpy (`_chain_pickled`), each the bytes `pickle.dumps` gives."""
     out: list[bytes] = []
     prev = parent if parent is not None else (root if root is not None else none_hash())
     end = len(tokens) // block_size
