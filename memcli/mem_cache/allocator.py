@@ -700,30 +700,27 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         self._took_run(slots, opened, observe)
         return out
 
-    def alloc_decode_run_leaving_write(self, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
-                                       req_to_token: torch.Tensor, present: np.ndarray) -> np.ndarray:
-        """`alloc_decode_run_write` of a batch that loses requests as the steps go: step s
-        writes request i's position `seq_lens_cpu[i] + s` only where `present[s, i]`, the
-        page-takers among those (in step, then batch order) taking the next free pages, as
-        each step's own call with that step's batch would. No observer, and nothing freed
-        between the steps. Returns the pages each step took; raises ValueError, taking
-        nothing, when they are not free."""
+    def decode_run_leaving(self, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
+                           req_to_token: torch.Tensor, present: np.ndarray) -> "PagedRun":
+        """A run of decode steps whose batch loses requests as the steps go (`present[s, i]`:
+        request i is in step s's batch), taken in pieces (`PagedRun`): freed pages go back in
+        front of the free list, so the steps after a release take what it freed, as each
+        step's own `alloc_decode_write` would. No observer: a ledger is told each step on its
+        own (raises ValueError)."""
         if self.ledger is not None:
-            raise ValueError("alloc_decode_run_leaving_write: a ledger is told each step on its own")
-        ps, lengths = self.page_size, seq_lens_cpu.numpy()
-        rows, table = req_pool_indices.numpy(), req_to_token.numpy()
-        positions = lengths + np.arange(present.shape[0], dtype=np.int64)[:, None]  # (steps, bs)
-        offset = positions % ps
-        opens = present & (offset == 0)
-        opened = np.count_nonzero(opens, axis=1)
-        pages = int(opened.sum())
-        if pages > self._num_free:
-            raise ValueError(f"{present.shape[0]} decode steps need {pages} pages, {self._num_free} are free")
-        # An absent entry's slot is computed as any other but never written.
-        slots = self._run_slots(lengths, rows, table, positions, offset, opens, pages)
-        table[np.broadcast_to(rows, present.shape)[present], positions[present]] = slots[present]
-        self._took_run(slots, opened, None)
-        return opened
+            raise ValueError("decode_run_leaving: a ledger is told each step on its own")
+        return PagedRun(self, seq_lens_cpu.numpy(), req_pool_indices.numpy(), req_to_token.numpy(), present)
+
+    def take_run_pages(self, out: np.ndarray) -> None:
+        """The next `len(out)` free pages, copied into `out`, out of the free list (a run's
+        page-takers', in step then batch order). Raises ValueError, taking nothing, when fewer
+        are free."""
+        n = len(out)
+        if n > self._num_free:
+            raise ValueError(f"decode steps need {n} pages, {self._num_free} are free")
+        out[:] = self._buf_host[self._head : self._head + n]
+        self._advance(n)
+        self._commit_alloc(n)
 
     def _run_slots(self, lengths: np.ndarray, rows: np.ndarray, table: np.ndarray, positions: np.ndarray,
                    offset: np.ndarray, opens: np.ndarray, pages: int) -> np.ndarray:
@@ -740,6 +737,49 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
             new = page[taker[np.maximum(opened_at, 0), np.arange(bs)]] * self.page_size + offset
         last = table[rows, np.maximum(lengths - 1, 0)].astype(np.int64)
         return np.where(opened_at >= 0, new, last + positions - lengths + 1)
+
+
+class PagedRun:
+    """A run of decode steps at page size > 1 whose batch loses requests as it goes, planned
+    once (every position, page-taker and slot of the run's start batch; `present[s, i]`) and
+    taken in pieces: `take(last)` takes the pages the steps up to `last` open, from the free
+    list as it is then (after any release before it); `write(cols, steps)` writes the first
+    `steps` steps' slots of the requests at `cols` into their rows. A request that leaves is
+    written before its release (which reads its row), the rest once, when the run ends."""
+
+    def __init__(self, allocator: "PagedTokenToKVPoolAllocator", lengths: np.ndarray, rows: np.ndarray,
+                 table: np.ndarray, present: np.ndarray):
+        ps, steps = allocator.page_size, present.shape[0]
+        self.allocator, self.rows, self.table, self.lengths = allocator, rows, table, lengths
+        self.positions = lengths + np.arange(steps, dtype=np.int64)[:, None]  # (steps, bs)
+        self.offset = self.positions % ps
+        opens = present & (self.offset == 0)
+        self.opened = np.count_nonzero(opens, axis=1)  # the pages each step opens
+        self.through = np.cumsum(self.opened).tolist()  # the run's pages up to each step
+        self.taker = np.cumsum(opens.reshape(-1)).reshape(opens.shape) - 1  # each page-taker's place
+        self.opened_at = self.positions - self.offset - lengths  # the run step that opened the page (< 0: before)
+        self.last = table[rows, np.maximum(lengths - 1, 0)].astype(np.int64)  # before the run writes
+        self.pages = np.empty(self.through[-1] if steps else 0, dtype=np.int64)
+        self.taken = 0
+
+    def take(self, last: int) -> None:
+        """The pages of the steps up to `last` (1-based) not taken yet."""
+        end = self.through[last - 1]
+        self.allocator.take_run_pages(self.pages[self.taken : end])
+        self.taken = end
+
+    def write(self, cols: np.ndarray, steps: int) -> None:
+        """Rows of the requests at `cols` (indices into the run's start batch): positions of
+        the run's first `steps` steps, whose pages must be taken."""
+        if not steps or not len(cols):
+            return
+        positions = self.positions[:steps, cols]
+        offset, opened_at = self.offset[:steps, cols], self.opened_at[:steps, cols]
+        rank = self.taker[np.maximum(opened_at, 0), cols]
+        slots = self.last[cols] + positions - self.lengths[cols] + 1  # continuing the row's last page
+        if self.taken:
+            slots = np.where(opened_at >= 0, self.pages[rank] * self.allocator.page_size + offset, slots)
+        self.table[self.rows[cols], positions] = slots
 
 
 def make_allocator(size: int, page_size: int, device: torch.device, backend: str,

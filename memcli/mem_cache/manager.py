@@ -37,7 +37,7 @@ import torch
 from memcli import kernels
 from memcli.errors import IntegrityError, OutOfMemoryError, RequestSlotsExhausted
 from memcli.mem_cache import pages
-from memcli.mem_cache.allocator import DecodeAllocation
+from memcli.mem_cache.allocator import DecodeAllocation, PagedRun
 from memcli.mem_cache.base_prefix_cache import RadixKey
 from memcli.mem_cache.chunk_cache import free_row_pages
 from memcli.mem_cache.extend_graph import BareExtend
@@ -47,7 +47,7 @@ from memcli.mem_cache.null_cache import NullCache
 from memcli.mem_cache.req_kv import ReqKV
 
 __all__ = ["COMPONENTS", "CheckPolicy", "DecodeAllocation", "IntegrityChecker", "ExtendAllocation", "ExtendPlan", "InFlightSlot", "MemoryManager",
-           "PageSizeMismatch", "Release", "ReqKV", "Usage"]
+           "PageSizeMismatch", "PagedRun", "Release", "ReqKV", "Usage"]
 
 
 # The components of a stack that hold or read a page size (check-page-size inspects each).
@@ -466,15 +466,21 @@ class MemoryManager:
                                  present: np.ndarray) -> np.ndarray:
         """Decode steps of a run whose batch loses requests as it goes, in one allocation
         (`present[s, i]`: request i has a slot at step s; `seq_lens_cpu` the lengths at the
-        first of them), without a ledger. Each step finds the slots its own call would find
-        where nothing is freed between them in front of the free list: at page size 1
-        requests that leave free only to the free list's tail, behind what the run takes;
-        paged, frees go back in front, so the caller ends each allocation at a step where
-        requests leave, before their release. The records are not lengthened
-        (`grow_records`). Returns the pages each step took; raises ValueError, taking nothing,
-        where they are not free without eviction."""
+        first of them), without a ledger, at page size 1: requests that leave free only to
+        the free list's tail, behind what the run takes, so each step finds the slots its own
+        call would find. The records are not lengthened (`grow_records`). Returns the pages
+        each step took; raises ValueError, taking nothing, where they are not free without
+        eviction."""
         return self.allocator.alloc_decode_run_leaving_write(seq_lens_cpu, req_pool_indices,
                                                              self.req_to_token_pool.req_to_token, present)
+
+    def paged_run_leaving(self, *, seq_lens_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
+                          present: np.ndarray) -> PagedRun:
+        """`alloc_decode_run_leaving` at page size > 1, where frees go back in front of the free
+        list: the run planned at once, its pages taken in pieces, each after the releases
+        before it (`PagedRun`), without a ledger. The records are not lengthened."""
+        return self.allocator.decode_run_leaving(seq_lens_cpu, req_pool_indices, self.req_to_token_pool.req_to_token,
+                                                 present)
 
     @staticmethod
     def grow_records(reqs: list, slots: int) -> None:

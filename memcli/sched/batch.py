@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from memcli.mem_cache import pages
-from memcli.mem_cache.manager import ExtendPlan, MemoryManager, Release
+from memcli.mem_cache.manager import ExtendPlan, MemoryManager, PagedRun, Release
 
 _finished = attrgetter("finished")
 
@@ -127,26 +127,24 @@ class ScheduleBatch:
             self._len_sum = (self.seq_lens_cpu, len_sum[1] + steps * before.numel())
         return opened
 
-    def decode_run_leaving(self, steps: int, leave_at: np.ndarray, first: int = 1, last: int | None = None) -> np.ndarray:
-        """Steps `first`..`last` (1-based, default all `steps`) of a run of decode steps whose
-        batch loses requests as it goes, taken at once: request i has a slot at every step
-        before `leave_at[i]` (0 or past `steps`: every step), as
-        `MemoryManager.alloc_decode_run_leaving` takes them. The batch keeps its requests and
-        the lengths of the run's start: the caller drops the requests that leave (`drop`)
-        and moves the lengths of the rest on by `steps` (`advance`) when the run ends.
-        Returns the pages each of those steps took."""
+    def decode_run_leaving(self, steps: int, leave_at: np.ndarray) -> np.ndarray:
+        """A run of `steps` decode steps whose batch loses requests as it goes, taken at once
+        (page size 1): request i has a slot at every step before `leave_at[i]` (0 or past
+        `steps`: every step), as `MemoryManager.alloc_decode_run_leaving` takes them. The
+        batch keeps its requests and the lengths of the run's start: the caller drops the
+        requests that leave (`drop`) and moves the lengths of the rest on by `steps`
+        (`advance`) when the run ends. Returns the pages each step took."""
         self.forward_mode = "decode"
-        last = steps if last is None else last
-        return self.memory.alloc_decode_run_leaving(seq_lens_cpu=self.seq_lens_cpu + (first - 1),
-                                                    req_pool_indices=self.req_pool_indices,
-                                                    present=_present(steps, leave_at, first, last))
+        return self.memory.alloc_decode_run_leaving(seq_lens_cpu=self.seq_lens_cpu, req_pool_indices=self.req_pool_indices,
+                                                    present=_present(steps, leave_at, 1, steps))
 
-    def run_pages_leaving(self, steps: int, leave_at: np.ndarray) -> np.ndarray:
-        """The pages each step of `decode_run_leaving`'s run opens (nothing taken): a page for
-        every request present whose position then, `seq_lens_cpu + step - 1`, starts one."""
-        present = _present(steps, leave_at, 1, steps)
-        positions = self.seq_lens_cpu.numpy() + np.arange(steps, dtype=np.int64)[:, None]
-        return np.count_nonzero(present & (positions % self.page_size == 0), axis=1)
+    def paged_run_leaving(self, steps: int, leave_at: np.ndarray) -> PagedRun:
+        """`decode_run_leaving` at page size > 1, where a release puts its pages back in front
+        of the free list: the run planned at once, its pages taken in pieces and its rows
+        written by the caller (`PagedRun`)."""
+        self.forward_mode = "decode"
+        return self.memory.paged_run_leaving(seq_lens_cpu=self.seq_lens_cpu, req_pool_indices=self.req_pool_indices,
+                                             present=_present(steps, leave_at, 1, steps))
 
     def advance(self, steps: int, kept: np.ndarray | None = None) -> None:
         """The length tensors keep the entries at `kept` (the requests still in the batch, where

@@ -35,6 +35,7 @@ and one check after the run covers what all its steps changed (`IntegrityChecker
 
 from __future__ import annotations
 
+import functools
 import itertools
 from array import array
 from operator import attrgetter
@@ -147,22 +148,25 @@ class DecodeRuns:
         run = _Launches(first_reqs, flight.tokens.start)
         held = s._held_tokens()
         starts = [1, *boundaries] if not boundaries or boundaries[0] != 1 else boundaries
-        taken = lengths = None
+        taken = lengths = paged = None
         ps = memory.page_size
         if boundaries and memory.allocator.ledger is None:
             # The batch losing its requests as they leave, its slots are taken in as few
             # allocations as the free list allows (then `_segment` takes none, and the length
             # tensors are filtered and moved on at the end). Page size 1: frees go to the free
             # list's tail, behind the run's slots: every step's at once. Paged, frees go back
-            # in front: one allocation up to and including each iteration where requests
-            # leave (before their release), the next right after that release.
+            # in front: the run is planned at once, and its pages taken up to and including
+            # each iteration where requests leave (before their release), the next right
+            # after that release; a leaving request's row is written before its release reads
+            # it, the others' when the run ends.
             self._available = memory.usage()
             lengths = batch.seq_lens_cpu.numpy()
             if ps == 1:
                 taken = batch.decode_run_leaving(steps, leave_at).tolist()
             else:
-                taken = (ps * batch.run_pages_leaving(steps, leave_at)).tolist()
-                batch.decode_run_leaving(steps, leave_at, 1, boundaries[0])
+                paged = batch.paged_run_leaving(steps, leave_at)
+                taken = (ps * paged.opened).tolist()
+                paged.take(boundaries[0])
         ends = [*boundaries[1:], steps]
         for a, b in zip(starts, [*starts[1:], steps + 1]):
             gone = committed = then = None
@@ -172,13 +176,17 @@ class DecodeRuns:
                 if lengths is not None:  # their lengths when they leave: the run's start's, `a - 1` on
                     committed = (lengths[leaving] + (a - 1)).tolist()
                     nxt = ends[boundaries.index(a)]
-                    if ps > 1 and nxt > a:
-                        def then(first=a + 1, last=nxt):
-                            batch.decode_run_leaving(steps, leave_at, first, last)
+                    if paged is not None:
+                        paged.write(leaving, a - 1)
+                        if nxt > a:
+                            then = functools.partial(paged.take, nxt)
             held = self._segment(clocks[a - 1 : b - 1], gone, run, held, a - 1,
                                  None if taken is None else taken[a - 1 : b - 1], committed, then)
         if taken is not None:
-            batch.advance(steps, np.flatnonzero((leave_at == 0) | (leave_at > steps)))
+            staying = np.flatnonzero((leave_at == 0) | (leave_at > steps))
+            if paged is not None:
+                paged.write(staying, steps)
+            batch.advance(steps, staying)
         memory.grow_records(batch.reqs, steps)
         self._results(run)
         for _ in range(steps):

@@ -155,31 +155,48 @@ def _check_pages(pages: int, page_size: int) -> None:
             f"use a larger page size (now {page_size}) or replay fewer requests (--limit)")
 
 
-def build_future(trace: Trace, page_size: int) -> FutureUses:
+def build_future(trace: Trace, page_size: int, kept: Optional[dict] = None) -> FutureUses:
     """The index of `trace` (Mooncake: block trie; memcli: pages of `page_size`). Raises
-    `FutureTooLarge` when a memcli-format trace has more than `MAX_PAGE_ENTRIES` pages."""
+    `FutureTooLarge` when a memcli-format trace has more than `MAX_PAGE_ENTRIES` pages.
+
+    `kept`: a dict that holds the read-only part of `trace`'s indexes (the trie, the page
+    keys) between calls, for a process that replays one trace many times (a study's worker):
+    each index is built once and every later future of `trace` shares it, with state of its own."""
     caps = np.fromiter((r.input_len - 1 for r in trace.requests), dtype=np.int64, count=trace.num_requests)
-    if trace.format == "mooncake":
-        return _BlockFuture(trace, caps)
-    return _PageFuture(trace, caps, page_size)
+    kind = _BlockFuture if trace.format == "mooncake" else _PageFuture
+    key = (kind.__name__, None if kind is _BlockFuture else page_size)
+    index = None if kept is None else kept.get(key)
+    if index is None:
+        index = kind.index(trace, caps, page_size)
+        if kept is not None:
+            kept[key] = index
+    return kind(trace.num_requests, caps, index)
 
 
 class _BlockFuture(FutureUses):
     """Mooncake traces: a trie of hash blocks; a handle is (trie block, path length)."""
 
-    def __init__(self, trace: Trace, caps: np.ndarray):
+    def __init__(self, num_requests: int, caps: np.ndarray, index: dict):
+        super().__init__(num_requests, caps, index["_flat"])
+        self.__dict__.update(index)
+
+    @staticmethod
+    def index(trace: Trace, caps: np.ndarray, page_size: int) -> dict:
+        """The read-only attributes of a future of `trace` (its trie), shared by its futures."""
         trie = block_trie(trace.requests)
-        # One user per block of every prompt (hundreds of thousands): 8 bytes each in an
-        # `array` (a list would hold an int object for each), bisected as fast.
-        super().__init__(trace.num_requests, caps, array("q", trie.flat.tolist()))
-        self.block_size = trace.block_size
-        self.roots, self.children, self.block_hash = trie.roots, trie.children, trie.block_hash
-        self._starts = array("q", trie.starts.tolist())
-        # Each request's trie node at every block of its prompt, for `prompt_handle`.
-        self.paths, self.path_starts = trie.paths, trie.path_starts
-        self.input_lens = caps + 1
         rids = {spec.rid: j for j, spec in enumerate(trace.requests)}
-        self.rids = rids if len(rids) == trace.num_requests else {}  # ids that repeat answer nothing
+        return {
+            # One user per block of every prompt (hundreds of thousands): 8 bytes each in an
+            # `array` (a list would hold an int object for each), bisected as fast.
+            "_flat": array("q", trie.flat.tolist()),
+            "block_size": trace.block_size,
+            "roots": trie.roots, "children": trie.children, "block_hash": trie.block_hash,
+            "_starts": array("q", trie.starts.tolist()),
+            # Each request's trie node at every block of its prompt, for `prompt_handle`.
+            "paths": trie.paths, "path_starts": trie.path_starts,
+            "input_lens": caps + 1,
+            "rids": rids if len(rids) == trace.num_requests else {},  # ids that repeat answer nothing
+        }
 
     def prompt_index(self, rid: str) -> Optional[int]:
         return self.rids.get(rid)
@@ -257,9 +274,14 @@ class _BlockFuture(FutureUses):
 class _PageFuture(FutureUses):
     """memcli traces: every page end of every prompt, by the hash of the prompt up to it."""
 
-    def __init__(self, trace: Trace, caps: np.ndarray, page_size: int):
-        super().__init__(trace.num_requests, caps)  # `_flat` is set below: numpy (up to `MAX_PAGE_ENTRIES`)
-        self.page_size = page_size
+    def __init__(self, num_requests: int, caps: np.ndarray, index: dict):
+        super().__init__(num_requests, caps, index["_flat"])
+        self.__dict__.update(index)
+
+    @staticmethod
+    def index(trace: Trace, caps: np.ndarray, page_size: int) -> dict:
+        """The read-only attributes of a future of `trace` at `page_size` (the page keys),
+        shared by its futures."""
         _check_pages(sum(whole_pages(max(int(c), 0), page_size) for c in caps.tolist()), page_size)
         keys, owners = [], []
         for j, req in enumerate(trace.requests):
@@ -273,9 +295,9 @@ class _PageFuture(FutureUses):
         key = np.concatenate(keys) if keys else np.empty(0, dtype=np.uint64)
         owner = np.concatenate(owners) if owners else np.empty(0, dtype=np.int64)
         order = np.lexsort((owner, key))
-        key, self._flat = key[order], owner[order]
-        self.keys, first = np.unique(key, return_index=True)
-        self.starts = np.append(first, len(key)).astype(np.int64)
+        key, flat = key[order], owner[order]  # `_flat`: numpy (up to `MAX_PAGE_ENTRIES`)
+        keys, first = np.unique(key, return_index=True)
+        return {"_flat": flat, "page_size": page_size, "keys": keys, "starts": np.append(first, len(key)).astype(np.int64)}
 
     def start(self, extra_key: Optional[str]) -> Any:
         return _seed(extra_key), 0

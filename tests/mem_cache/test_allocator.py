@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -768,12 +769,13 @@ def test_a_decode_run_whose_batch_shrinks_takes_each_steps_slots_at_once(ring_st
     assert at_once.available_size() == one_by_one.available_size() == size - 14 + 1 + 3
 
 
-def test_a_paged_decode_run_whose_batch_shrinks_takes_its_slots_up_to_each_release():
+def test_a_paged_decode_run_whose_batch_shrinks_takes_its_pages_up_to_each_release():
     # Page size 4: four requests, six steps; request 1 leaves at step 2 and request 2 at step
     # 5, their slots of the run freed right after those steps: back in front of the free
-    # list, where the next steps take them. One call per stretch of steps up to and including
-    # each step where requests leave (as a run makes them), with the frees after it, must
-    # leave the rows and the free list a call per step leaves.
+    # list, where the next steps take them. The run planned at once (`PagedRun`), its pages
+    # taken up to and including each step where requests leave, a leaver's row written
+    # before its free (which reads it) and the others' at the end, must leave the rows and
+    # the free list a call per step leaves.
     ps, steps = 4, 6
     rows = i64([0, 1, 2, 3])
     lengths = i64([3, 8, 5, 2])
@@ -786,10 +788,12 @@ def test_a_paged_decode_run_whose_batch_shrinks_takes_its_slots_up_to_each_relea
             table[i, :n] = slots[:n].to(torch.int32)
         return alloc, table
 
+    def leavers(step):
+        return [i for i in range(4) if leave_at[i] == step]
+
     def free_leavers(alloc, table, step):
-        for i in range(4):
-            if leave_at[i] == step:
-                alloc.free(table[i, lengths[i]: lengths[i] + step - 1].to(torch.int64))
+        for i in leavers(step):
+            alloc.free(table[i, lengths[i]: lengths[i] + step - 1].to(torch.int64))
 
     def in_batch(step):
         return [not leave_at[i] or step < leave_at[i] for i in range(4)]
@@ -802,14 +806,31 @@ def test_a_paged_decode_run_whose_batch_shrinks_takes_its_slots_up_to_each_relea
         free_leavers(one_by_one, table_a, step)
 
     stretched, table_b = fresh()
-    pages = []
-    for first, last in ((1, 2), (3, 5), (6, 6)):
-        present = torch.tensor([in_batch(step) for step in range(first, last + 1)]).numpy()
-        pages += stretched.alloc_decode_run_leaving_write(lengths + first - 1, rows, table_b, present).tolist()
-        free_leavers(stretched, table_b, last)
-
+    present = np.array([in_batch(step) for step in range(1, steps + 1)])
+    run = stretched.decode_run_leaving(lengths, rows, table_b, present)
     # position len + step - 1 starting a page: request 1's 8 (step 1), 0's 4 (2), 3's 4 (3), 2's 8 (4), 0's 8 (6)
-    assert pages == [1, 1, 1, 1, 0, 1]
+    assert run.opened.tolist() == [1, 1, 1, 1, 0, 1]
+    for last in (2, 5, 6):
+        run.take(last)
+        run.write(np.array(leavers(last), dtype=np.int64), last - 1)
+        free_leavers(stretched, table_b, last)
+    run.write(np.array([0, 3], dtype=np.int64), steps)
+
     assert torch.equal(table_a, table_b)
     assert torch.equal(stretched.free_page_ids(), one_by_one.free_page_ids())
     assert stretched.available_size() == one_by_one.available_size()
+    # The pages the leavers freed are taken again by the steps after their release.
+    freed_at_2 = set((table_a[1, 8:9] // ps).tolist())
+    assert freed_at_2 & set(run.pages[2:].tolist())
+
+
+def test_a_paged_run_takes_nothing_when_its_pages_are_not_free():
+    alloc, table = paged(12, 4), torch.zeros(2, 32, dtype=torch.int32)
+    for i in range(2):
+        table[i, :4] = alloc.alloc(4)[:4].to(torch.int32)
+    present = np.ones((9, 2), dtype=bool)  # positions 4..12 of both rows: three pages each, six in all
+    run = alloc.decode_run_leaving(i64([4, 4]), i64([0, 1]), table, present)
+    before = alloc.free_page_ids().clone()
+    with pytest.raises(ValueError, match="need 6 pages, 1 are free"):
+        run.take(9)
+    assert torch.equal(alloc.free_page_ids(), before)

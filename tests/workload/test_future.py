@@ -259,3 +259,37 @@ def test_lookups_equal_their_definition_as_admissions_come_and_go(tmp_path, kind
         assert (future.last_use(handle), future.next_use(handle)) == want
         checked += 1
     assert checked > 20
+
+
+@pytest.mark.parametrize("kind", ["mooncake", "tokens"])
+def test_kept_indexes_are_built_once_and_shared_by_futures_with_their_own_state(tmp_path, kind, monkeypatch):
+    """`build_future(..., kept)`: the second future of a trace takes the first one's read-only
+    index (nothing is built again) and answers as a future built alone, while admissions
+    stay each future's own."""
+    from memcli.workload import future as future_module
+
+    if kind == "mooncake":
+        trace = mooncake(tmp_path, [(8, [1, 2]), (8, [1, 3]), (12, [1, 2, 5])])
+        tokens, page_size, build = mooncake_token_ids((1, 2, 5), 4, 12), 1, "block_trie"
+    else:
+        prompts = [[1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 3, 4, 7, 8]]
+        trace = Trace(tmp_path / "t.jsonl", "memcli", 512, [RequestSpec.from_ids(f"r{j}", p, 1) for j, p in enumerate(prompts)])
+        tokens, page_size, build = np.array(prompts[2]), 2, "_prefix_hashes"
+    kept: dict = {}
+    first = build_future(trace, page_size, kept)
+    assert len(kept) == 1
+    calls = []
+    original = getattr(future_module, build)
+    monkeypatch.setattr(future_module, build, lambda *a, **k: calls.append(1) or original(*a, **k))
+    second = build_future(trace, page_size, kept)
+    assert calls == [] and second._flat is first._flat
+    alone = build_future(trace, page_size)
+    assert calls  # without `kept` the index is built
+    first.set_admitted(0, True)
+    for end in range(page_size, len(tokens) + 1, page_size):
+        handle = path_handle(second, tokens[:end])
+        assert second.last_and_next_use(handle) == alone.last_and_next_use(path_handle(alone, tokens[:end]))
+    assert not second.admitted[0] and second.frontier == 0
+    if kind == "tokens":  # another page size is another index
+        build_future(trace, 1, kept)
+        assert len(kept) == 2

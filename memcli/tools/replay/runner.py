@@ -129,12 +129,13 @@ def check_options(trace: Trace, config: Config, options: ReplayOptions) -> None:
 
 
 def replay(config: Config, trace: Trace, options: ReplayOptions, progress: Optional[ProgressFn] = None,
-           shared: Optional[np.ndarray] = None) -> ReplayResult:
+           shared: Optional[np.ndarray] = None, kept: Optional[dict] = None) -> ReplayResult:
     """Replay `trace`; returns the result, also when an integrity check failed (then
     `result.integrity.failure` says what, and the result covers the replay so far).
 
     Raises `MemcliError` / `CapacityError` before anything runs when the options or a request
     cannot work. `shared` is the ceiling of the trace (`shared_prefix_lens`), computed when None.
+    `kept`: the read-only indexes of `trace` kept between replays of it (`build_future`).
     """
     check_options(trace, config, options)
     cuts = limit_cuts(config, trace, options)
@@ -143,7 +144,7 @@ def replay(config: Config, trace: Trace, options: ReplayOptions, progress: Optio
     if shared is None:
         shared = shared_prefix_lens(trace)
     with _events_file(options.events_path) as events, opened(options.steps_path, options.timeline_path) as files:
-        run = _Run(config, trace, options, events, progress, files)
+        run = _Run(config, trace, options, events, progress, files, kept)
         return dataclasses.replace(run.execute(shared), limits=cuts)
 
 
@@ -181,8 +182,9 @@ def _fewer_collections():
 class _Run:
     """One replay in progress: the stack, the scheduler, and what is collected per step."""
 
-    def __init__(self, config: Config, trace: Trace, options: ReplayOptions, events, progress, files=(None, None)):
-        self.config, self.trace, self.options = config, trace, options
+    def __init__(self, config: Config, trace: Trace, options: ReplayOptions, events, progress, files=(None, None),
+                 kept: Optional[dict] = None):
+        self.config, self.trace, self.options, self.kept = config, trace, options, kept
         self.events, self.progress = events, progress
         self.index = {spec.rid: i for i, spec in enumerate(trace.requests)}
         timed = options.arrivals == "timestamp"
@@ -235,7 +237,7 @@ class _Run:
         if self.config.cache.kind != "radix":
             return None, f"cache.kind {self.config.cache.kind}'s evictions do not name the requests that use them"
         try:
-            return build_future(self.trace, self.config.page_size), ""
+            return build_future(self.trace, self.config.page_size, self.kept), ""
         except FutureTooLarge:
             if self.config.cache.eviction_policy == "belady":
                 raise

@@ -52,11 +52,20 @@ class Task:
 
 @dataclass(frozen=True)
 class StudyContext:
-    """What every task of a study reads: shipped once to each worker (or object store)."""
+    """What every task of a study reads: shipped once to each worker (or object store).
+    `kept`: the trace's read-only indexes, built by a process's first replay that needs them
+    and shared by its later ones (`build_future`); shipped empty, filled in each process."""
 
     trace: Trace
     options: ReplayOptions
     shared: np.ndarray
+    kept: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "kept": {}}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,7 @@ def run_task(task: Task, context: StudyContext) -> dict[str, Any]:
     try:
         if task.kind == "reference":
             return reference_row(task.config, context.trace, context.options, context.shared)
-        result = replay(task.config, context.trace, context.options, None, context.shared)
+        result = replay(task.config, context.trace, context.options, None, context.shared, context.kept)
         if result.interrupted:
             raise KeyboardInterrupt
         return point_row(result)

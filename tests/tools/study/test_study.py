@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import pickle
 import sys
 
 import pytest
@@ -84,6 +85,25 @@ def test_processes_give_the_same_rows_as_serial(trace, serial_rows):
     points, expected = serial_rows
     state, context = _study(trace, points)
     assert _rows(run_tasks(state, context, processes(2))) == expected
+
+
+def test_tasks_sharing_the_trace_index_give_the_rows_of_tasks_alone(trace, serial_rows):
+    """A process builds the trace's future index once (`StudyContext.kept`) and its later replays
+    share it: every row equals that of the task replayed with a context of its own, and the
+    context travels to a worker without what a process built."""
+    points, expected = serial_rows
+    state, context = _study(trace, points)
+    alone = {}
+    for task in state.plan.tasks:
+        own = StudyContext(trace, context.options, context.shared)
+        alone[task.key] = study_mod.run_task(task, own)
+    shared_rows = {task.key: study_mod.run_task(task, context) for task in state.plan.tasks}
+    strip = lambda rows: {k: {c: v for c, v in r.items() if c not in TIMING_COLUMNS} for k, r in rows.items()}  # noqa: E731
+    assert strip(shared_rows) == strip(alone) == expected
+    assert len(context.kept) == 1  # one index for the Mooncake trace, whatever the page size
+    shipped = pickle.loads(pickle.dumps(context))
+    assert shipped.kept == {} and (shipped.shared == context.shared).all()
+    assert [r.hash_ids for r in shipped.trace.requests] == [r.hash_ids for r in trace.requests]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'memcli[ray]')")
@@ -324,3 +344,17 @@ def test_resume_fills_a_same_point_from_its_replayed_twin(trace_path, tmp_path, 
     assert resumed.exit_code == 0, resumed.stderr
     assert ran == []
     assert _without(json.loads(resumed.stdout)["points"][1]) == _without(lfu)
+
+
+def test_a_settled_worker_freezes_what_it_holds():
+    """A worker's modules and context leave the collector's generations (`settle`), so the full
+    collection after each replay walks that replay's objects only."""
+    import gc
+
+    from memcli.tools.study.executors import settle
+
+    try:
+        settle()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
