@@ -291,7 +291,7 @@ class MemoryManager:
                                 host_plan=self.allocator.backend == "triton",
                                 kept_prefix=[_prefix_in_row(r.kv) for r in reqs])
         expected = [r.extend_input_len for r in reqs]
-        if plan.extend_lens_cpu.tolist() != expected:
+        if [len(r.fill_ids) - p.shape[0] for r, p in zip(reqs, plan.prefix_tensors)] != expected:
             raise AssertionError(f"extend lengths {plan.extend_lens_cpu.tolist()} != extend_input_len {expected}")
         return plan
 

@@ -214,7 +214,9 @@ class ScheduleBatch:
         reqs = self.reqs.copy()
         for i in reversed(positions):
             del reqs[i]
-        index = np.delete(np.arange(len(self.reqs), dtype=np.int64), positions)
+        keep = np.ones(len(self.reqs), dtype=bool)
+        keep[positions] = False
+        index = keep.nonzero()[0]  # `np.delete` of the positions, without its argument handling
         if lengths:
             self._keep(reqs, index)
             return
