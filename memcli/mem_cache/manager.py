@@ -109,7 +109,9 @@ class ExtendPlan:
         prefix_lens_cpu = torch.tensor(prefix_lens, dtype=torch.int64)
         seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
         extend_num_tokens = sum(seq_lens) - sum(prefix_lens)
-        num_pages = pages.extend_new_pages(prefix_lens_cpu, seq_lens_cpu, page_size, extend_num_tokens)
+        # `pages.extend_new_pages` of the lengths, on the lists themselves (a batch is a few requests)
+        num_pages = extend_num_tokens if page_size == 1 else sum(
+            pages.cdiv(s, page_size) - pages.cdiv(p, page_size) for p, s in zip(prefix_lens, seq_lens))
         kernel_plan = kernels.extend_host_plan(prefix_lens_cpu, seq_lens_cpu, prefix_tensors, page_size) \
             if host_plan else None
         if kept_prefix is not None and not any(kept_prefix):
