@@ -262,11 +262,6 @@ class _Spans:
         pos -= (self.offsets - self.starts).repeat(self.lens)
         return pos
 
-    def first(self) -> np.ndarray:
-        first = np.zeros(self.total, dtype=bool)
-        first[self.offsets] = True
-        return first
-
     def expected_at(self, i: int) -> int:
         """The owner entry `i` must have (`expected_owner`'s entry `i`)."""
         k = self.span(i)
@@ -370,19 +365,28 @@ def _merged(ledger: OwnershipLedger, dirty: list) -> tuple[np.ndarray, np.ndarra
 
 
 def _layout(ps: int, rids, slots, spans: _Spans, quiet: bool) -> Optional[CheckResult]:
+    """A written position sits at its offset in its page (`slot % ps == t % ps`), and one that
+    continues a page (not a page's first position, not a span's first) holds the slot after
+    the position before it."""
     if ps == 1:
         return None if quiet else passed("row_layout", f"{len(slots)} written positions (page size 1)")
-    pos, first = spans.pos(), spans.first()
-    bad_offset = slots % ps != pos % ps
-    bad_run = np.zeros(len(slots), dtype=bool)
-    bad_run[1:] = ~first[1:] & (pos[1:] % ps != 0) & (slots[1:] != slots[:-1] + 1)
-    bad = np.flatnonzero(bad_offset | bad_run)
+    pos = spans.pos()
+    if ps & (ps - 1):
+        slot_off, pos_off = slots % ps, pos % ps
+    else:  # a power of two: the offset is the low bits (as `%` gives it for every integer), no division
+        slot_off, pos_off = slots & (ps - 1), pos & (ps - 1)
+    bad = slot_off != pos_off
+    bad_run = slots[1:] != slots[:-1] + 1
+    bad_run &= pos_off[1:] != 0
+    bad_run[spans.offsets[1:] - 1] = False  # a span's first position continues nothing written
+    bad[1:] |= bad_run
+    bad = np.flatnonzero(bad)
     if not len(bad):
         return None if quiet else passed("row_layout", f"{len(slots)} written positions at offset t % {ps}")
     i = int(bad[0])
     rid = rids[spans.span(i)]
     t, slot = int(pos[i]), int(slots[i])
-    if bad_offset[i]:
+    if slot_off[i] != pos_off[i]:
         return failed("row_layout", f"request {rid} position {t}: slot {slot} sits at offset {slot % ps} of page"
                                     f" {slot // ps}, expected offset {t % ps} (= {t} % {ps})", rid, (t,), (slot,))
     return failed("row_layout", f"request {rid} positions {t - 1} and {t} are on one page but hold slots"

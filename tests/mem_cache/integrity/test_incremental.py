@@ -312,3 +312,52 @@ def test_a_bad_slot_written_into_a_row_is_caught_at_its_step(page_size, fault, m
     err = failing_step(sched)
     assert planted and err.step == planted[0]
     assert err.check == ("page_sharing" if fault == "another request's page" else "slot_range")
+
+
+def _layout_by_definition(ps, slots, spans):
+    """row_layout's first bad entry by its definition, a division per position: -1 for none."""
+    pos = [int(p) for p in spans.pos()]
+    firsts = set(int(o) for o in spans.offsets)
+    for i, (slot, t) in enumerate(zip(slots.tolist(), pos)):
+        if slot % ps != t % ps:
+            return i
+        if i not in firsts and t % ps != 0 and slot != int(slots[i - 1]) + 1:
+            return i
+    return -1
+
+
+@pytest.mark.parametrize("ps", [2, 3, 4, 16])
+@pytest.mark.parametrize("seed", range(4))
+def test_row_layout_finds_the_first_bad_position_of_its_definition(ps, seed):
+    """The vectorised row layout check (low bits for a power-of-two page, one pass for the
+    runs) reports the position the definition finds first, with the same message kind: a slot
+    off its offset, or a page continued with another slot; spans of several rows, negative
+    and out-of-pool slots included."""
+    from memcli.mem_cache.integrity.incremental import _layout, _Spans
+
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        k = int(rng.integers(1, 6))
+        rows = np.arange(k, dtype=np.int64)
+        starts = rng.integers(0, 3 * ps, size=k).astype(np.int64)
+        lens = rng.integers(1, 4 * ps, size=k).astype(np.int64)
+        spans = _Spans(rows, starts, lens, np.zeros(k, dtype=np.int64))
+        parts = []
+        for start, n in zip(starts.tolist(), lens.tolist()):  # a valid layout: pages laid out slot by slot
+            first_page = int(rng.integers(1, 50))
+            t = np.arange(start, start + n)
+            page = first_page + (t // ps) * int(rng.integers(1, 3))
+            parts.append(page * ps + t % ps)
+        slots = np.concatenate(parts).astype(np.int32)
+        if rng.random() < 0.7:  # plant one to three faults
+            for _ in range(int(rng.integers(1, 4))):
+                slots[int(rng.integers(0, len(slots)))] += int(rng.choice([-ps - 1, -1, 1, ps, 7 * ps + 1, -10_000]))
+        want = _layout_by_definition(ps, slots, spans)
+        got = _layout(ps, [f"r{i}" for i in range(k)], slots, spans, quiet=True)
+        if want < 0:
+            assert got is None
+            continue
+        assert got is not None and not got.ok
+        assert got.positions[-1] == spans.pos()[want]
+        offset_wrong = int(slots[want]) % ps != int(spans.pos()[want]) % ps
+        assert ("sits at offset" in got.detail) == offset_wrong
