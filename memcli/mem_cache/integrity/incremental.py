@@ -216,7 +216,7 @@ def _written_rows(ledger: OwnershipLedger, stack: Any, held: _Held, quiet: bool)
         return [passed(name, "no row written this step") for name in ("row_layout", "slot_range", "page_sharing")]
     rids, slots, spans = entries
     ps = ledger.page_size
-    pages = slots // ps if ps > 1 else slots
+    pages = ledger.page_ids(slots)
     found = ledger.owners_of(pages)
     i = spans.first_unexpected(found)
     layout = _layout(ps, rids, slots, spans, quiet)

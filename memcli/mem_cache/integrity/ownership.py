@@ -91,6 +91,7 @@ class OwnershipLedger:
     def __init__(self, num_pages: int, page_size: int, num_rows: int, req_to_token: Optional[torch.Tensor] = None):
         self.num_pages = num_pages
         self.page_size = page_size
+        self._shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else None  # `page_ids`
         self.num_rows = num_rows
         self.req_to_token = req_to_token
         # Owners of pages 0..num_pages, and one guard entry (OUTSIDE) past the last page: a
@@ -136,12 +137,21 @@ class OwnershipLedger:
 
     # -- pages ------------------------------------------------------------------------------
 
+    def page_ids(self, slots: np.ndarray) -> np.ndarray:
+        """The page of each slot (`slots // page_size`; page size 1: the slots themselves): for a
+        power-of-two page an arithmetic shift, which is that floor division for every integer."""
+        if self.page_size == 1:
+            return slots
+        if self._shift is not None:
+            return slots >> self._shift
+        return slots // self.page_size
+
     def pages_of(self, slots: Any) -> np.ndarray:
         """The distinct pages of `slots` (slot ids), ascending (page size 1: the slots as given)."""
         slots = _host(slots)
         if self.page_size == 1:
             return slots
-        pages = slots // self.page_size
+        pages = self.page_ids(slots)
         if len(pages) > 2 * self.page_size:
             # A row's slots come in runs of one page: the neighbours' repeats dropped first, the
             # sort is over about one entry per page (the same answer as sorting them all).
@@ -374,7 +384,7 @@ class OwnershipLedger:
         of them (a [len(rows), k] tensor, or [k] for one row), row i belonging to `rows[i]`."""
         slots = _host(page_starts)
         owners = np.repeat(np.asarray(rows, dtype=np.int64), len(slots) // max(len(rows), 1))
-        self._transition_each(slots // self.page_size, owners, LOOSE, op)
+        self._transition_each(self.page_ids(slots), owners, LOOSE, op)
 
     def _transition_each(self, pages: np.ndarray, rows: np.ndarray, dst: int, op: str, distinct: bool = False) -> None:
         """Page `pages[i]` owned by row `rows[i]` passes to `dst` (a state)."""
@@ -412,7 +422,7 @@ class OwnershipLedger:
                 self._handed = handed
                 self.settle()
             return
-        pages = slots // self.page_size if self.page_size > 1 else slots
+        pages = self.page_ids(slots)
         if handed is not None and len(pages) == len(handed) and not np.count_nonzero(pages != handed):
             # Every slot is a new page, exactly as handed out (one slot per page, distinct, in
             # range: the free list's): FREE -> row in one gather, one scatter.
