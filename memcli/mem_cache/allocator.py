@@ -31,6 +31,16 @@ from memcli.mem_cache.pages import decode_new_pages
 RunObserver = Callable[[int, np.ndarray], None]
 
 
+def _divided(entries: torch.Tensor, divisor: int) -> Any:
+    """`entries // divisor` (page ids of slots), for the observer: on a CPU a numpy array, an
+    arithmetic shift for a power-of-two divisor (the same floor division for every integer)."""
+    if divisor == 1:
+        return entries
+    if entries.is_cpu and not divisor & (divisor - 1):
+        return entries.numpy() >> (divisor.bit_length() - 1)
+    return entries // divisor
+
+
 class AllocatorState(NamedTuple):
     """Snapshot taken by `backup_state` (a copy of the free list: O(free pages))."""
 
@@ -332,11 +342,11 @@ class BaseAllocator:
         """The observer's side of a free: the freed pages, from `owner`. `divisor` 0: `indices`
         are the caller's slots (not yet `_freed_entries`)."""
         if isinstance(owner, np.ndarray):  # one row per entry: the caller's order, one slot per page
-            self.ledger.taken_back(indices // self.page_size if self.page_size > 1 else indices, owner, op)
+            self.ledger.taken_back(_divided(indices, self.page_size), owner, op)
             return
         if not divisor:
             indices, divisor = self._freed_entries(indices, distinct_pages)
-        pages = indices // divisor if divisor > 1 else indices
+        pages = _divided(indices, divisor)
         # Paged, the entries are sorted: de-duplicated by `unique`, or (the caller's word,
         # `distinct_pages`) checked by comparing neighbours, not with the scratch array.
         self.ledger.taken_back(pages, owner, op, sorted_pages=self.page_size > 1 and not in_order)

@@ -373,11 +373,34 @@ class OwnershipLedger:
 
     def release(self, slots: Any, owner: int, op: str) -> None:
         """`owner` (a row or TREE) gives up the pages of `slots` before freeing them: owner -> LOOSE."""
-        self._transition(self.pages_of(slots), owner, LOOSE, op)
+        self._transition_slots(slots, owner, LOOSE, op)
 
     def move(self, slots: Any, src: int, dst: int, op: str) -> None:
         """Ownership of the pages of `slots` passes from `src` to `dst` (a row's pages to the tree)."""
-        self._transition(self.pages_of(slots), src, dst, op)
+        self._transition_slots(slots, src, dst, op)
+
+    def _transition_slots(self, slots: Any, src: int, dst: int, op: str) -> None:
+        """`_transition` of the pages of `slots` (`pages_of`). Paged, a row's slots come in runs of
+        one page: with the neighbours' repeats dropped and every page distinct and owned by
+        `src`, the transition is made on them as they stand, without `pages_of`'s sort (the same
+        pages, owners, counts and history). Anything else (a page seen twice, another owner)
+        takes `pages_of` and `_transition` as they are, which judge it and raise as always."""
+        if self.page_size == 1 or self._handed is not None:
+            self._transition(self.pages_of(slots), src, dst, op)
+            return
+        pages = self.page_ids(_host(slots))
+        if len(pages) > 1:
+            repeat = np.empty(len(pages), dtype=bool)
+            repeat[0] = False
+            np.equal(pages[1:], pages[:-1], out=repeat[1:])
+            pages = pages[~repeat]
+        n = len(pages)
+        if n < 2 or np.count_nonzero(self.owners_of(pages) != src) or self._set_if_distinct(pages, dst, src) is not None:
+            self._transition(self.pages_of(slots), src, dst, op)  # nothing changed above: judged as always
+            return
+        self._count(src, -n)
+        self._count(dst, n)
+        self._record(op, pages, src, dst)
 
     def release_rows(self, page_starts: Any, rows: list[int], op: str) -> None:
         """Rows give up whole pages: `page_starts` holds one slot per page, `len(rows)` equal rows

@@ -192,3 +192,50 @@ def test_the_history_keeps_its_newest_pages_within_its_bound():
         history.record(step, "evict", None, [1, 2, 3], TREE, FREE, -1)
     assert history.since_step == 5  # three entries of three pages fit
     assert [t.step for t in history.of_pages([2])] == [5, 6, 7]
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_move_of_row_slots_judges_as_the_sorted_distinct_pages_do(page_size, seed):
+    """`move` and `release` of a row's slots make the transition on the pages as the row holds
+    them when they are distinct and the owner's, and otherwise judge exactly as the transition
+    of `pages_of` (sorted, distinct) does: the same state after, the same error, the same
+    stories of the pages."""
+    rng = np.random.default_rng(seed)
+    for _ in range(30):
+        ledgers = []
+        for _ in range(2):
+            ledger = OwnershipLedger(NUM_PAGES, page_size, num_rows=8)
+            pages = np.arange(1, 97, dtype=np.int64)
+            ledger.take(pages)
+            ledger.claim_rows(pages * page_size, np.repeat(np.array([1, 2, 3], dtype=np.int64), 32), "test")
+            ledgers.append(ledger)
+        own = rng.permutation(np.arange(33, 65))[: int(rng.integers(1, 20))]  # row 2's pages, in any order
+        slots = (own[:, None] * page_size + np.arange(page_size)).reshape(-1)
+        slots = slots[int(rng.integers(0, page_size)):]  # a row may start inside a page
+        fault = rng.integers(0, 5)
+        if fault == 1:  # a page of another row
+            slots = np.append(slots, int(rng.integers(1, 33)) * page_size)
+        elif fault == 2:  # a page seen twice, apart
+            slots = np.append(slots, slots[0])
+        elif fault == 3:  # a slot past the pool
+            slots = np.append(slots, (NUM_PAGES + 3) * page_size)
+        verb = "move" if rng.random() < 0.5 else "release"
+        outcomes = []
+        for ledger, judged_sorted in zip(ledgers, (False, True)):
+            try:
+                if judged_sorted:
+                    dst = TREE if verb == "move" else LOOSE
+                    ledger._transition(ledger.pages_of(slots), 2, dst, "test")
+                elif verb == "move":
+                    ledger.move(slots, 2, TREE, "test")
+                else:
+                    ledger.release(slots, 2, "test")
+                outcomes.append(None)
+            except OwnershipError as err:
+                outcomes.append((err.message, err.story))
+        assert outcomes[0] == outcomes[1]
+        a, b = state(ledgers[0]), state(ledgers[1])
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
+        probe = sorted({int(p) for p in np.asarray(slots) // page_size if 0 < p <= NUM_PAGES})[:4]
+        assert [t for t in ledgers[0].history_of(probe)] == [t for t in ledgers[1].history_of(probe)]
