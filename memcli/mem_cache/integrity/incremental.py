@@ -367,26 +367,38 @@ def _merged(ledger: OwnershipLedger, dirty: list) -> tuple[np.ndarray, np.ndarra
 def _layout(ps: int, rids, slots, spans: _Spans, quiet: bool) -> Optional[CheckResult]:
     """A written position sits at its offset in its page (`slot % ps == t % ps`), and one that
     continues a page (not a page's first position, not a span's first) holds the slot after
-    the position before it."""
+    the position before it; the first position where either fails is reported.
+
+    The offsets are read only where a run of one page begins (a span's first position, a
+    page's first position): a position that continues a page with the slot after its
+    neighbour's has a wrong offset only if that neighbour has, so the first failure of the
+    definition is a run that breaks or a run that begins at a wrong offset, and these are
+    the positions compared."""
     if ps == 1:
         return None if quiet else passed("row_layout", f"{len(slots)} written positions (page size 1)")
-    pos = spans.pos()
-    if ps & (ps - 1):
-        slot_off, pos_off = slots % ps, pos % ps
-    else:  # a power of two: the offset is the low bits (as `%` gives it for every integer), no division
-        slot_off, pos_off = slots & (ps - 1), pos & (ps - 1)
-    bad = slot_off != pos_off
-    bad_run = slots[1:] != slots[:-1] + 1
-    bad_run &= pos_off[1:] != 0
-    bad_run[spans.offsets[1:] - 1] = False  # a span's first position continues nothing written
-    bad[1:] |= bad_run
-    bad = np.flatnonzero(bad)
-    if not len(bad):
+    starts, lens, offsets = spans.starts, spans.lens, spans.offsets
+    first = -(-starts // ps) * ps  # each span's first page start at or after its first position
+    counts = np.maximum(-(-(starts + lens - first) // ps), 0)  # the page starts inside each span
+    page_starts = np.repeat(offsets + first - starts - ps * (counts.cumsum() - counts), counts)
+    page_starts += ps * np.arange(len(page_starts), dtype=np.int64)  # their entries
+    broken = slots[1:] != slots[:-1] + 1  # entry i + 1 does not hold the slot after entry i's
+    broken[page_starts[page_starts > 0] - 1] = False  # a page's first position continues nothing
+    broken[offsets[1:] - 1] = False  # nor does a span's first position
+    candidates = []
+    if len(broken) and broken[j := int(broken.argmax())]:
+        candidates.append(j + 1)
+    off_page = slots[page_starts] % ps != 0
+    if len(off_page) and off_page[j := int(off_page.argmax())]:
+        candidates.append(int(page_starts[j]))
+    off_span = slots[offsets] % ps != starts % ps
+    if off_span[j := int(off_span.argmax())]:
+        candidates.append(int(offsets[j]))
+    if not candidates:
         return None if quiet else passed("row_layout", f"{len(slots)} written positions at offset t % {ps}")
-    i = int(bad[0])
+    i = min(candidates)
     rid = rids[spans.span(i)]
-    t, slot = int(pos[i]), int(slots[i])
-    if slot_off[i] != pos_off[i]:
+    t, slot = spans.pos_at(i), int(slots[i])
+    if slot % ps != t % ps:
         return failed("row_layout", f"request {rid} position {t}: slot {slot} sits at offset {slot % ps} of page"
                                     f" {slot // ps}, expected offset {t % ps} (= {t} % {ps})", rid, (t,), (slot,))
     return failed("row_layout", f"request {rid} positions {t - 1} and {t} are on one page but hold slots"
