@@ -25,20 +25,18 @@ import torch
 
 from memcli import kernels
 from memcli.check_result import CheckResult, IntegrityReport
-from memcli.mem_cache.pages import decode_new_pages
+from memcli.mem_cache.pages import decode_new_pages, page_ids
 
 # Claims one step of a decode run taken at once: (step of the run, the slots it wrote, in batch order).
 RunObserver = Callable[[int, np.ndarray], None]
 
 
 def _divided(entries: torch.Tensor, divisor: int) -> Any:
-    """`entries // divisor` (page ids of slots), for the observer: on a CPU a numpy array, an
-    arithmetic shift for a power-of-two divisor (the same floor division for every integer)."""
+    """`entries // divisor` (page ids of slots), for the observer: on a CPU in numpy
+    (`pages.page_ids`), else on the device."""
     if divisor == 1:
         return entries
-    if entries.is_cpu and not divisor & (divisor - 1):
-        return entries.numpy() >> (divisor.bit_length() - 1)
-    return entries // divisor
+    return page_ids(entries.numpy(), divisor) if entries.is_cpu else entries // divisor
 
 
 class AllocatorState(NamedTuple):

@@ -26,6 +26,17 @@ def cdiv(a, b):
     return -(-a // b)
 
 
+def page_ids(slots: np.ndarray, page_size: int) -> np.ndarray:
+    """The page of each slot, `slots // page_size` (page size 1: `slots` itself): for a
+    power-of-two page an arithmetic shift, which is that floor division for every integer
+    (negative and out-of-pool slots included), without a division per slot."""
+    if page_size == 1:
+        return slots
+    if page_size & (page_size - 1):
+        return slots // page_size
+    return slots >> (page_size.bit_length() - 1)
+
+
 def num_pages(num_tokens, page_size: int):
     """Pages that hold `num_tokens` tokens (a partial last page counts as one)."""
     return cdiv(num_tokens, page_size)

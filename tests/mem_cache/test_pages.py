@@ -75,3 +75,18 @@ def test_output_room_keeps_the_prompt_pages_one_page_and_a_token():
     assert pages.output_room(4096, 4001, 16) == 4096 - 4016 - 16 - 1  # the prompt's last page is whole
     assert pages.output_room(4096, 4090, 16) == 0  # never below 0
     assert pages.output_room(100, 10, 1) == 100 - 10 - 1 - 1
+
+
+@pytest.mark.parametrize("ps", [1, 2, 3, 4, 16, 64])
+def test_page_ids_are_the_floor_division_for_every_slot(ps):
+    """`page_ids` (an arithmetic shift for a power-of-two page) answers `slots // page_size`
+    for slots inside, below and past a pool, at both widths; the ownership ledger's ids are
+    the same."""
+    from memcli.mem_cache.integrity.ownership import OwnershipLedger
+
+    ledger = OwnershipLedger(64, ps, 4)
+    slots = np.arange(-3 * ps - 5, 70 * ps + 5, dtype=np.int64)
+    for values in (slots, slots.astype(np.int32)):
+        got = pages.page_ids(values, ps)
+        assert got.dtype == values.dtype and np.array_equal(got, values if ps == 1 else values // ps)
+        assert np.array_equal(ledger.page_ids(values), got)

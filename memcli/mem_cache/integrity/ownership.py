@@ -91,7 +91,6 @@ class OwnershipLedger:
     def __init__(self, num_pages: int, page_size: int, num_rows: int, req_to_token: Optional[torch.Tensor] = None):
         self.num_pages = num_pages
         self.page_size = page_size
-        self._shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else None  # `page_ids`
         self.num_rows = num_rows
         self.req_to_token = req_to_token
         # Owners of pages 0..num_pages, and one guard entry (OUTSIDE) past the last page: a
@@ -138,13 +137,13 @@ class OwnershipLedger:
     # -- pages ------------------------------------------------------------------------------
 
     def page_ids(self, slots: np.ndarray) -> np.ndarray:
-        """The page of each slot (`slots // page_size`; page size 1: the slots themselves): for a
-        power-of-two page an arithmetic shift, which is that floor division for every integer."""
-        if self.page_size == 1:
+        """The page of each slot, as `memcli.mem_cache.pages.page_ids` gives it (which this
+        package may not import: the caches import it): `slots // page_size`, an arithmetic
+        shift for a power-of-two page."""
+        ps = self.page_size
+        if ps == 1:
             return slots
-        if self._shift is not None:
-            return slots >> self._shift
-        return slots // self.page_size
+        return slots // ps if ps & (ps - 1) else slots >> (ps.bit_length() - 1)
 
     def pages_of(self, slots: Any) -> np.ndarray:
         """The distinct pages of `slots` (slot ids), ascending (page size 1: the slots as given)."""

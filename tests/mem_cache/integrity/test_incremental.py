@@ -361,16 +361,3 @@ def test_row_layout_finds_the_first_bad_position_of_its_definition(ps, seed):
         assert got.positions[-1] == spans.pos()[want]
         offset_wrong = int(slots[want]) % ps != int(spans.pos()[want]) % ps
         assert ("sits at offset" in got.detail) == offset_wrong
-
-
-@pytest.mark.parametrize("ps", [1, 2, 3, 4, 16, 64])
-def test_page_ids_are_the_floor_division_for_every_slot(ps):
-    """`OwnershipLedger.page_ids` (an arithmetic shift for a power-of-two page) answers
-    `slots // page_size` for slots inside, below and past the pool, at both widths."""
-    from memcli.mem_cache.integrity.ownership import OwnershipLedger
-
-    ledger = OwnershipLedger(64, ps, 4)
-    slots = np.arange(-3 * ps - 5, 70 * ps + 5, dtype=np.int64)
-    for values in (slots, slots.astype(np.int32)):
-        got = ledger.page_ids(values)
-        assert got.dtype == values.dtype and np.array_equal(got, values if ps == 1 else values // ps)
