@@ -736,15 +736,24 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         offsets in a page): a position on a page the run opened (`opens`: where a page-taker
         sits; `pages` of them) lies on the free page of that taker's place among them, in step
         then batch order; the others continue the row's last page before the run."""
-        steps, bs = positions.shape
-        opened_at = positions - offset - lengths  # the run step that opened the position's page (< 0: before)
-        new = 0  # no page opens in the run: every position continues its row's last page
-        if pages:
-            taker = np.cumsum(opens.reshape(-1)).reshape(steps, bs) - 1  # each page-taker's place
-            page = self._buf_host[self._head : self._head + pages]
-            new = page[taker[np.maximum(opened_at, 0), np.arange(bs)]] * self.page_size + offset
+        taker = np.cumsum(opens.reshape(-1)).reshape(opens.shape) - 1 if pages else None  # each page-taker's place
         last = table[rows, np.maximum(lengths - 1, 0)].astype(np.int64)
-        return np.where(opened_at >= 0, new, last + positions - lengths + 1)
+        return _run_slot_values(positions, offset, lengths, last, taker, np.arange(positions.shape[1]),
+                                self._buf_host[self._head : self._head + pages], self.page_size)
+
+
+def _run_slot_values(positions: np.ndarray, offset: np.ndarray, lengths: np.ndarray, last: np.ndarray,
+                     taker: Optional[np.ndarray], cols: np.ndarray, pages: np.ndarray, page_size: int) -> np.ndarray:
+    """The slots of a run's positions (steps x the requests at `cols` of the run's batch, at
+    `offset` in their pages; `lengths` and `last` their rows' lengths and last slots before
+    the run): a position on a page the run opened lies on the page of the taker that opened it
+    (`taker`: each page-taker's place over the whole run, in step then batch order, the order
+    of `pages`); the others continue the row's last page."""
+    continued = last + positions - lengths + 1
+    if not len(pages):  # no page opened (or taken) yet: every position continues its row's last page
+        return continued
+    opened_at = positions - offset - lengths  # the run step that opened the position's page (< 0: before)
+    return np.where(opened_at >= 0, pages[taker[np.maximum(opened_at, 0), cols]] * page_size + offset, continued)
 
 
 class PagedRun:
@@ -765,7 +774,6 @@ class PagedRun:
         self.opened = np.count_nonzero(opens, axis=1)  # the pages each step opens
         self.through = np.cumsum(self.opened).tolist()  # the run's pages up to each step
         self.taker = np.cumsum(opens.reshape(-1)).reshape(opens.shape) - 1  # each page-taker's place
-        self.opened_at = self.positions - self.offset - lengths  # the run step that opened the page (< 0: before)
         self.last = table[rows, np.maximum(lengths - 1, 0)].astype(np.int64)  # before the run writes
         self.pages = np.empty(self.through[-1] if steps else 0, dtype=np.int64)
         self.taken = 0
@@ -782,12 +790,9 @@ class PagedRun:
         if not steps or not len(cols):
             return
         positions = self.positions[:steps, cols]
-        offset, opened_at = self.offset[:steps, cols], self.opened_at[:steps, cols]
-        rank = self.taker[np.maximum(opened_at, 0), cols]
-        slots = self.last[cols] + positions - self.lengths[cols] + 1  # continuing the row's last page
-        if self.taken:
-            slots = np.where(opened_at >= 0, self.pages[rank] * self.allocator.page_size + offset, slots)
-        self.table[self.rows[cols], positions] = slots
+        self.table[self.rows[cols], positions] = _run_slot_values(
+            positions, self.offset[:steps, cols], self.lengths[cols], self.last[cols], self.taker, cols,
+            self.pages[: self.taken], self.allocator.page_size)
 
 
 def make_allocator(size: int, page_size: int, device: torch.device, backend: str,
