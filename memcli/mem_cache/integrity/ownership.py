@@ -85,6 +85,16 @@ def _host(values: Any) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
+def _page_runs(pages: np.ndarray) -> np.ndarray:
+    """`pages` with each page repeated by its neighbour dropped: one entry per run of one page."""
+    if len(pages) < 2:
+        return pages
+    repeat = np.empty(len(pages), dtype=bool)
+    repeat[0] = False
+    np.equal(pages[1:], pages[:-1], out=repeat[1:])
+    return pages[~repeat]
+
+
 class OwnershipLedger:
     """The owner of every page of one allocator, and the request rows each step touched."""
 
@@ -154,10 +164,7 @@ class OwnershipLedger:
         if len(pages) > 2 * self.page_size:
             # A row's slots come in runs of one page: the neighbours' repeats dropped first, the
             # sort is over about one entry per page (the same answer as sorting them all).
-            repeat = np.empty(len(pages), dtype=bool)
-            repeat[0] = False
-            np.equal(pages[1:], pages[:-1], out=repeat[1:])
-            pages = pages[~repeat]
+            pages = _page_runs(pages)
         return np.unique(pages)
 
     def host_view(self, table: torch.Tensor) -> Optional[np.ndarray]:
@@ -387,12 +394,7 @@ class OwnershipLedger:
         if self.page_size == 1 or self._handed is not None:
             self._transition(self.pages_of(slots), src, dst, op)
             return
-        pages = self.page_ids(_host(slots))
-        if len(pages) > 1:
-            repeat = np.empty(len(pages), dtype=bool)
-            repeat[0] = False
-            np.equal(pages[1:], pages[:-1], out=repeat[1:])
-            pages = pages[~repeat]
+        pages = _page_runs(self.page_ids(_host(slots)))
         n = len(pages)
         if n < 2 or np.count_nonzero(self.owners_of(pages) != src) or self._set_if_distinct(pages, dst, src) is not None:
             self._transition(self.pages_of(slots), src, dst, op)  # nothing changed above: judged as always
