@@ -92,6 +92,7 @@ class ExtendPlan:
     prefix_tensors: list[torch.Tensor]  # each request's prefix_indices (int64)
     extend_num_tokens: int  # new tokens over the batch
     num_pages: int  # pages the batch opens
+    prefix_num_tokens: int  # prefix tokens over the batch (the KV the extend reads)
     # The fused kernel's host plan (offsets and prefix addresses, `kernels.extend_host_plan`),
     # computed with the plan so that the memory path only copies it; None: computed there.
     host_plan: Optional[np.ndarray] = None
@@ -108,16 +109,15 @@ class ExtendPlan:
         prefix_lens = [p.shape[0] for p in prefix_tensors]
         prefix_lens_cpu = torch.tensor(prefix_lens, dtype=torch.int64)
         seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
-        extend_num_tokens = sum(seq_lens) - sum(prefix_lens)
-        # `pages.extend_new_pages` of the lengths, on the lists themselves (a batch is a few requests)
-        num_pages = extend_num_tokens if page_size == 1 else sum(
-            pages.cdiv(s, page_size) - pages.cdiv(p, page_size) for p, s in zip(prefix_lens, seq_lens))
+        prefix_num_tokens = sum(prefix_lens)
+        extend_num_tokens = sum(seq_lens) - prefix_num_tokens
+        num_pages = pages.extend_new_pages(prefix_lens, seq_lens, page_size, extend_num_tokens)
         kernel_plan = kernels.extend_host_plan(prefix_lens_cpu, seq_lens_cpu, prefix_tensors, page_size) \
             if host_plan else None
         if kept_prefix is not None and not any(kept_prefix):
             kept_prefix = None
-        return cls(rows, prefix_lens_cpu, seq_lens_cpu, prefix_tensors, extend_num_tokens, num_pages, kernel_plan,
-                   kept_prefix)
+        return cls(rows, prefix_lens_cpu, seq_lens_cpu, prefix_tensors, extend_num_tokens, num_pages, prefix_num_tokens,
+                   kernel_plan, kept_prefix)
 
     @property
     def extend_lens_cpu(self) -> torch.Tensor:

@@ -64,13 +64,16 @@ def output_room(pool_tokens: int, input_len: int, page_size: int) -> int:
     return max(0, pool_tokens - align_up(input_len, page_size) - page_size - 1)
 
 
-def extend_new_pages(prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, page_size: int,
-                     extend_num_tokens: int | None = None) -> int:
+def extend_new_pages(prefix_lens_cpu: "torch.Tensor | list[int]", seq_lens_cpu: "torch.Tensor | list[int]",
+                     page_size: int, extend_num_tokens: int | None = None) -> int:
     """Pages an extend batch opens: exact per request (`cdiv(seq) - cdiv(prefix)`), not one
     page per request. With page size 1 that is the new tokens (`extend_num_tokens`, when the
-    caller knows it, answers at once). Numpy on the CPU lengths: no device work."""
+    caller knows it, answers at once). The lengths as lists of ints (a batch is a few
+    requests: plain sums) or CPU tensors (numpy over them: no device work)."""
     if page_size == 1 and extend_num_tokens is not None:
         return extend_num_tokens
+    if isinstance(prefix_lens_cpu, list):
+        return sum(cdiv(s, page_size) - cdiv(p, page_size) for p, s in zip(prefix_lens_cpu, seq_lens_cpu))
     pre, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
     if page_size == 1:
         return int(seq.sum() - pre.sum())

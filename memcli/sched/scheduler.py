@@ -563,8 +563,7 @@ class Scheduler:
     def prefill_cost_ms(self, batch: ScheduleBatch) -> float:
         """Compute, or the load-backs it waits for when they end later (layer by layer, the
         forward overlaps them), plus any wait for write-backs its evictions started."""
-        plan = batch.extend_plan
-        kv_read = 0 if plan is None else sum(p.shape[0] for p in plan.prefix_tensors)  # `prefix_lens_cpu.sum()`
+        kv_read = 0 if batch.extend_plan is None else batch.extend_plan.prefix_num_tokens
         compute = (self.sim.step_base_ms + self.sim.prefill_token_us * batch.extend_num_tokens / 1e3
                    + self.sim.kv_read_ns * kv_read / 1e6)
         load_end = getattr(batch, "load_end_ms", None)

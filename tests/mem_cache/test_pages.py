@@ -40,6 +40,9 @@ def test_extend_new_pages_counts_exact_pages_per_request():
     assert pages.extend_new_pages(prefix, seq, 1) == 10
     # page size 1 with the token count known answers from it
     assert pages.extend_new_pages(prefix, seq, 1, extend_num_tokens=10) == 10
+    # the lengths as lists (an extend plan's own) count the same
+    assert pages.extend_new_pages([0, 3, 4], [4, 5, 8], 4) == 1 + 1 + 1
+    assert pages.extend_new_pages([0, 3, 4], [4, 5, 8], 1) == 10
 
 
 def test_decode_new_pages_takes_the_lengths_before_the_step():
