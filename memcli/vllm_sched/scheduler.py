@@ -268,9 +268,9 @@ class VllmScheduler:
             if n <= 0:
                 i += 1
                 continue
-            new = memory.allocate_slots(req, n)  # a refused allocation takes nothing: tried again there
+            new = memory.allocate_slots(req, n)  # a refused allocation takes nothing
             if new is None:
-                new, back, i = self._allocate_or_preempt(plan, req, n, i)
+                new, back, i = self._preempt_until_fits(plan, req, n, i)
                 budget += back
             if new is None:
                 if self.priority:
@@ -284,16 +284,14 @@ class VllmScheduler:
             self._admit(plan, budget, threshold)
         return plan
 
-    def _allocate_or_preempt(self, plan: StepPlan, req: VllmRequest, n: int, i: int) -> tuple[Optional[list], int, int]:
-        """Slots for `n` tokens of `req` (at `i` in `running`), preempting until they fit or
-        `req` is preempted: (the new blocks or None, tokens given back to the budget by victims
-        scheduled earlier in this step, the index of `req`, or of its successor once it is gone).
-        Under FCFS the victim is always at or after `i`, so it gives nothing back."""
+    def _preempt_until_fits(self, plan: StepPlan, req: VllmRequest, n: int, i: int) -> tuple[Optional[list], int, int]:
+        """After slots for `n` tokens of `req` (at `i` in `running`) were refused: preempt a
+        victim and try again, until they fit or `req` is preempted (vLLM's loop, past its first
+        try): (the new blocks or None, tokens given back to the budget by victims scheduled
+        earlier in this step, the index of `req`, or of its successor once it is gone). Under
+        FCFS the victim is always at or after `i`, so it gives nothing back."""
         back = 0
         while True:
-            new = self.memory.allocate_slots(req, n)
-            if new is not None:
-                return new, back, i
             if self.priority:
                 victim = max(self.running, key=_priority_key)
                 at = self.running.index(victim)
@@ -308,6 +306,9 @@ class VllmScheduler:
             plan.preempted.append(victim.request_id)
             if victim is req:
                 return None, back, i
+            new = self.memory.allocate_slots(req, n)
+            if new is not None:
+                return new, back, i
 
     def _preempt(self, req: VllmRequest) -> None:
         self.memory.free(req)
