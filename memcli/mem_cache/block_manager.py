@@ -24,7 +24,7 @@ from types import SimpleNamespace
 from typing import Any, NamedTuple, Optional
 
 from memcli.errors import IntegrityError
-from memcli.mem_cache.block_pool import Block, BlockPool, block_hashes, none_hash
+from memcli.mem_cache.block_pool import NULL_BLOCK, BlockPool, block_hashes, none_hash
 from memcli.mem_cache.manager import Usage
 
 
@@ -177,30 +177,25 @@ class BlockManager:
         hashes.extend(block_hashes(tokens, size, len(hashes), parent, req.extra_keys, self.root_hash))
 
     # -- vLLM's verbs ---------------------------------------------------------------------
-    def get_computed_blocks(self, req: Any) -> tuple[list[Block], int]:
+    def get_computed_blocks(self, req: Any) -> tuple[list[int], int]:
         """The longest run of cached blocks within `num_tokens - 1` tokens, and its tokens."""
         if not self.enable_caching or req.skip_reading_prefix_cache:
             return [], 0
         limit = (len(req.all_token_ids) - 1) // self.block_size
-        found, get = [], self.pool.get_cached_block
-        for block_hash in req.block_hashes[:limit]:
-            block = get(block_hash)
-            if block is None:
-                break
-            found.append(block)
+        found = self.pool.longest_cached(req.block_hashes[:limit])
         return found, len(found) * self.block_size
 
-    def _blocks_to_allocate(self, held: Optional[_Held], num_tokens: int, new_computed: list[Block]) -> int:
+    def _blocks_to_allocate(self, held: Optional[_Held], num_tokens: int, new_computed: list[int]) -> int:
         required = cdiv(num_tokens, self.block_size)
         have = len(held.blocks) if held is not None else 0
         if held is not None and held.num_cached is not None:
             return max(required - have, 0)
-        evictable = sum(1 for b in new_computed if b.ref_cnt == 0 and not b.is_null)
+        evictable = self.pool.free_count(new_computed)
         return max(required - (len(new_computed) + have), 0) + evictable
 
     def allocate_slots(self, req: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: Optional[list[Block]] = None, num_lookahead_tokens: int = 0,
-                       full_sequence_must_fit: bool = False, has_scheduled_reqs: bool = True) -> Optional[list[Block]]:
+                       new_computed_blocks: Optional[list[int]] = None, num_lookahead_tokens: int = 0,
+                       full_sequence_must_fit: bool = False, has_scheduled_reqs: bool = True) -> Optional[list[int]]:
         """Blocks for `num_new_tokens` more tokens (after adopting the hit); None (nothing
         taken) when they do not fit. Caches the request's blocks that became full."""
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
@@ -287,7 +282,7 @@ class BlockManager:
 
     def block_ids(self, req: Any) -> list[int]:
         held = self.held.get(req.request_id)
-        return [] if held is None else [b.block_id for b in held.blocks]
+        return [] if held is None else list(held.blocks)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
@@ -306,11 +301,12 @@ class BlockManager:
             if rid not in ids and held.blocks:
                 problems.append(f"request {rid} holds {len(held.blocks)} blocks but is not running")
             for block in held.blocks:
-                if not block.is_null:
-                    counts[block.block_id] = counts.get(block.block_id, 0) + 1
-        for block in self.pool.blocks[1:]:
-            if block.ref_cnt != counts.get(block.block_id, 0):
-                problems.append(f"block {block.block_id}: {block.ref_cnt} holders counted, {counts.get(block.block_id, 0)} requests hold it")
+                if block != NULL_BLOCK:
+                    counts[block] = counts.get(block, 0) + 1
+        ref = self.pool.ref_cnt
+        for block in range(1, self.pool.num_blocks):
+            if ref[block] != counts.get(block, 0):
+                problems.append(f"block {block}: {ref[block]} holders counted, {counts.get(block, 0)} requests hold it")
                 break
         if problems:
             raise IntegrityError("block pool check failed: " + "; ".join(problems[:4]))
