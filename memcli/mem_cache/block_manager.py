@@ -18,10 +18,13 @@ request's blocks are freed deepest first.
 
 from __future__ import annotations
 
+import time
 from array import array
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, NamedTuple, Optional
+
+import numpy as np
 
 from memcli.errors import IntegrityError
 from memcli.mem_cache.block_pool import NULL_BLOCK, BlockPool, block_hashes, none_hash
@@ -85,26 +88,143 @@ class CheckStats:
 
 
 class BlockChecker:
-    """After-step checks of a block manager: every step under a checking policy, else idle
-    steps only, at most once per `policy.walk_every` of them."""
+    """After-step checks of a block manager.
+
+    Under a checking policy (`every_step` not "none") every step is checked for what it
+    changed (`incremental`, O(the blocks the step's calls named and the running requests)):
+    each such block's holders equal the requests whose block lists hold it, it is in the free
+    queue exactly when it has none, and a cached one is in the map under its hash; the pool's
+    counters (free blocks, cached blocks, cached free blocks, the map's size) equal what the
+    checker counts itself; and only running requests hold blocks. `full` walks the whole pool
+    every step instead, `both` does both. Otherwise only idle steps walk the pool, at most once
+    per `policy.walk_every` of them. A failure raises `IntegrityError` naming the step."""
 
     def __init__(self, memory: "BlockManager", policy: Any):
         self.memory, self.policy, self.stats, self._idle = memory, policy, CheckStats(), 0
+        level = getattr(policy, "every_step", "none")
+        self.walks = level in ("full", "both")
+        self.tracks = level in ("incremental", "both")
+        if self.tracks:
+            self._start()
 
-    def after_step(self, holders: list, idle: bool) -> bool:
-        import time
-        every = getattr(self.policy, "level", "none") != "none"
-        if not every:
+    def _start(self) -> None:
+        """The checker's own counts, from the pool as it is (no request holding a block yet)."""
+        pool = self.memory.pool
+        pool.dirty = []
+        self._holders = np.zeros(pool.num_blocks, dtype=np.int64)  # per block: the request lists holding it
+        self._seen: dict[str, list] = {}  # request id -> [its block list, the entries counted]
+        self._ref = pool._ref.copy()  # each block's holders and hash flag when last checked
+        self._keyed = pool._has_key.copy()
+        idle = self._ref == 0
+        idle[NULL_BLOCK] = False
+        self._num_idle = int(np.count_nonzero(idle))
+        self._num_keyed = int(np.count_nonzero(self._keyed))
+        self._num_keyed_idle = int(np.count_nonzero(self._keyed & idle))
+
+    def after_step(self, step: int, holders: list, idle: bool) -> bool:
+        ran = False
+        if self.tracks:
+            start = time.perf_counter()
+            self._check_step(step, holders)
+            self.stats.incremental += 1
+            self.stats.incremental_s += time.perf_counter() - start
+            ran = True
+        if not self.walks:
             if not idle:
-                return False
+                return ran
             self._idle += 1
             if (self._idle - 1) % max(1, self.policy.walk_every):
-                return False
+                return ran
         start = time.perf_counter()
-        self.memory.check(holders)
+        try:
+            self.memory.check(holders)
+        except IntegrityError as exc:
+            raise _at_step(step, "block_walk", str(exc)) from None
         self.stats.full_walks += 1
         self.stats.walk_s += time.perf_counter() - start
         return True
+
+    def _count(self, blocks: Any, sign: int, parts: list) -> None:
+        ids = np.asarray(blocks, dtype=np.int64)
+        ids = ids[ids != NULL_BLOCK]
+        np.add.at(self._holders, ids, sign)
+        parts.append(ids)
+
+    def _check_step(self, step: int, holders: list) -> None:
+        memory, pool = self.memory, self.memory.pool
+        parts: list = [np.asarray(blocks, dtype=np.int64) for blocks in pool.dirty]
+        pool.dirty = []
+        problems = []
+        held, seen, running = memory.held, self._seen, _ids(holders)
+        for rid, entry in held.items():  # what each request's list gained (lists only grow)
+            blocks = entry.blocks
+            if blocks and rid not in running:
+                problems.append(f"request {rid} holds {len(blocks)} blocks but is not running")
+            mark = seen.get(rid)
+            if mark is None or mark[0] is not blocks:
+                if mark is not None:
+                    self._count(mark[0][:mark[1]], -1, parts)
+                mark = seen[rid] = [blocks, 0]
+            if len(blocks) != mark[1]:
+                if len(blocks) < mark[1]:
+                    problems.append(f"request {rid} holds {len(blocks)} blocks, fewer than the {mark[1]} it held")
+                self._count(blocks[mark[1]:], 1, parts)
+                mark[1] = len(blocks)
+        if len(seen) != len(held):  # released: its blocks lose a holder
+            for rid in [rid for rid in seen if rid not in held]:
+                blocks, n = seen.pop(rid)
+                self._count(blocks[:n], -1, parts)
+        if parts:
+            ids = np.unique(np.concatenate(parts))
+            ids = ids[(ids != NULL_BLOCK) & (ids >= 0) & (ids < pool.num_blocks)]
+            self._check_blocks(ids, problems)
+        if (self._num_idle, self._num_keyed, self._num_keyed_idle) != (pool.num_free_blocks, pool.num_cached,
+                                                                      pool.num_cached_free):
+            problems.append(f"pool counters: {pool.num_free_blocks} free, {pool.num_cached} cached, {pool.num_cached_free}"
+                            f" cached free; the blocks say {self._num_idle}, {self._num_keyed}, {self._num_keyed_idle}")
+        if not pool._dicts and len(pool.cached) != pool.num_cached:
+            problems.append(f"the map holds {len(pool.cached)} hashes for {pool.num_cached} cached blocks")
+        if problems:
+            raise _at_step(step, "block_step", "; ".join(problems[:4]))
+
+    def _check_blocks(self, ids: np.ndarray, problems: list) -> None:
+        """The blocks `ids` (distinct): holders, queue membership and map entry; the counts
+        of idle, cached and cached idle blocks moved by what changed in them."""
+        pool = self.memory.pool
+        ref, counted = pool._ref[ids], self._holders[ids]
+        wrong = np.flatnonzero(ref != counted)
+        if len(wrong):
+            b = int(ids[wrong[0]])
+            problems.append(f"block {b}: {int(ref[wrong[0]])} holders counted, {int(counted[wrong[0]])} requests hold it")
+        idle, keyed = ref == 0, pool._has_key[ids]
+        queued = pool.free._pos_np[ids] >= 0
+        wrong = np.flatnonzero(queued != idle)
+        if len(wrong):
+            b = int(ids[wrong[0]])
+            problems.append(f"block {b}: {int(ref[wrong[0]])} holders, in free queue: {bool(queued[wrong[0]])}")
+        if keyed.any():
+            blocks = ids[keyed].tolist()
+            entries = list(map(pool.cached.get, pool.key[ids[keyed]].tolist()))
+            if entries != blocks:
+                for block, entry in zip(blocks, entries):
+                    if entry != block and not (type(entry) is dict and block in entry):
+                        problems.append(f"block {block} is cached, but its hash maps to {entry}")
+                        break
+        was_idle, was_keyed = self._ref[ids] == 0, self._keyed[ids]
+        self._num_idle += int(np.count_nonzero(idle)) - int(np.count_nonzero(was_idle))
+        self._num_keyed += int(np.count_nonzero(keyed)) - int(np.count_nonzero(was_keyed))
+        self._num_keyed_idle += int(np.count_nonzero(keyed & idle)) - int(np.count_nonzero(was_keyed & was_idle))
+        self._ref[ids], self._keyed[ids] = ref, keyed
+
+
+def _ids(holders: list) -> set:
+    return {getattr(r, "request_id", None) for r in holders}
+
+
+def _at_step(step: int, check: str, message: str) -> IntegrityError:
+    error = IntegrityError(f"step {step}: {check}: {message}")
+    error.step, error.check = step, check
+    return error
 
 
 @dataclass

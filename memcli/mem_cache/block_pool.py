@@ -377,6 +377,8 @@ class BlockPool:
         self.num_cached = 0  # blocks holding a hash
         self.num_cached_free = 0  # of which in the free queue (evictable)
         self.clock: Callable[[], float] = lambda: 0.0
+        # With a step check attached: the blocks each call changed (lists of ids; None: not kept).
+        self.dirty: Optional[list] = None
 
     # -- lookups --------------------------------------------------------------------------
     def get_cached_block(self, block_hash: bytes) -> Optional[int]:
@@ -427,6 +429,8 @@ class BlockPool:
         if n > self.free.num_free:
             raise IntegrityError(f"cannot get {n} free blocks from a pool with {self.free.num_free} free")
         out = self.free.popleft_n(n)
+        if self.dirty is not None:
+            self.dirty.append(out)
         if n < VECTOR_MIN:
             ref, has_key, now = self.ref_cnt, self.has_key, None
             for block in out:
@@ -558,6 +562,8 @@ class BlockPool:
     def touch(self, blocks: Sequence[int]) -> None:
         """A hit on `blocks` (distinct but for the null block): each gains a holder and a hit;
         those with none leave the free queue."""
+        if self.dirty is not None:
+            self.dirty.append(list(blocks))
         if len(blocks) < VECTOR_MIN or NULL_BLOCK in blocks:
             ref, hits, has_key, free = self.ref_cnt, self.hits, self.has_key, self.free
             for block in blocks:
@@ -580,6 +586,8 @@ class BlockPool:
     def free_blocks(self, ordered: Iterable[int]) -> None:
         """Blocks in eviction order (the first evicted first)."""
         ordered = list(ordered)
+        if self.dirty is not None:
+            self.dirty.append(ordered)
         if len(ordered) >= VECTOR_MIN and NULL_BLOCK not in ordered:
             ids = _ints(ordered)
             if self._distinct(ids):  # each once: every block's last decrement is its only one
@@ -628,6 +636,8 @@ class BlockPool:
         now, cached = self.clock(), self.cached
         new_blocks, new_hashes = blocks[num_cached:num_full], hashes[num_cached:num_full]
         n = len(new_blocks)
+        if self.dirty is not None:
+            self.dirty.append(new_blocks)
         if n >= VECTOR_MIN and NULL_BLOCK not in new_blocks:
             ids = _ints(new_blocks)
             if self._has_key[ids].any():
@@ -702,6 +712,8 @@ class BlockPool:
             return False
         self.cached.clear()
         self._dicts = 0
+        if self.dirty is not None:
+            self.dirty.append(np.flatnonzero(self._has_key).tolist())
         self._has_key[:] = False
         self.num_cached = self.num_cached_free = 0
         if self.record_events:

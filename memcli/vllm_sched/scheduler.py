@@ -149,7 +149,7 @@ class VllmScheduler:
             kind, batch, new_tokens = self._step_sync()
         record = self._record(kind, batch, new_tokens)
         self.step_count += 1
-        if self.checker.after_step(self.memory_holders(), kind == "idle"):
+        if self.checker.after_step(record.step, self.memory_holders(), kind == "idle"):
             self.stats.checks_run += 1
         if self.hooks.on_step is not None:
             self.hooks.on_step(self, record)
