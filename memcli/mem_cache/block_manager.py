@@ -415,22 +415,22 @@ class BlockManager:
         """The full check: the pool's invariants, and every block's holders equal to the
         requests that hold it (`holders`: the requests holding memory). Raises on a failure."""
         problems = self.pool.check()
-        counts: dict[int, int] = {}
-        ids = {getattr(r, "request_id", None) for r in holders}
+        ids = _ids(holders)
+        lists = []
         for rid, held in self.held.items():
             if rid not in ids and held.blocks:
                 problems.append(f"request {rid} holds {len(held.blocks)} blocks but is not running")
-            for block in held.blocks:
-                if block != NULL_BLOCK:
-                    counts[block] = counts.get(block, 0) + 1
-        ref = self.pool.ref_cnt
-        for block in range(1, self.pool.num_blocks):
-            if ref[block] != counts.get(block, 0):
-                problems.append(f"block {block}: {ref[block]} holders counted, {counts.get(block, 0)} requests hold it")
-                break
+            lists.append(np.asarray(held.blocks, dtype=np.int64))
+        held_ids = np.concatenate(lists) if lists else np.zeros(0, dtype=np.int64)
+        counts = np.bincount(held_ids[held_ids != NULL_BLOCK], minlength=self.pool.num_blocks)
+        ref = self.pool._ref
+        wrong = np.flatnonzero(ref[1:] != counts[1:len(ref)])
+        if len(wrong):
+            block = int(wrong[0]) + 1
+            problems.append(f"block {block}: {ref[block]} holders counted, {counts[block]} requests hold it")
         if problems:
             raise IntegrityError("block pool check failed: " + "; ".join(problems[:4]))
-        return [BlockCheck(len(self.held), len(counts), self.pool.num_free_blocks)]
+        return [BlockCheck(len(self.held), int(np.count_nonzero(counts)), self.pool.num_free_blocks)]
 
     def idle_state(self) -> dict:
         u = self.usage()

@@ -729,20 +729,22 @@ class BlockPool:
         """The pool's own invariants (O(pool)): what is wrong, or nothing."""
         problems = []
         queued = self.free.ids_array()
-        if len(queued) != self.free.num_free or len(np.unique(queued)) != len(queued):
+        times = np.bincount(queued, minlength=self.num_blocks)
+        if len(queued) != self.free.num_free or (len(queued) and times.max() > 1):
             problems.append(f"free queue holds {len(queued)} links for {self.free.num_free} free blocks")
-        in_queue = np.zeros(self.num_blocks, dtype=bool)
-        in_queue[queued] = True
+        in_queue = times[:self.num_blocks] > 0
         wrong = np.flatnonzero(in_queue[1:] != (self._ref[1:] == 0)) + 1
         for block in wrong[:8].tolist():
             problems.append(f"block {block}: {self.ref_cnt[block]} holders, in free queue: {bool(in_queue[block])}")
-        cached = [block for _, block in self.cached_blocks()]
-        if (len(cached) != self.num_cached
-                or sum(1 for b in cached if not self.ref_cnt[b]) != self.num_cached_free):
+        entries = self.cached_blocks()
+        cached = np.fromiter((block for _, block in entries), dtype=np.int64, count=len(entries))
+        if len(cached) != self.num_cached or int(np.count_nonzero(self._ref[cached] == 0)) != self.num_cached_free:
             problems.append(f"cached-block counters {self.num_cached}/{self.num_cached_free} disagree with the map")
-        if (any(self.key[b] != key for key, b in self.cached_blocks())
-                or sorted(cached) != np.flatnonzero(self._has_key).tolist()
-                or self._dicts != sum(1 for entry in self.cached.values() if type(entry) is dict)):
+        hashes = np.empty(len(entries), dtype=object)
+        hashes[:] = [key for key, _ in entries]
+        if (not np.array_equal(np.sort(cached), np.flatnonzero(self._has_key))
+                or (self.key[cached] != hashes).any()
+                or self._dicts != list(map(type, self.cached.values())).count(dict)):
             problems.append("the map, the blocks' hashes and their flags disagree")
         if self.has_key[NULL_BLOCK] or in_queue[NULL_BLOCK]:
             problems.append("the map holds the null block, or the null block is queued")

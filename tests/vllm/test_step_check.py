@@ -96,3 +96,26 @@ def test_the_policys_levels_choose_the_step_check_and_the_walk():
     assert memory.pool.dirty is not None  # the last checker keeps the pool's changes
     held = memory.pool.get_new_blocks(2)
     assert list(np.concatenate([np.asarray(d) for d in memory.pool.dirty])) == held
+
+
+def _filled_manager() -> tuple:
+    from memcli.vllm_sched.request import VllmRequest
+    memory = BlockManager(16, 4, 64)
+    req = VllmRequest("a", list(range(10)), 4)
+    memory.hash_request(req)
+    memory.allocate_slots(req, 10, has_scheduled_reqs=False)
+    return memory, req
+
+
+@pytest.mark.parametrize("fault, words", [
+    (lambda pool: pool.ref_cnt.__setitem__(1, 2), "holders counted"),
+    (lambda pool: pool.free.append_n([5]), "links for"),
+    (lambda pool: pool.has_key.__setitem__(9, 1), "flags disagree"),
+    (lambda pool: setattr(pool, "num_cached_free", 3), "counters"),
+])
+def test_the_whole_pool_walk_finds_a_planted_fault(fault, words):
+    memory, req = _filled_manager()
+    assert memory.check([req])[0].held_blocks == 3
+    fault(memory.pool)
+    with pytest.raises(Exception, match=words):
+        memory.check([req])
