@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from memcli.errors import IntegrityError
-from memcli.mem_cache.block_pool import NULL_BLOCK, BlockPool, block_hashes, none_hash
+from memcli.mem_cache.block_pool import Block, BlockPool, block_hashes, none_hash
 from memcli.mem_cache.manager import Usage
 
 
@@ -113,10 +113,10 @@ class BlockChecker:
         pool.dirty = []
         self._holders = np.zeros(pool.num_blocks, dtype=np.int64)  # per block: the request lists holding it
         self._seen: dict[str, list] = {}  # request id -> [its block list, the entries counted]
-        self._ref = pool._ref.copy()  # each block's holders and hash flag when last checked
-        self._keyed = pool._has_key.copy()
+        # Each block's holders and hash flag when last checked (the null block: never idle).
+        self._ref = np.array([b.ref_cnt or b.is_null for b in pool.blocks], dtype=np.int64)
+        self._keyed = np.array([b.key is not None for b in pool.blocks], dtype=bool)
         idle = self._ref == 0
-        idle[NULL_BLOCK] = False
         self._num_idle = int(np.count_nonzero(idle))
         self._num_keyed = int(np.count_nonzero(self._keyed))
         self._num_keyed_idle = int(np.count_nonzero(self._keyed & idle))
@@ -144,15 +144,14 @@ class BlockChecker:
         self.stats.walk_s += time.perf_counter() - start
         return True
 
-    def _count(self, blocks: Any, sign: int, parts: list) -> None:
-        ids = np.asarray(blocks, dtype=np.int64)
-        ids = ids[ids != NULL_BLOCK]
+    def _count(self, blocks: list, sign: int, changed: dict) -> None:
+        ids = [b.block_id for b in blocks if not b.is_null]
         np.add.at(self._holders, ids, sign)
-        parts.append(ids)
+        changed.update(zip(ids, blocks))
 
     def _check_step(self, step: int, holders: list) -> None:
         memory, pool = self.memory, self.memory.pool
-        parts: list = [np.asarray(blocks, dtype=np.int64) for blocks in pool.dirty]
+        changed = {b.block_id: b for blocks in pool.dirty for b in blocks if not b.is_null}
         pool.dirty = []
         problems = []
         held, seen, running = memory.held, self._seen, _ids(holders)
@@ -163,53 +162,52 @@ class BlockChecker:
             mark = seen.get(rid)
             if mark is None or mark[0] is not blocks:
                 if mark is not None:
-                    self._count(mark[0][:mark[1]], -1, parts)
+                    self._count(mark[0][:mark[1]], -1, changed)
                 mark = seen[rid] = [blocks, 0]
             if len(blocks) != mark[1]:
                 if len(blocks) < mark[1]:
                     problems.append(f"request {rid} holds {len(blocks)} blocks, fewer than the {mark[1]} it held")
-                self._count(blocks[mark[1]:], 1, parts)
+                self._count(blocks[mark[1]:], 1, changed)
                 mark[1] = len(blocks)
         if len(seen) != len(held):  # released: its blocks lose a holder
             for rid in [rid for rid in seen if rid not in held]:
                 blocks, n = seen.pop(rid)
-                self._count(blocks[:n], -1, parts)
-        if parts:
-            ids = np.unique(np.concatenate(parts))
-            ids = ids[(ids != NULL_BLOCK) & (ids >= 0) & (ids < pool.num_blocks)]
-            self._check_blocks(ids, problems)
+                self._count(blocks[:n], -1, changed)
+        if changed:
+            self._check_blocks(changed, problems)
         if (self._num_idle, self._num_keyed, self._num_keyed_idle) != (pool.num_free_blocks, pool.num_cached,
                                                                       pool.num_cached_free):
             problems.append(f"pool counters: {pool.num_free_blocks} free, {pool.num_cached} cached, {pool.num_cached_free}"
                             f" cached free; the blocks say {self._num_idle}, {self._num_keyed}, {self._num_keyed_idle}")
-        if not pool._dicts and len(pool.cached) != pool.num_cached:
-            problems.append(f"the map holds {len(pool.cached)} hashes for {pool.num_cached} cached blocks")
         if problems:
             raise _at_step(step, "block_step", "; ".join(problems[:4]))
 
-    def _check_blocks(self, ids: np.ndarray, problems: list) -> None:
-        """The blocks `ids` (distinct): holders, queue membership and map entry; the counts
+    def _check_blocks(self, changed: dict, problems: list) -> None:
+        """The blocks `changed` (by id): holders, queue membership and map entry; the counts
         of idle, cached and cached idle blocks moved by what changed in them."""
-        pool = self.memory.pool
-        ref, counted = pool._ref[ids], self._holders[ids]
+        cached = self.memory.pool.cached
+        ids = np.fromiter(changed, dtype=np.int64, count=len(changed))
+        blocks = list(changed.values())
+        ref = np.fromiter((b.ref_cnt for b in blocks), dtype=np.int64, count=len(blocks))
+        counted = self._holders[ids]
         wrong = np.flatnonzero(ref != counted)
         if len(wrong):
-            b = int(ids[wrong[0]])
-            problems.append(f"block {b}: {int(ref[wrong[0]])} holders counted, {int(counted[wrong[0]])} requests hold it")
-        idle, keyed = ref == 0, pool._has_key[ids]
-        queued = pool.free._pos_np[ids] >= 0
+            i = int(wrong[0])
+            problems.append(f"block {int(ids[i])}: {int(ref[i])} holders counted, {int(counted[i])} requests hold it")
+        idle = ref == 0
+        queued = np.fromiter((b.prev is not None for b in blocks), dtype=bool, count=len(blocks))
         wrong = np.flatnonzero(queued != idle)
         if len(wrong):
-            b = int(ids[wrong[0]])
-            problems.append(f"block {b}: {int(ref[wrong[0]])} holders, in free queue: {bool(queued[wrong[0]])}")
-        if keyed.any():
-            blocks = ids[keyed].tolist()
-            entries = list(map(pool.cached.get, pool.key[ids[keyed]].tolist()))
-            if entries != blocks:
-                for block, entry in zip(blocks, entries):
-                    if entry != block and not (type(entry) is dict and block in entry):
-                        problems.append(f"block {block} is cached, but its hash maps to {entry}")
-                        break
+            i = int(wrong[0])
+            problems.append(f"block {int(ids[i])}: {int(ref[i])} holders, in free queue: {bool(queued[i])}")
+        keyed = np.fromiter((b.key is not None for b in blocks), dtype=bool, count=len(blocks))
+        for block in blocks:
+            key = block.key
+            if key is not None:
+                entry = cached.get(key)
+                if entry is not block and not (type(entry) is dict and entry.get(block.block_id) is block):
+                    problems.append(f"block {block.block_id} is cached, but its hash maps to {entry}")
+                    break
         was_idle, was_keyed = self._ref[ids] == 0, self._keyed[ids]
         self._num_idle += int(np.count_nonzero(idle)) - int(np.count_nonzero(was_idle))
         self._num_keyed += int(np.count_nonzero(keyed)) - int(np.count_nonzero(was_keyed))
@@ -297,25 +295,30 @@ class BlockManager:
         hashes.extend(block_hashes(tokens, size, len(hashes), parent, req.extra_keys, self.root_hash))
 
     # -- vLLM's verbs ---------------------------------------------------------------------
-    def get_computed_blocks(self, req: Any) -> tuple[list[int], int]:
+    def get_computed_blocks(self, req: Any) -> tuple[list[Block], int]:
         """The longest run of cached blocks within `num_tokens - 1` tokens, and its tokens."""
         if not self.enable_caching or req.skip_reading_prefix_cache:
             return [], 0
         limit = (len(req.all_token_ids) - 1) // self.block_size
-        found = self.pool.longest_cached(req.block_hashes[:limit])
+        found, get = [], self.pool.get_cached_block
+        for block_hash in req.block_hashes[:limit]:
+            block = get(block_hash)
+            if block is None:
+                break
+            found.append(block)
         return found, len(found) * self.block_size
 
-    def _blocks_to_allocate(self, held: Optional[_Held], num_tokens: int, new_computed: list[int]) -> int:
+    def _blocks_to_allocate(self, held: Optional[_Held], num_tokens: int, new_computed: list[Block]) -> int:
         required = cdiv(num_tokens, self.block_size)
         have = len(held.blocks) if held is not None else 0
         if held is not None and held.num_cached is not None:
             return max(required - have, 0)
-        evictable = self.pool.free_count(new_computed)
+        evictable = sum(1 for b in new_computed if b.ref_cnt == 0 and not b.is_null)
         return max(required - (len(new_computed) + have), 0) + evictable
 
     def allocate_slots(self, req: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: Optional[list[int]] = None, num_lookahead_tokens: int = 0,
-                       full_sequence_must_fit: bool = False, has_scheduled_reqs: bool = True) -> Optional[list[int]]:
+                       new_computed_blocks: Optional[list[Block]] = None, num_lookahead_tokens: int = 0,
+                       full_sequence_must_fit: bool = False, has_scheduled_reqs: bool = True) -> Optional[list[Block]]:
         """Blocks for `num_new_tokens` more tokens (after adopting the hit); None (nothing
         taken) when they do not fit. Caches the request's blocks that became full."""
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
@@ -402,7 +405,7 @@ class BlockManager:
 
     def block_ids(self, req: Any) -> list[int]:
         held = self.held.get(req.request_id)
-        return [] if held is None else list(held.blocks)
+        return [] if held is None else [b.block_id for b in held.blocks]
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
@@ -416,14 +419,13 @@ class BlockManager:
         requests that hold it (`holders`: the requests holding memory). Raises on a failure."""
         problems = self.pool.check()
         ids = _ids(holders)
-        lists = []
+        held_ids: list = []
         for rid, held in self.held.items():
             if rid not in ids and held.blocks:
                 problems.append(f"request {rid} holds {len(held.blocks)} blocks but is not running")
-            lists.append(np.asarray(held.blocks, dtype=np.int64))
-        held_ids = np.concatenate(lists) if lists else np.zeros(0, dtype=np.int64)
-        counts = np.bincount(held_ids[held_ids != NULL_BLOCK], minlength=self.pool.num_blocks)
-        ref = self.pool._ref
+            held_ids += [b.block_id for b in held.blocks if not b.is_null]
+        counts = np.bincount(np.asarray(held_ids, dtype=np.int64), minlength=self.pool.num_blocks)
+        ref = np.fromiter((b.ref_cnt for b in self.pool.blocks), dtype=np.int64, count=self.pool.num_blocks)
         wrong = np.flatnonzero(ref[1:] != counts[1:len(ref)])
         if len(wrong):
             block = int(wrong[0]) + 1

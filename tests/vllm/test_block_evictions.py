@@ -23,7 +23,7 @@ def test_an_evicted_block_carries_its_age_and_hits():
     now[0] = 12.5
     pool.get_new_blocks(2)  # the uncached block first, then the cached one: evicted
     (removed,) = pool.evicted
-    assert (removed.block_id, removed.age, removed.hits) == (block, 7.5, 2)
+    assert (removed.block_id, removed.age, removed.hits) == (block.block_id, 7.5, 2)
 
 
 def test_replay_eviction_ages_are_simulated_times():

@@ -3,7 +3,6 @@ equal hits, block ids, hashes, free-queue order, cached map, reference counts, s
 
 import pytest
 
-from memcli.mem_cache import block_pool
 from memcli.mem_cache.block_pool import block_hashes, none_hash, sha256
 from memcli.reference.vllm033.ops import ManagerPair, random_ops
 
@@ -44,13 +43,3 @@ def test_last_token_rule_loses_a_whole_block_and_salt_separates(vllm_ref):
 def test_without_prefix_caching_too(vllm_ref, seed):
     pair = random_ops(seed, steps=150, num_blocks=20, block_size=4, enable_caching=False)
     assert not pair.mem.pool.cached and pair.mem.stats.queries == 0
-
-
-@pytest.mark.parametrize("vector_min", [1, 1 << 30])
-@pytest.mark.parametrize("seed", range(6))
-def test_the_pools_array_and_block_paths_agree_with_vllm(vllm_ref, monkeypatch, seed, vector_min):
-    """Every pool call in numpy (a threshold of one block), then every call block by block."""
-    monkeypatch.setattr(block_pool, "VECTOR_MIN", vector_min)
-    pair = random_ops(100 + seed, steps=250, num_blocks=24 + seed % 3 * 16, block_size=(2, 4)[seed % 2])
-    assert pair.mem.pool.check() == []
-    assert pair.mem.pool.evicted or seed % 3 == 2

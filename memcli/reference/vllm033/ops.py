@@ -78,7 +78,7 @@ class ManagerPair:
         mgot = self.mem.allocate_slots(mem, n, mhit, mblocks, full_sequence_must_fit=full_sequence_must_fit,
                                        has_scheduled_reqs=False)
         result = ((hit, None if got is None else got.get_block_ids()[0]),
-                  (mhit, None if mgot is None else list(mgot)))
+                  (mhit, None if mgot is None else [b.block_id for b in mgot]))
         if got is not None:
             self.real.record_prefix_cache_stats(real, hit)
             real.status = self.ref.request.RequestStatus.RUNNING
@@ -106,7 +106,7 @@ class ManagerPair:
             real.num_computed_tokens += n
         if mgot is not None:
             mem.num_computed_tokens += n
-        result = (None if got is None else got.get_block_ids()[0], None if mgot is None else list(mgot))
+        result = (None if got is None else got.get_block_ids()[0], None if mgot is None else [b.block_id for b in mgot])
         self.log.append(("extend", rid, n, result))
         return result
 
@@ -140,11 +140,11 @@ class ManagerPair:
                 diffs.append(f"{rid}: blocks vLLM {rids} memcli {self.mem.block_ids(mem)}")
         rmap = {(bytes(k[:-4]), b.block_id) for k, v in rpool.cached_block_hash_to_block._cache.items()
                 for b in (v.values() if isinstance(v, dict) else [v])}
-        mmap = set(mpool.cached_blocks())
+        mmap = {(k, b.block_id) for k, b in mpool.cached_blocks()}
         if rmap != mmap:
             diffs.append(f"cached map: {len(rmap ^ mmap)} entries differ")
         rref = [b.ref_cnt for b in rpool.blocks[1:]]
-        if rref != list(mpool.ref_cnt[1:]):
+        if rref != [b.ref_cnt for b in mpool.blocks[1:]]:
             diffs.append("reference counts differ")
         rs, ms = self.real.prefix_cache_stats, self.mem.stats
         for name in ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits"):
