@@ -145,9 +145,10 @@ class BlockChecker:
         return True
 
     def _count(self, blocks: list, sign: int, changed: dict) -> None:
-        ids = [b.block_id for b in blocks if not b.is_null]
-        np.add.at(self._holders, ids, sign)
-        changed.update(zip(ids, blocks))
+        """`blocks` (a request's, the null block aside) gained (+1) or lost (-1) that holder."""
+        kept = [b for b in blocks if not b.is_null]
+        np.add.at(self._holders, [b.block_id for b in kept], sign)
+        changed.update((b.block_id, b) for b in kept)
 
     def _check_step(self, step: int, holders: list) -> None:
         memory, pool = self.memory, self.memory.pool
