@@ -248,6 +248,7 @@ class BlockManager:
         self.held: dict[str, _Held] = {}
         self.stats = PrefixCacheStats()
         self.root_hash = none_hash()
+        self.prompt_chains: Any = None  # `share_prompt_hashes`
         self.clock = lambda: 0.0
         self.stack = SimpleNamespace(memory=self, device="cpu", backend="torch", config=config)
 
@@ -288,12 +289,32 @@ class BlockManager:
 
     # -- hashing --------------------------------------------------------------------------
     def hash_request(self, req: Any) -> None:
-        """Extend `req.block_hashes` over its newly full blocks (vLLM's request block hasher)."""
+        """Extend `req.block_hashes` over its newly full blocks (vLLM's request block hasher).
+        A prompt's first hashes come from `prompt_chains` where one is attached (the same
+        values, computed once where prompts share a prefix)."""
         tokens, hashes, size = req.all_token_ids, req.block_hashes, self.hash_block_size
         if (len(hashes) + 1) * size > len(tokens):
             return
+        if not hashes and self.prompt_chains is not None:
+            def compute(start: int, parent: Optional[bytes]) -> list:
+                return block_hashes(tokens, size, start, parent, req.extra_keys, self.root_hash)
+
+            shared = self.prompt_chains.prompt_values(req.request_id, len(tokens) // size, compute)
+            if shared is not None:
+                hashes.extend(shared)
+                return
         parent = hashes[-1] if hashes else None
         hashes.extend(block_hashes(tokens, size, len(hashes), parent, req.extra_keys, self.root_hash))
+
+    def share_prompt_hashes(self, chains: Any) -> bool:
+        """Take the prompts' first block hashes from `chains(block_size)` (a
+        `workload.chains.SharedPrefixChains` of the trace, whose requests are then built in its
+        order); False, with nothing attached, where the hasher's block size is not the pool's or
+        prefix caching is off."""
+        if self.hash_block_size != self.block_size or not self.enable_caching:
+            return False
+        self.prompt_chains = chains(self.block_size)
+        return True
 
     # -- vLLM's verbs ---------------------------------------------------------------------
     def get_computed_blocks(self, req: Any) -> tuple[list[Block], int]:

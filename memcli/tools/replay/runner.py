@@ -48,6 +48,7 @@ from memcli import engines
 from memcli.devices import resolve_device
 from memcli.steps import SchedulerHooks
 from memcli.timing import torch_threads
+from memcli.workload.chains import SharedPrefixChains
 from memcli.workload.future import FutureTooLarge, FutureUses, build_future, check_future_fits
 from memcli.workload.spec import Trace, apply_sampling, output_token_base
 
@@ -213,6 +214,9 @@ class _Run:
             self.future, self.future_missing = self._build_future(engine)
             self.stack = engine.build_stack(self.config, future=self.future)
             self.memory = self.stack.memory
+            share = getattr(self.memory, "share_prompt_hashes", None)  # a memory that hashes prompts (vLLM's)
+            if share is not None and self.trace.format == "mooncake":
+                share(lambda block_size: SharedPrefixChains(self.trace, block_size))
             instrumented = self.options.instrumented
             if instrumented:
                 self.instruments = Instruments(*self.files, self.memory.size, self.memory.host_tier() is not None)
