@@ -202,14 +202,16 @@ class BlockChecker:
             i = int(wrong[0])
             problems.append(f"block {int(ids[i])}: {int(ref[i])} holders, in free queue: {bool(queued[i])}")
         keyed = np.fromiter((b.key is not None for b in blocks), dtype=bool, count=len(blocks))
-        for block in blocks:
-            key = block.key
-            if key is not None:
-                entry = cached.get(key)
+        was_idle, was_keyed = self._ref[ids] == 0, self._keyed[ids]
+        # Blocks cached since the last check are in the map under their hash (a block that
+        # stays cached keeps its entry: only an eviction, of that block, takes it out).
+        fresh = [blocks[i] for i in np.flatnonzero(keyed & ~was_keyed).tolist()]
+        entries = list(map(cached.get, [b.key for b in fresh]))
+        if entries != fresh:
+            for block, entry in zip(fresh, entries):
                 if entry is not block and not (type(entry) is dict and entry.get(block.block_id) is block):
                     problems.append(f"block {block.block_id} is cached, but its hash maps to {entry}")
                     break
-        was_idle, was_keyed = self._ref[ids] == 0, self._keyed[ids]
         self._num_idle += int(np.count_nonzero(idle)) - int(np.count_nonzero(was_idle))
         self._num_keyed += int(np.count_nonzero(keyed)) - int(np.count_nonzero(was_keyed))
         self._num_keyed_idle += int(np.count_nonzero(keyed & idle)) - int(np.count_nonzero(was_keyed & was_idle))
