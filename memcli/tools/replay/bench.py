@@ -20,7 +20,8 @@ step (`memcli.tools.replay.step_times`).
 
 Default points: page sizes 1 and 16 of the radix cache, and page size 1 of the host tier
 (hiradix), each with `--engine` (default sglang-0.5.23); a default point the engine cannot run
-(vLLM 0.33 has no host tier) is left out and named on stderr. `--point "k=v k=v"` replaces
+(vLLM 0.33 has no host tier), or reads as the config of a point before it (vLLM 0.33 takes page
+size 1 as its block size 16), is left out and named on stderr. `--point "k=v k=v"` replaces
 them (and a point the engine cannot run is bad input).
 """
 
@@ -49,8 +50,9 @@ DEFAULT_POINTS = ("memory.page_size=1", "memory.page_size=16", "memory.page_size
 
 
 def default_points(engine: str) -> tuple[list[str], list[tuple[str, str]]]:
-    """The default points `engine` runs, and (point, why) for those its config refuses."""
-    points, skipped = [], []
+    """The default points `engine` runs, and (point, why) for those its config refuses or
+    reads as an earlier point's config (vLLM 0.33 reads page size 1 as its block size 16)."""
+    points, skipped, configs = [], [], []
     for point in DEFAULT_POINTS:
         try:
             config = load_config(None, [*point.split(), f"semantics.engine={engine}"], builtin="replay")
@@ -60,7 +62,12 @@ def default_points(engine: str) -> tuple[list[str], list[tuple[str, str]]]:
         except MemcliError as exc:
             skipped.append((point, exc.message))
             continue
+        same = next((earlier for earlier, other in zip(points, configs) if other == config), None)
+        if same is not None:
+            skipped.append((point, f"{engine} reads it as the same config as {same!r}"))
+            continue
         points.append(point)
+        configs.append(config)
     return points, skipped
 
 

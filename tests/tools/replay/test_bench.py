@@ -110,20 +110,22 @@ def test_bench_times_the_floor_of_the_array_work_in_each_round(capsys):
 
 
 def test_default_points_are_the_ones_the_engine_runs(capsys):
-    """vLLM 0.33 has no host tier: its default points leave hiradix out, say so on stderr and
-    in the JSON, and the bench runs the rest; an explicit point it cannot run is bad input."""
+    """vLLM 0.33 has no host tier, and reads page size 1 as its block size 16: its default
+    points leave hiradix and page size 16 out, say so on stderr and in the JSON, and the bench
+    runs the rest; an explicit point it cannot run is bad input."""
     from memcli.tools.replay.bench import DEFAULT_POINTS, default_points
 
     assert default_points("sglang-0.5.23") == (list(DEFAULT_POINTS), [])
     points, skipped = default_points("vllm-0.33")
-    assert points == [p for p in DEFAULT_POINTS if "hiradix" not in p] and len(points) == 2
-    assert [p for p, _ in skipped] == ["memory.page_size=1 cache.kind=hiradix"] and "host tier" in skipped[0][1]
+    assert points == ["memory.page_size=1"]
+    assert [p for p, _ in skipped] == ["memory.page_size=16", "memory.page_size=1 cache.kind=hiradix"]
+    assert "same config as 'memory.page_size=1'" in skipped[0][1] and "host tier" in skipped[1][1]
     args = [str(CONVERSATION), "--engine", "vllm-0.33", "--limit", "8", "--no-plain", "--no-floor", "--json"]
     assert main(args) == 0
     captured = capsys.readouterr()
     doc = json.loads(captured.out)
     assert [p["point"] for p in doc["points"]] == points and doc["points"][0]["requests"] == 8
-    assert doc["left_out"][0]["point"] == skipped[0][0]
+    assert [p["point"] for p in doc["left_out"]] == [p for p, _ in skipped]
     assert "left out" in captured.err and "hiradix" in captured.err
     assert main([*args[:-1], "--point", "cache.kind=hiradix"]) == 2
     assert "host tier" in capsys.readouterr().err
