@@ -93,9 +93,9 @@ class BlockChecker:
     Under a checking policy (`every_step` not "none") every step is checked for what it
     changed (`incremental`, O(the blocks the step's calls named and the running requests)):
     each such block's holders equal the requests whose block lists hold it, it is in the free
-    queue exactly when it has none, and a cached one is in the map under its hash; the pool's
-    counters (free blocks, cached blocks, cached free blocks, the map's size) equal what the
-    checker counts itself; and only running requests hold blocks. `full` walks the whole pool
+    queue exactly when it has none, and one cached since the last check is in the map under
+    its hash; the pool's counters (free blocks, cached blocks, cached free blocks) equal what
+    the checker counts itself; and only running requests hold blocks. `full` walks the whole pool
     every step instead, `both` does both. Otherwise only idle steps walk the pool, at most once
     per `policy.walk_every` of them. A failure raises `IntegrityError` naming the step."""
 
