@@ -171,7 +171,7 @@ def _chain_rows(view: memoryview, width: int, first: int, stop: int, head: Any, 
     return out
 
 
-_ref_cnt = attrgetter("ref_cnt")
+_ref_cnt, _block_id, _key = attrgetter("ref_cnt"), attrgetter("block_id"), attrgetter("key")
 
 
 class Block:
@@ -479,9 +479,12 @@ class BlockPool:
         ref = np.fromiter(map(_ref_cnt, self.blocks), dtype=np.int64, count=self.num_blocks)
         for block in (np.flatnonzero(in_queue[1:] != (ref[1:] == 0)) + 1).tolist():
             problems.append(f"block {block}: {ref[block]} holders, in free queue: {bool(in_queue[block])}")
-        cached = [block for _, block in self.cached_blocks()]
-        if len(cached) != self.num_cached or sum(b.ref_cnt == 0 for b in cached) != self.num_cached_free:
+        cached = list(self.cached.values())
+        if set(map(type, cached)) - {Block}:  # a hash with several blocks: each of them
+            cached = [block for entry in cached for block in ((entry,) if type(entry) is Block else entry.values())]
+        ids = np.fromiter(map(_block_id, cached), dtype=np.int64, count=len(cached))
+        if len(cached) != self.num_cached or int(np.count_nonzero(ref[ids] == 0)) != self.num_cached_free:
             problems.append(f"cached-block counters {self.num_cached}/{self.num_cached_free} disagree with the map")
-        if any(b.key is None or b.is_null for b in cached) or in_queue[0]:
+        if None in list(map(_key, cached)) or (ids == 0).any() or in_queue[0]:
             problems.append("the map holds an unhashed or the null block, or the null block is queued")
         return problems[:8]

@@ -111,6 +111,7 @@ def _filled_manager() -> tuple:
     (lambda pool: pool.free.append_n([pool.blocks[5]]), "links for"),
     (lambda pool: setattr(pool.blocks[1], "ref_cnt", 0), "in free queue: False"),
     (lambda pool: setattr(pool, "num_cached_free", 3), "counters"),
+    (lambda pool: setattr(next(iter(pool.cached.values())), "key", None), "unhashed"),
 ])
 def test_the_whole_pool_walk_finds_a_planted_fault(fault, words):
     memory, req = _filled_manager()
