@@ -441,7 +441,7 @@ class BlockManager:
     def check(self, holders: list) -> list:
         """The full check: the pool's invariants, and every block's holders equal to the
         requests that hold it (`holders`: the requests holding memory). Raises on a failure."""
-        problems = self.pool.check()
+        problems, ref = self.pool.walk()
         ids = _ids(holders)
         held_ids: list = []
         for rid, held in self.held.items():
@@ -449,7 +449,6 @@ class BlockManager:
                 problems.append(f"request {rid} holds {len(held.blocks)} blocks but is not running")
             held_ids += [b.block_id for b in held.blocks if not b.is_null]
         counts = np.bincount(np.asarray(held_ids, dtype=np.int64), minlength=self.pool.num_blocks)
-        ref = np.fromiter((b.ref_cnt for b in self.pool.blocks), dtype=np.int64, count=self.pool.num_blocks)
         wrong = np.flatnonzero(ref[1:] != counts[1:len(ref)])
         if len(wrong):
             block = int(wrong[0]) + 1

@@ -418,23 +418,19 @@ class BlockPool:
         now, cached, added = self.clock(), self.cached, 0
         if self.dirty is not None:
             self.dirty.append(blocks[num_cached:num_full])
-        for block, block_hash in zip(blocks[num_cached:num_full], hashes[num_cached:num_full]):
+        for block, key in zip(blocks[num_cached:num_full], hashes[num_cached:num_full]):
             if block.is_null:
                 continue
-            key = block_hash
             if block.key is not None:
                 raise IntegrityError(f"block {block.block_id} is cached twice")
             entry = cached.setdefault(key, block)
-            if entry is block:
-                pass
-            elif type(entry) is Block:
-                if entry is block:
+            if entry is not block:  # the hash has a block already: vLLM keeps both, serves the first
+                if type(entry) is Block:
+                    cached[key] = {entry.block_id: entry, block.block_id: block}
+                elif block.block_id in entry:
                     continue
-                cached[key] = {entry.block_id: entry, block.block_id: block}
-            elif block.block_id in entry:
-                continue
-            else:
-                entry[block.block_id] = block
+                else:
+                    entry[block.block_id] = block
             block.key, block.cached_at, block.hits = key, now, 0
             added += 1
         self.num_cached += added
@@ -470,6 +466,10 @@ class BlockPool:
 
     def check(self) -> list[str]:
         """The pool's own invariants (O(pool)): what is wrong, or nothing."""
+        return self.walk()[0]
+
+    def walk(self) -> tuple[list[str], np.ndarray]:
+        """`check`'s problems, and every block's reference count as it read them."""
         problems = []
         queued = np.asarray(self.free.ids(), dtype=np.int64)
         times = np.bincount(queued, minlength=self.num_blocks)
@@ -487,4 +487,4 @@ class BlockPool:
             problems.append(f"cached-block counters {self.num_cached}/{self.num_cached_free} disagree with the map")
         if None in list(map(_key, cached)) or (ids == 0).any() or in_queue[0]:
             problems.append("the map holds an unhashed or the null block, or the null block is queued")
-        return problems[:8]
+        return problems[:8], ref

@@ -59,8 +59,8 @@ class SharedPrefixChains:
         start = self.path_starts[j]
         nodes = self.paths[start:start + self.lengths[j]]
         kept, out = self.kept, []
-        for depth, node in enumerate(nodes):
-            lo, hi = self._spans(depth, num_blocks)
+        spans = [self._spans(depth, num_blocks) for depth in range(len(nodes))]
+        for node, (lo, hi) in zip(nodes, spans):
             if lo >= hi:
                 if lo >= num_blocks:
                     break
@@ -77,12 +77,10 @@ class SharedPrefixChains:
             self.computed += len(rest)
             out += rest
         last = self.last_user
-        for depth, node in enumerate(nodes):
+        for node, (lo, hi) in zip(nodes, spans):
             if last[node] == j:
                 kept.pop(node, None)
-                continue
-            lo, hi = self._spans(depth, num_blocks)
-            if lo < hi:
+            elif lo < hi:
                 part = kept.get(node)
                 if part is None or len(part) < hi - lo:
                     kept[node] = out[lo:hi]
